@@ -1,0 +1,213 @@
+"""Torch reference ops: the numerics every backend must reproduce.
+
+Each function here is the reference for one Triton kernel in ``kernellab.kernels`` with the same name and
+signature. Shapes use T = packed tokens of a step, B = sequences, Hq/Hk = query/KV heads, D = head_dim,
+H = hidden size, I = intermediate size.
+
+KV cache layout (per layer): ``k_cache, v_cache: (num_blocks, block_size, Hk, D)``; a token's slot is
+``block_id * block_size + offset`` and ``block_tables[b, i]`` is the i-th block of sequence b (-1 past the end).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``y = x / sqrt(mean(x², -1) + eps) * w`` for ``x: (..., H)``, ``weight: (H,)``.
+
+    Cast order matches HF Qwen3/Llama exactly: reduce and normalise in fp32, cast the normalised value back to
+    the input dtype, then multiply by the weight in the input dtype.
+    """
+    dtype = x.dtype
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(var + eps)).to(dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused residual add + RMSNorm: ``r = x + residual`` (in the input dtype); returns ``(rms_norm(r), r)``."""
+    r = x + residual
+    return rms_norm(r, weight, eps), r
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on the fused gate/up projection: ``gate_up: (..., 2I)`` → ``silu(gate) * up: (..., I)``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def add_silu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``silu(a + b)`` elementwise (the teaching fusion of the vector-add chapter)."""
+    return F.silu(a + b)
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """Numerically stable softmax over the last dimension, reduced in fp32, returned in x's dtype."""
+    return torch.softmax(x.float(), dim=-1).to(x.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``y = x @ W^T`` for ``x: (M, K)``, ``weight: (N, K)`` (no bias: Qwen3 and Llama have none)."""
+    return F.linear(x, weight)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy token per row: ``logits: (B, V)`` → ``(B,)`` int64; ties resolve to the lowest index."""
+    return torch.argmax(logits, dim=-1)
+
+
+def rope_cos_sin_cache(
+    head_dim: int, max_position: int, base: float, scaling: dict | None = None, device=None
+) -> torch.Tensor:
+    """``(max_position, head_dim)`` fp32 table: ``[:, :D/2] = cos(p·f)``, ``[:, D/2:] = sin(p·f)``.
+
+    ``scaling`` supports HF's ``rope_type == "llama3"`` (Llama 3.1/3.2 frequency-dependent scaling).
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * torch.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    inv_freq = inv_freq.float()
+    t = torch.arange(max_position, dtype=torch.float32, device=device)
+    freqs = torch.outer(t, inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # NeoX / HF "rotate_half" convention: pairs are (i, i + D/2).
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos = torch.cat([cos, cos], dim=-1)
+    sin = torch.cat([sin, sin], dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos + rotated * sin
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on Q and K together. ``positions: (T,)``, ``q: (T, Hq, D)``, ``k: (T, Hk, D)``.
+
+    Matches HF: cos/sin are cast to the activation dtype before the multiply.
+    """
+    cs = cos_sin_cache[positions]
+    half = cs.shape[-1] // 2
+    cos = cs[:, None, :half].to(q.dtype)
+    sin = cs[:, None, half:].to(q.dtype)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def qk_norm_rope(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head RMSNorm on q and k (over D), then RoPE. Shapes as in ``rotary_embedding``."""
+    return rotary_embedding(positions, rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps), cos_sin_cache)
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write ``k, v: (T, Hk, D)`` into the paged caches at ``slot_mapping: (T,)``; slots < 0 are skipped."""
+    num_blocks, block_size = k_cache.shape[:2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slots] = k[valid]
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slots] = v[valid]
+
+
+def _gather_context(
+    cache: torch.Tensor, block_table: torch.Tensor, context_len: int
+) -> torch.Tensor:
+    n = -(-context_len // cache.shape[1])
+    return cache[block_table[:n].long()].flatten(0, 1)[:context_len]
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence over its paged context (GQA).
+
+    ``q: (B, Hq, D)``, ``block_tables: (B, max_blocks)`` int32, ``context_lens: (B,)`` int32 (≥ 1, including
+    the current token, whose K/V is already in the cache). Returns ``(B, Hq, D)`` in q's dtype; softmax in fp32.
+    """
+    B, Hq, D = q.shape
+    Hk = k_cache.shape[2]
+    max_len = int(context_lens.max())
+    n_blocks = -(-max_len // k_cache.shape[1])
+    table = block_tables[:, :n_blocks].clamp(min=0).long()
+    k = k_cache[table].flatten(1, 2)[:, :max_len]  # (B, L, Hk, D)
+    v = v_cache[table].flatten(1, 2)[:, :max_len]
+    group = Hq // Hk
+    qg = q.view(B, Hk, group, D).float()
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, k.float()) * scale
+    mask = torch.arange(max_len, device=q.device)[None, :] >= context_lens[:, None].to(q.device)
+    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
+    return out.reshape(B, Hq, D).to(q.dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for packed query chunks over paged contexts (chunked prefill, prefix caching).
+
+    ``q: (T, Hq, D)`` packs each sequence's new tokens; sequence b's queries are rows
+    ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and sit at the last positions of its ``context_lens[b]`` tokens, all of
+    whose K/V are already in the cache. Returns ``(T, Hq, D)``.
+    """
+    out = torch.empty_like(q)
+    Hq, Hk = q.shape[1], k_cache.shape[2]
+    cu = cu_seqlens_q.tolist()
+    lens = context_lens.tolist()
+    for b in range(len(lens)):
+        s, e, ctx = cu[b], cu[b + 1], lens[b]
+        if e == s:
+            continue
+        k = _gather_context(k_cache, block_tables[b], ctx)
+        v = _gather_context(v_cache, block_tables[b], ctx)
+        out[s:e] = causal_attention(q[s:e], k, v, scale, Hq // Hk)
+    return out
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, group: int) -> torch.Tensor:
+    """Causal GQA attention of ``q: (Tq, Hq, D)`` over ``k, v: (Tk, Hk, D)``, Tk ≥ Tq, queries at the end."""
+    tq, tk = q.shape[0], k.shape[0]
+    qh = q.transpose(0, 1)
+    kh = k.transpose(0, 1).repeat_interleave(group, dim=0)
+    vh = v.transpose(0, 1).repeat_interleave(group, dim=0)
+    if tq == tk:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    else:
+        allowed = torch.arange(tk, device=q.device)[None, :] <= (torch.arange(tq, device=q.device)[:, None] + tk - tq)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale)
+    return o.transpose(0, 1)
