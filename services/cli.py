@@ -1,0 +1,31 @@
+"""`kernellab` command line (typer + rich). Each group of commands lives in its own module."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="kernellab",
+    help="kernellab: an OpenAI-compatible LLM serving stack with its own Triton kernels.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+def _register() -> None:
+    # Imported for their side effect of adding commands to ``app``; each module imports heavy
+    # dependencies (torch, fastapi) inside its command functions so `kernellab --help` stays fast.
+    from kernellab.services import cli_runtime  # noqa: F401
+
+    try:
+        from kernellab.services import cli_stack  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - only while the stack module is absent
+        if "cli_stack" not in str(exc):
+            raise
+
+
+_register()
+
+if __name__ == "__main__":
+    app()
