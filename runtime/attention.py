@@ -1,0 +1,49 @@
+"""Attention over the paged KV cache, driven by an explicit per-step metadata object (no global context)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of a step sits. Decode rows (one query token) come first, then prefill chunks.
+
+    ``slot_mapping[t]`` is the cache slot token t's K/V is written to; ``decode_*`` describe the first
+    ``num_decode_tokens`` rows; ``prefill_cu_seqlens_q`` indexes the prefill rows relative to their start, and
+    ``prefill_context_lens`` counts cached + new tokens for each prefill sequence.
+    """
+
+    positions: torch.Tensor  # (T,) int64
+    slot_mapping: torch.Tensor  # (T,) int64
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None  # (Bd, max_blocks) int32
+    decode_context_lens: torch.Tensor | None  # (Bd,) int32
+    prefill_block_tables: torch.Tensor | None  # (Bp, max_blocks) int32
+    prefill_cu_seqlens_q: torch.Tensor | None  # (Bp + 1,) int32
+    prefill_context_lens: torch.Tensor | None  # (Bp,) int32
+    logits_indices: torch.Tensor  # rows whose next-token logits are needed
+    max_decode_context: int = 0
+
+
+def paged_attention(
+    ops, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """``q: (T, Hq, D)`` → ``(T, Hq, D)``; the step's K/V must already be stored in the caches."""
+    nd = meta.num_decode_tokens
+    if nd == q.shape[0]:
+        return ops.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    if nd == 0:
+        return ops.paged_prefill_attention(
+            q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale
+        )
+    out = torch.empty_like(q)
+    out[:nd] = ops.paged_decode_attention(
+        q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+    )
+    out[nd:] = ops.paged_prefill_attention(
+        q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale
+    )
+    return out

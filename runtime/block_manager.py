@@ -1,0 +1,158 @@
+"""Paged KV-cache block pool with reference counts and prefix caching (no torch).
+
+Blocks are ids into the cache tensors. A *full* block whose K/V has been computed is registered under the
+hash of its tokens chained with the previous block's hash, so two sequences that share a prefix share its
+blocks. Freed blocks go to the back of the free queue but keep their hash; allocation takes from the front,
+so the least recently freed cached block is evicted first, and a later request can still hit a freed block
+until then. Allocation is all-or-nothing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kernellab.runtime.sequence import Sequence
+
+
+def chain_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((prev, tokens))
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Insertion-ordered set of free block ids: front = evicted first.
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # hash → block id
+        self.prefix_queries = 0  # tokens looked up
+        self.prefix_hits = 0  # tokens found
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _prefix_block_hashes(self, seq: Sequence) -> list[tuple[int, tuple[int, ...]]]:
+        # Only blocks strictly before the last token: that token must be computed to produce logits.
+        bs = self.block_size
+        out, prev = [], None
+        for i in range((seq.num_tokens - 1) // bs):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            prev = chain_hash(prev, tokens)
+            out.append((prev, tokens))
+        return out
+
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding a prefix of a fresh sequence's tokens (no side effects)."""
+        hits: list[int] = []
+        if not self.enable_prefix_caching or seq.block_table:
+            return hits
+        for h, tokens in self._prefix_block_hashes(seq):
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+        return hits
+
+    # ------------------------------------------------------------------ allocation
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+        """Make the block table cover ``num_computed + cached + num_new`` tokens, first taking the cached
+        prefix blocks of a fresh sequence (which advances ``num_computed_tokens``).
+        All-or-nothing: on False nothing changed."""
+        bs = self.block_size
+        target = seq.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens
+        need = self.blocks_needed(target) - len(seq.block_table) - len(computed_blocks)
+        revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        if need + revived > len(self.free):
+            return False
+        if not seq.block_table and seq.num_computed_tokens == 0:
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += len(computed_blocks) * bs
+        for block_id in computed_blocks:
+            self._ref(block_id)
+        seq.block_table.extend(computed_blocks)
+        seq.num_computed_tokens += len(computed_blocks) * bs
+        for _ in range(max(0, need)):
+            seq.block_table.append(self._take_free())
+        return True
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def _take_free(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None and self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]  # evict the oldest cached block
+        block.hash, block.token_ids, block.ref_count = None, (), 1
+        return block_id
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Release a sequence's blocks now; tail blocks are freed first so they are evicted first."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+        seq.block_hashes = []
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register blocks that are full and computed, so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        hashes = seq.block_hashes
+        for i in range(len(hashes), seq.num_computed_tokens // bs):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = chain_hash(hashes[-1] if hashes else None, tokens)
+            hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is not None or h in self.cached:
+                continue  # already registered (a prefix hit), or an identical block exists: keep this one private
+            block.hash, block.token_ids = h, tokens
+            self.cached[h] = block.block_id
+
+    # ------------------------------------------------------------------ checks
+    def check_integrity(self, live: list[Sequence] | None = None) -> None:
+        """Raise if reference counts, the free queue or the hash index disagree (and, given the live
+        sequences, if any block is referenced by none of them: a leak)."""
+        refs = [0] * self.num_blocks
+        for seq in live or []:
+            for block_id in seq.block_table:
+                refs[block_id] += 1
+        for block in self.blocks:
+            in_free = block.block_id in self.free
+            if block.ref_count < 0 or (block.ref_count == 0) != in_free:
+                raise AssertionError(f"block {block.block_id}: ref_count {block.ref_count}, free={in_free}")
+            if live is not None and refs[block.block_id] != block.ref_count:
+                raise AssertionError(
+                    f"block {block.block_id}: ref_count {block.ref_count} but {refs[block.block_id]} live references"
+                )
+        for h, block_id in self.cached.items():
+            if self.blocks[block_id].hash != h:
+                raise AssertionError(f"hash index points to block {block_id} whose hash differs")

@@ -1,0 +1,135 @@
+"""Model and engine configuration: frozen, validated once, derived values as properties."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kernellab.runtime.errors import InvalidRequestError
+
+SUPPORTED_ARCHITECTURES = {
+    "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # "qwen3" | "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: dict | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ("qwen3", "llama"):
+            raise InvalidRequestError(f"unsupported architecture {self.architecture!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidRequestError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.architecture == "qwen3"
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_parameters(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
+        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + h
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.kv_size * dtype_bytes
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            arch = {"qwen3": "qwen3", "llama": "llama"}.get(cfg.get("model_type", ""))
+        if arch is None:
+            raise InvalidRequestError(f"unsupported model: architectures={archs}, model_type={cfg.get('model_type')}")
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope_scaling=_rope_scaling(cfg),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+        )
+
+
+def _rope_scaling(cfg: dict) -> dict | None:
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise InvalidRequestError(f"unsupported rope scaling {kind!r}")
+    return dict(scaling)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to run one model. "auto" values are resolved once by the engine."""
+
+    model: str = "smollm2-135m"
+    device: str = "auto"  # "cpu" | "cuda" | "auto"
+    dtype: str = "auto"  # "float32" | "bfloat16" | "float16" | "auto"
+    max_model_len: int | None = None  # None: the registry's (or the checkpoint's) context length
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gib (CPU) or free memory (GPU)
+    kv_cache_memory_gib: float | None = None
+    gpu_memory_utilization: float = 0.85
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    backend: str = "torch"  # "torch" | "triton"
+    kernels: str = "accepted"  # "accepted" | "experimental" | "none": which Triton ops the dispatcher enables
+    cuda_graphs: bool = True
+    random_weights: bool = False  # build the model's exact shape with random weights (GPU benchmarks)
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise InvalidRequestError("block_size must be a power of two")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise InvalidRequestError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise InvalidRequestError(f"unknown dtype {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise InvalidRequestError(f"unknown device {self.device!r}")

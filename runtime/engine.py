@@ -1,0 +1,266 @@
+"""The engine: ``schedule() → model_runner.execute(batch) → postprocess(batch, tokens)``, plus the offline
+``LLM`` front end. Synchronous and single-threaded: the worker drives ``step()`` from its loop."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from kernellab.runtime.block_manager import BlockManager
+from kernellab.runtime.config import EngineConfig, ModelConfig
+from kernellab.runtime.detokenizer import IncrementalDetokenizer
+from kernellab.runtime.errors import ContextLengthError, InvalidRequestError
+from kernellab.runtime.registry import ModelSpec, resolve_model
+from kernellab.runtime.sampler import TokenLogprob
+from kernellab.runtime.sampling import SamplingParams
+from kernellab.runtime.scheduler import Scheduler
+from kernellab.runtime.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "deadline"
+    stop_reason: str | int | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+def load_model_config(spec: ModelSpec, random_weights: bool):
+    """(ModelConfig, weight iterator or None). Random weights need no checkpoint: the registry has the shape."""
+    from kernellab.runtime.loader import checkpoint_path, load_config, load_weights
+
+    if random_weights:
+        if spec.hf_config is None:
+            path = checkpoint_path(spec)
+            return load_config(path), None
+        return ModelConfig.from_hf(spec.hf_config), None
+    path = checkpoint_path(spec)
+    cfg = load_config(path)
+    return cfg, load_weights(path, cfg)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs):
+        from kernellab.runtime.model_runner import ModelRunner, resolve_device, resolve_dtype
+
+        self.config = cfg = config or EngineConfig(**kwargs)
+        self.spec = resolve_model(cfg.model)
+        t0 = time.perf_counter()
+        model_cfg, weights = load_model_config(self.spec, cfg.random_weights)
+        self.model_config = model_cfg
+        limit = cfg.max_model_len or self.spec.max_model_len or model_cfg.max_position_embeddings
+        self.max_model_len = min(limit, model_cfg.max_position_embeddings)
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, device, self.spec.dtype)
+        ops = _select_ops(cfg, device)
+        self.runner = ModelRunner(model_cfg, cfg, device, dtype, self.max_model_len, weights, ops)
+        self._tokenizer = None
+        eos = set(model_cfg.eos_token_ids)
+        if not cfg.random_weights:
+            eos |= set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            enable_chunked_prefill=cfg.enable_chunked_prefill,
+        )
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        log.info("engine ready: %s on %s/%s, %d KV blocks, %.1fs", self.spec.name, device, dtype,
+                 self.runner.num_blocks, time.perf_counter() - t0)
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from kernellab.runtime.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.spec)
+        return self._tokenizer
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
+                    priority: int = 0, deadline: float | None = None, output_token_ids=()) -> None:
+        params = params or SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        prompt = list(prompt_token_ids)
+        vocab = self.model_config.vocab_size
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in [*prompt, *output_token_ids]):
+            raise InvalidRequestError(f"token ids must be integers in [0, {vocab})", param="prompt")
+        total = len(prompt) + len(output_token_ids)
+        if total >= self.max_model_len:
+            raise ContextLengthError(
+                f"the prompt has {total} tokens; this model's context is {self.max_model_len} tokens, which leaves no "
+                "room to generate", param="prompt")
+        if params.max_tokens is None:
+            max_tokens = self.max_model_len - len(prompt)
+        elif len(prompt) + params.max_tokens > self.max_model_len:
+            raise ContextLengthError(
+                f"max_tokens={params.max_tokens} plus the prompt's {len(prompt)} tokens exceeds the context of "
+                f"{self.max_model_len} tokens", param="max_tokens")
+        else:
+            max_tokens = params.max_tokens
+        seq = Sequence(request_id, prompt, params, max_tokens, priority, deadline, output_token_ids)
+        if params.stop:
+            detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop, params.include_stop_str_in_output)
+            detok.push(list(output_token_ids))
+            self._detokenizers[request_id] = detok
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        self._detokenizers.pop(request_id, None)
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        results = [self._output(seq, [], None) for seq in out.finished]
+        if not out.scheduled:
+            return results
+        sampled, logprobs = self.runner.execute(out)
+        self.prompt_tokens += sum(n for (s, n), t in zip(out.scheduled, sampled, strict=True)
+                                  if s.num_computed_tokens < s.num_prompt_tokens)
+        self.scheduler.postprocess(out, sampled)
+        for (seq, _), token in zip(out.scheduled, sampled, strict=True):
+            if token is None:
+                continue
+            self.generation_tokens += 1
+            detok = self._detokenizers.get(seq.request_id)
+            if detok is not None and not seq.is_finished:
+                detok.push([token])
+                if detok.stopped:
+                    self.scheduler.finish_by_stop_string(seq, detok.stop_reason)
+            lp = logprobs.get(seq.request_id)
+            results.append(self._output(seq, [token], [lp] if lp else None))
+        return results
+
+    def _output(self, seq: Sequence, tokens: list[int], logprobs) -> RequestOutput:
+        if seq.is_finished:
+            self._detokenizers.pop(seq.request_id, None)
+        return RequestOutput(seq.request_id, tokens, logprobs, seq.is_finished, seq.finish_reason, seq.stop_reason,
+                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage, bm.num_free_blocks,
+                           bm.num_blocks, bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
+                           self.prompt_tokens, self.generation_tokens)
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+
+def _select_ops(cfg: EngineConfig, device):
+    if cfg.backend == "torch":
+        from kernellab.runtime import ops
+
+        return ops
+    from kernellab.runtime.dispatch import build_ops
+
+    return build_ops(cfg, device)
+
+
+@dataclass
+class GenerationOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    """Offline generation: ``LLM("smollm2-135m").generate(prompts, SamplingParams(...))``.
+
+    A prompt is a string, a list of token ids, or a list of chat messages (the chat template is applied)."""
+
+    def __init__(self, model: str = "smollm2-135m", **engine_kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self._counter = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty", param="prompt")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self.tokenizer.apply_chat_template(prompt)
+        if isinstance(prompt, list | tuple):
+            return list(prompt)
+        raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}", param="prompt")
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, on_step=None
+                 ) -> list[GenerationOutput]:
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int | dict))
+        prompts = [prompts] if single else list(prompts)
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        results: dict[str, GenerationOutput] = {}
+        for prompt, p in zip(prompts, params_list, strict=True):
+            ids = self.encode(prompt)
+            rid = f"gen-{self._counter}"
+            self._counter += 1
+            self.engine.add_request(rid, ids, p)
+            results[rid] = GenerationOutput(rid, ids)
+        try:
+            while self.engine.has_unfinished_requests():
+                for o in self.engine.step():
+                    r = results.get(o.request_id)
+                    if r is None:
+                        continue
+                    r.token_ids.extend(o.new_token_ids)
+                    r.logprobs.extend(o.new_logprobs or [])
+                    if o.finished:
+                        r.finish_reason = o.finish_reason
+                        r.num_cached_tokens = o.num_cached_tokens
+                if on_step:
+                    on_step(sum(len(r.token_ids) for r in results.values()))
+        finally:
+            for rid in results:
+                self.engine.abort(rid)
+        for r, p in zip(results.values(), params_list, strict=True):
+            if p.stop:
+                detok = IncrementalDetokenizer(self.tokenizer, r.prompt_token_ids, p.stop, p.include_stop_str_in_output)
+                r.text = detok.push(r.token_ids) + detok.flush()
+            else:
+                r.text = self.tokenizer.decode(r.token_ids)
+        return list(results.values())

@@ -1,0 +1,154 @@
+"""One decoder for Qwen3 and Llama, driven by ModelConfig. The file only assembles layers; the math is in
+the ops backend (``runtime/ops.py`` or the Triton kernels) and weight fusion is data (``PACKED_MODULES``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernellab.runtime.attention import AttentionMetadata, paged_attention
+from kernellab.runtime.config import ModelConfig
+
+# HF checkpoint module → (our fused module, shard index). Shard sizes come from the config.
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = _param(out_features, in_features)
+
+
+class Norm(nn.Module):
+    def __init__(self, size: int):
+        super().__init__()
+        self.weight = _param(size)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size)
+        if cfg.qk_norm:
+            self.q_norm = Norm(cfg.head_dim)
+            self.k_norm = Norm(cfg.head_dim)
+        self.shard_sizes = {"qkv_proj": (cfg.q_size, cfg.kv_size, cfg.kv_size)}
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.shard_sizes = {"gate_up_proj": (cfg.intermediate_size, cfg.intermediate_size)}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = Norm(cfg.hidden_size)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = Norm(cfg.hidden_size)
+        self.mlp = MLP(cfg)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = Norm(cfg.hidden_size)
+
+
+class CausalLM(nn.Module):
+    """``forward(input_ids (T,), meta, kv_caches) → hidden (T, H)``; ``compute_logits(hidden) → (N, V) fp32``."""
+
+    def __init__(self, cfg: ModelConfig, ops, cos_sin_cache: torch.Tensor):
+        super().__init__()
+        self.cfg = cfg
+        self.ops = ops
+        self.model = Backbone(cfg)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
+        self.scale = cfg.head_dim**-0.5
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list) -> torch.Tensor:
+        cfg, ops = self.cfg, self.ops
+        eps = cfg.rms_norm_eps
+        hidden = self.model.embed_tokens(input_ids)
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
+            if residual is None:
+                residual = hidden
+                x = ops.rms_norm(hidden, layer.input_layernorm.weight, eps)
+            else:
+                x, residual = ops.add_rms_norm(hidden, residual, layer.input_layernorm.weight, eps)
+            attn = layer.self_attn
+            qkv = ops.linear(x, attn.qkv_proj.weight)
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = q.view(-1, cfg.num_heads, cfg.head_dim)
+            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q, k = ops.qk_norm_rope(
+                    meta.positions, q, k, attn.q_norm.weight, attn.k_norm.weight, eps, self.cos_sin_cache
+                )
+            else:
+                q, k = ops.rotary_embedding(meta.positions, q, k, self.cos_sin_cache)
+            ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            o = paged_attention(ops, q, k_cache, v_cache, meta, self.scale)
+            hidden = ops.linear(o.reshape(-1, cfg.q_size), attn.o_proj.weight)
+            x, residual = ops.add_rms_norm(hidden, residual, layer.post_attention_layernorm.weight, eps)
+            hidden = ops.linear(ops.silu_and_mul(ops.linear(x, layer.mlp.gate_up_proj.weight)), layer.mlp.down_proj.weight)
+        hidden, _ = ops.add_rms_norm(hidden, residual, self.model.norm.weight, eps)
+        return hidden
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(hidden, self.lm_head.weight).float()
+
+    @torch.inference_mode()
+    def load_weights(self, weights) -> set[str]:
+        """Copy HF-named tensors into our (fused) parameters; returns the names of parameters loaded."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            target, offset, size = name, 0, None
+            for short, (packed, shard) in PACKED_MODULES.items():
+                if f".{short}." in name:
+                    target = name.replace(f".{short}.", f".{packed}.")
+                    owner = self.get_submodule(target.rsplit(".", 2)[0])
+                    sizes = owner.shard_sizes[packed]
+                    offset, size = sum(sizes[:shard]), sizes[shard]
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the {self.cfg.architecture} model")
+            param = params[target]
+            dest = param.data if size is None else param.data[offset : offset + size]
+            if dest.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add(target)
+        missing = {n for n in params if n not in loaded and not (n == "lm_head.weight" and self.cfg.tie_word_embeddings)}
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        return loaded

@@ -1,0 +1,159 @@
+"""The model runner owns tensors: weights, the paged KV cache, per-step inputs, logits and sampling."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from kernellab.runtime import ops as torch_ops
+from kernellab.runtime.attention import AttentionMetadata
+from kernellab.runtime.config import EngineConfig, ModelConfig
+from kernellab.runtime.model import CausalLM
+from kernellab.runtime.sampler import Sampler, TokenLogprob
+from kernellab.runtime.scheduler import SchedulerOutput
+from kernellab.runtime.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device, preferred: str = "bfloat16") -> torch.dtype:
+    """"auto": the model's serving dtype on a GPU; on a CPU bf16 where the CPU has native bf16 dot
+    products (AVX512-BF16/AMX: half the weight bytes per token), else fp32."""
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device.type == "cuda":
+        return DTYPES.get(preferred, torch.bfloat16)
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 max_model_len: int, weights=None, ops=torch_ops):
+        self.cfg, self.model_cfg = cfg, model_cfg
+        self.device, self.dtype = device, dtype
+        self.block_size = cfg.block_size
+        self.max_model_len = max_model_len
+        torch.manual_seed(cfg.seed)
+        cos_sin = torch_ops.rope_cos_sin_cache(
+            model_cfg.head_dim, max(max_model_len, 1), model_cfg.rope_theta, model_cfg.rope_scaling, device=device
+        )
+        with torch.device(device):
+            self.model = CausalLM(model_cfg, ops, cos_sin)
+        if weights is None:
+            self._init_random()
+        else:
+            self.model.load_weights(weights)
+        self.model.to(dtype=dtype)
+        self.model.cos_sin_cache = cos_sin  # stays fp32
+        self.num_blocks = self._num_kv_blocks()
+        shape = (self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(model_cfg.num_layers)
+        ]
+        self.sampler = Sampler(device)
+
+    @torch.inference_mode()
+    def _init_random(self) -> None:
+        for name, p in self.model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+
+    def _num_kv_blocks(self) -> int:
+        if self.cfg.num_kv_blocks:
+            return self.cfg.num_kv_blocks
+        block_bytes = self.block_size * self.model_cfg.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1 - self.cfg.gpu_memory_utilization) - 2 * 2**30  # activations, graphs
+        else:
+            budget = (self.cfg.kv_cache_memory_gib or 0.5) * 2**30
+        blocks = int(budget // block_bytes)
+        needed = math.ceil(self.max_model_len / self.block_size)
+        if blocks < needed:
+            log.warning("KV cache holds %d blocks, fewer than one full-context sequence needs (%d)", blocks, needed)
+        return max(blocks, 1)
+
+    # ------------------------------------------------------------------ one step
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata, list[int], list[Sequence]]:
+        """Decode rows (one query token) first, then prefill chunks. Returns the inputs, metadata, the
+        position of each scheduled entry in that order, and the sequences that sample, in logits order."""
+        order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i][1] != 1)
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        sampling: list[Sequence] = []
+        dec_tables, dec_lens, pre_tables, pre_lens, cu = [], [], [], [], [0]
+        num_decode = 0
+        for i in order:
+            seq, n = out.scheduled[i]
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start : start + n])
+            table = seq.block_table
+            for p in range(start, start + n):
+                slots.append(table[p // bs] * bs + p % bs)
+            positions.extend(range(start, start + n))
+            if n == 1:
+                num_decode += 1
+                dec_tables.append(table)
+                dec_lens.append(start + 1)
+            else:
+                pre_tables.append(table)
+                pre_lens.append(start + n)
+                cu.append(cu[-1] + n)
+            if out.samples(seq, n):
+                logits_rows.append(len(ids) - 1)
+                sampling.append(seq)
+        dev = self.device
+
+        def table_tensor(tables):
+            if not tables:
+                return None
+            width = max(len(t) for t in tables)
+            return torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
+
+        meta = AttentionMetadata(
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decode_tokens=num_decode,
+            decode_block_tables=table_tensor(dec_tables),
+            decode_context_lens=torch.tensor(dec_lens, dtype=torch.int32, device=dev) if dec_lens else None,
+            prefill_block_tables=table_tensor(pre_tables),
+            prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev) if pre_tables else None,
+            prefill_context_lens=torch.tensor(pre_lens, dtype=torch.int32, device=dev) if pre_lens else None,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            max_decode_context=max(dec_lens, default=0),
+        )
+        return torch.tensor(ids, dtype=torch.long, device=dev), meta, order, sampling
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[list[int | None], dict[str, TokenLogprob]]:
+        """Run one step; returns the sampled token of each scheduled entry (None for a non-final prefill
+        chunk), in ``out.scheduled`` order, and logprobs by request id where asked for."""
+        input_ids, meta, _, sampling = self.prepare(out)
+        hidden = self.model(input_ids, meta, self.kv_caches)
+        tokens: list[int] = []
+        logprobs: list[TokenLogprob] | None = None
+        if sampling:
+            logits = self.model.compute_logits(hidden[meta.logits_indices])
+            tokens, logprobs = self.sampler(logits, sampling)
+        by_seq = {id(s): t for s, t in zip(sampling, tokens, strict=True)}
+        sampled = [by_seq.get(id(seq)) for seq, _ in out.scheduled]
+        lp = {s.request_id: l for s, l in zip(sampling, logprobs, strict=True)} if logprobs else {}
+        return sampled, lp

@@ -1,0 +1,121 @@
+"""Sampling from a step's logits: penalties, temperature, min-p / top-k / top-p, seeded draws, logprobs.
+
+Seeded rows draw their noise from a generator keyed on ``(seed, output index)``, so a request's tokens do not
+depend on what else is in the batch, and a request resumed elsewhere from its emitted tokens continues
+exactly. Logprobs are those of the raw model distribution (before temperature and filtering), as vLLM and
+OpenAI report them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernellab.runtime.sequence import Sequence
+
+_MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier to spread (seed, index) pairs
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def _row_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * _MIX + index) % (2**63 - 1))
+    return g
+
+
+class Sampler:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.seed()
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob] | None]:
+        """``logits: (S, V)`` fp32, one row per sequence that samples this step."""
+        want_logprobs = any(s.params.logprobs is not None for s in seqs)
+        raw = logits
+        if all(s.params.greedy and not s.params.has_penalties for s in seqs):
+            tokens = torch.argmax(logits, dim=-1)
+        else:
+            tokens = self._sample(logits.clone(), seqs)
+        token_list = tokens.tolist()
+        return token_list, (self._logprobs(raw, token_list, seqs) if want_logprobs else None)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        self._apply_penalties(logits, seqs)
+        temps = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
+        greedy_rows = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
+        greedy_tokens = torch.argmax(logits, dim=-1)
+        logits.div_(torch.where(greedy_rows, 1.0, temps).unsqueeze(1))
+        probs = torch.softmax(logits, dim=-1)
+        probs = self._filter(probs, seqs)
+        noise = torch.empty_like(probs)
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if p.greedy:
+                noise[i].fill_(1.0)
+            elif p.seed is not None:
+                noise[i].exponential_(generator=_row_generator(p.seed, seq.num_output_tokens, logits.device))
+            else:
+                noise[i].exponential_(generator=self.generator)
+        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p.
+        sampled = torch.argmax(probs / noise, dim=-1)
+        return torch.where(greedy_rows, greedy_tokens, sampled)
+
+    @staticmethod
+    def _filter(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        min_p = [s.params.min_p for s in seqs]
+        if any(min_p):
+            threshold = torch.tensor(min_p, device=probs.device).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        top_k = [s.params.top_k if s.params.top_k > 0 else probs.shape[-1] for s in seqs]
+        top_p = [s.params.top_p for s in seqs]
+        if any(k < probs.shape[-1] for k in top_k) or any(p < 1.0 for p in top_p):
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            ranks = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
+            drop = ranks >= torch.tensor(top_k, device=probs.device).unsqueeze(1)
+            cumulative = sorted_probs.cumsum(dim=-1) / sorted_probs.sum(dim=-1, keepdim=True)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            drop |= (cumulative - sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)) >= torch.tensor(
+                top_p, device=probs.device
+            ).unsqueeze(1)
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+        return probs
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if not p.has_penalties:
+                continue
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(seq.token_ids)), device=logits.device, dtype=torch.long)
+                values = row[seen]
+                row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+            if p.presence_penalty or p.frequency_penalty:
+                out = seq.output_token_ids
+                if out:
+                    ids, counts = torch.tensor(out, device=logits.device).unique(return_counts=True)
+                    row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: list[int], seqs: list[Sequence]) -> list[TokenLogprob]:
+        logp = torch.log_softmax(raw.float(), dim=-1)
+        k = max((s.params.logprobs or 0) for s in seqs)
+        chosen = logp.gather(1, torch.tensor(tokens, device=raw.device).unsqueeze(1)).squeeze(1).tolist()
+        top_vals, top_ids = (logp.topk(k, dim=-1) if k else (None, None))
+        out = []
+        for i, seq in enumerate(seqs):
+            n = seq.params.logprobs or 0
+            top = list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist(), strict=True)) if n else []
+            out.append(TokenLogprob(tokens[i], chosen[i], top))
+        return out

@@ -1,0 +1,184 @@
+"""Token-budget scheduler (no torch), after vLLM v1's rule: each step says how many tokens each request
+runs; there are no prefill and decode phases, so chunked prefill falls out.
+
+Order of a step: expire deadlines → running requests by priority (decode first; a request that needs a block
+when none is free preempts the lowest-priority running request, which is recomputed later) → waiting requests
+by (priority, arrival) while the token budget, ``max_num_seqs`` and free blocks allow. No new request is
+admitted in a step that had to preempt.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from kernellab.runtime.block_manager import BlockManager
+from kernellab.runtime.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What runs this step."""
+
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute now)
+    preempted: list[Sequence] = field(default_factory=list)  # back to waiting, blocks freed
+    finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler (deadline) before running
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    def samples(self, seq: Sequence, n: int) -> bool:
+        """Whether this chunk reaches the end of the sequence's tokens, so it yields a next token."""
+        return seq.num_computed_tokens + n == seq.num_tokens
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (),
+        enable_chunked_prefill: bool = True,
+    ):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.chunked_prefill = enable_chunked_prefill
+        self.waiting: list[Sequence] = []  # sorted by sort_key
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already running")
+        self.requests[seq.request_id] = seq
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        keys = [s.sort_key() for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, seq.sort_key()), seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """End a request now and free its blocks; it is not reported by later steps."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        self._finish(seq, "abort")
+        return seq
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        self.requests.pop(seq.request_id, None)
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        self.block_manager.free_sequence(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free_sequence(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ the step
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        out = SchedulerOutput()
+        now = time.time() if now is None else now
+        for seq in [s for s in self.requests.values() if s.deadline is not None and s.deadline <= now]:
+            self._finish(seq, "deadline")
+            out.finished.append(seq)
+
+        budget = self.max_num_batched_tokens
+        candidates = sorted(self.running, key=Sequence.sort_key)
+        while candidates and budget > 0:
+            seq = candidates.pop(0)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, n):
+                victim = candidates.pop() if candidates else seq
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, n))
+                budget -= n
+
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            computed = self.block_manager.get_computed_blocks(seq)
+            remaining = seq.num_tokens - len(computed) * self.block_manager.block_size
+            if self.chunked_prefill:
+                n = min(remaining, budget)
+            elif remaining <= budget or not out.scheduled:
+                n = remaining  # unchunked: a long prompt runs whole, alone if it must
+            else:
+                break
+            if not self.block_manager.allocate_slots(seq, n, computed):
+                break
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = len(computed) * self.block_manager.block_size
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+        return out
+
+    def postprocess(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
+        """Advance each scheduled sequence by the tokens it computed and append its sampled token (None for a
+        prefill chunk that has not reached the end). Returns the sequences that finished."""
+        finished = []
+        for (seq, n), token in zip(out.scheduled, sampled, strict=True):
+            if seq.is_finished:  # aborted between schedule and postprocess
+                continue
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            reason, stop = self._stop_reason(seq, token)
+            if reason:
+                self._finish(seq, reason, stop)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+        params = seq.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop", token
+        if token in params.stop_token_ids:
+            return "stop", token
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def finish_by_stop_string(self, seq: Sequence, stop: str) -> None:
+        self._finish(seq, "stop", stop)
+
+    def check_integrity(self) -> None:
+        live = list(self.requests.values())
+        self.block_manager.check_integrity(live)
+        for seq in self.running:
+            if len(seq.block_table) * self.block_manager.block_size < seq.num_computed_tokens:
+                raise AssertionError(f"{seq}: block table shorter than its computed tokens")
+        for seq in self.waiting:
+            if seq.block_table:
+                raise AssertionError(f"{seq}: waiting but holds blocks")

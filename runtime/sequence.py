@@ -1,0 +1,73 @@
+"""A request inside the engine (no torch)."""
+
+from __future__ import annotations
+
+import time
+from enum import Enum, auto
+
+from kernellab.runtime.sampling import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """Token ids (prompt then output), how many have K/V in the cache, and the blocks holding them.
+
+    Invariant: ``num_computed_tokens <= num_tokens``; the block table covers at least ``num_computed_tokens``
+    slots while RUNNING and is empty while WAITING or FINISHED.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        priority: int = 0,
+        deadline: float | None = None,
+        output_token_ids: list[int] | tuple[int, ...] = (),
+        arrival_time: float | None = None,
+    ):
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids) + list(output_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.priority = priority
+        self.deadline = deadline
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hit at first admission (reported in usage)
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chain hashes of the full, computed blocks registered so far
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.num_preemptions = 0
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def sort_key(self) -> tuple:
+        """Lower sorts first: higher priority (lower value), then earlier arrival."""
+        return (self.priority, self.arrival_time)
