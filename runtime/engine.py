@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from kernellab.runtime.block_manager import BlockManager
 from kernellab.runtime.config import EngineConfig, ModelConfig
 from kernellab.runtime.detokenizer import IncrementalDetokenizer
-from kernellab.runtime.errors import ContextLengthError, InvalidRequestError
+from kernellab.runtime.errors import ContextLengthError, InvalidRequestError, ModelNotAvailableError
 from kernellab.runtime.registry import ModelSpec, resolve_model
 from kernellab.runtime.sampler import TokenLogprob
 from kernellab.runtime.sampling import SamplingParams
@@ -79,7 +79,10 @@ class LLMEngine:
         self._tokenizer = None
         eos = set(model_cfg.eos_token_ids)
         if not cfg.random_weights:
-            eos |= set(self.tokenizer.eos_token_ids)
+            try:
+                eos |= set(self.tokenizer.eos_token_ids)
+            except (ModelNotAvailableError, FileNotFoundError):
+                log.warning("no tokenizer for %s: token ids in, token ids out", self.spec.name)
         self.eos_token_ids = tuple(sorted(eos))
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -109,10 +110,16 @@ def _field(reader, key: str, default=None):
     return value[0].item()
 
 
-def gguf_config(path: Path) -> ModelConfig:
+@lru_cache(maxsize=2)
+def _gguf_reader(path: str):
+    # Parsing the metadata (tens of thousands of tokenizer strings) takes seconds: do it once per file.
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(path))
+    return GGUFReader(path)
+
+
+def gguf_config(path: Path) -> ModelConfig:
+    reader = _gguf_reader(str(path))
     arch = _field(reader, "general.architecture")
     if arch not in ("llama", "qwen3"):
         raise ModelNotAvailableError(f"{path.name}: GGUF architecture {arch!r} is not supported (llama, qwen3)")
@@ -147,10 +154,9 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def gguf_weights(path: Path, config: ModelConfig) -> WeightIter:
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
+    reader = _gguf_reader(str(path))
     for tensor in reader.tensors:
         name = tensor.name
         if name in _GGUF_NAMES:

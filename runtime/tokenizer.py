@@ -192,6 +192,8 @@ def _load_from_dir(path: str) -> TextTokenizer:
     from tokenizers import Tokenizer
 
     root = Path(path)
+    if not (root / "tokenizer.json").exists():
+        raise ModelNotAvailableError(f"{root} has no tokenizer.json (a fast tokenizer is required)")
     tok = Tokenizer.from_file(str(root / "tokenizer.json"))
     config_path = root / "tokenizer_config.json"
     config = json.loads(config_path.read_text()) if config_path.exists() else {}
