@@ -1,0 +1,125 @@
+"""Block manager: exact block ids, prefix-cache hits, eviction order, all-or-nothing, no leaks."""
+
+from __future__ import annotations
+
+from kernellab.runtime.block_manager import BlockManager
+from kernellab.runtime.sampling import SamplingParams
+from kernellab.runtime.sequence import Sequence
+
+BS = 4
+
+
+def seq(rid: str, tokens: list[int]) -> Sequence:
+    return Sequence(rid, tokens, SamplingParams(temperature=0.0), max_tokens=8)
+
+
+def admit(bm: BlockManager, s: Sequence) -> bool:
+    hits = bm.get_computed_blocks(s)
+    return bm.allocate_slots(s, s.num_tokens - len(hits) * BS, hits)
+
+
+def compute(bm: BlockManager, s: Sequence) -> None:
+    s.num_computed_tokens = s.num_tokens
+    bm.cache_full_blocks(s)
+
+
+def test_allocation_takes_lowest_free_ids_in_order():
+    bm = BlockManager(8, BS)
+    a = seq("a", list(range(10)))  # 3 blocks
+    assert admit(bm, a)
+    assert a.block_table == [0, 1, 2]
+    b = seq("b", list(range(100, 105)))  # 2 blocks
+    assert admit(bm, b)
+    assert b.block_table == [3, 4]
+    assert bm.num_free_blocks == 3
+    bm.check_integrity([a, b])
+
+
+def test_all_or_nothing():
+    bm = BlockManager(3, BS)
+    a = seq("a", list(range(9)))  # needs 3
+    b = seq("b", list(range(50, 55)))  # needs 2
+    assert admit(bm, a)
+    assert not admit(bm, b)
+    assert b.block_table == [] and b.num_computed_tokens == 0
+    assert bm.num_free_blocks == 0
+    bm.check_integrity([a, b])
+
+
+def test_prefix_hit_shares_full_blocks_and_counts_tokens():
+    bm = BlockManager(16, BS)
+    shared = list(range(12))  # three full blocks
+    a = seq("a", shared + [90, 91])
+    assert admit(bm, a)
+    compute(bm, a)
+    b = seq("b", shared + [70])
+    hits = bm.get_computed_blocks(b)
+    assert hits == a.block_table[:3]
+    assert bm.allocate_slots(b, b.num_tokens - 12, hits)
+    assert b.num_computed_tokens == 12
+    assert b.block_table[:3] == a.block_table[:3] and b.block_table[3] not in a.block_table
+    assert [bm.blocks[i].ref_count for i in a.block_table[:3]] == [2, 2, 2]
+    assert bm.prefix_hits == 12 and bm.prefix_queries == a.num_tokens + b.num_tokens
+    bm.check_integrity([a, b])
+
+
+def test_last_token_is_never_served_from_cache():
+    bm = BlockManager(8, BS)
+    a = seq("a", list(range(8)))  # exactly two full blocks
+    assert admit(bm, a)
+    compute(bm, a)
+    b = seq("b", list(range(8)))
+    # Only the first block may hit: the second holds the last token, which must run to give logits.
+    assert bm.get_computed_blocks(b) == [a.block_table[0]]
+
+
+def test_freed_cached_blocks_are_reused_then_evicted_oldest_first():
+    bm = BlockManager(4, BS)
+    a = seq("a", list(range(9)))  # blocks 0, 1, 2 (2 is partial)
+    assert admit(bm, a)
+    compute(bm, a)
+    bm.free_sequence(a)
+    # Tail first: free queue is 3, 2, 1, 0 → allocation order.
+    assert list(bm.free) == [3, 2, 1, 0]
+    # A request with the same prefix revives blocks 0 and 1 from the cache.
+    again = seq("again", list(range(9)))
+    assert bm.get_computed_blocks(again) == [0, 1]
+    bm.free_sequence(again)
+    # An unrelated request of 3 blocks takes 3, 2, 1: block 1's cached hash is evicted, block 0 survives.
+    other = seq("other", list(range(200, 210)))
+    assert admit(bm, other)
+    assert other.block_table == [3, 2, 1]
+    assert bm.get_computed_blocks(seq("probe", list(range(9)))) == [0]
+    bm.check_integrity([other])
+
+
+def test_free_returns_every_block_and_integrity_detects_leaks():
+    bm = BlockManager(6, BS)
+    seqs = [seq(str(i), list(range(i * 10, i * 10 + 6))) for i in range(3)]
+    for s in seqs:
+        assert admit(bm, s)
+    for s in seqs:
+        bm.free_sequence(s)
+    assert bm.num_free_blocks == 6 and bm.usage == 0.0
+    bm.check_integrity([])
+    leaked = seq("leak", [1, 2, 3])
+    assert admit(bm, leaked)
+    try:
+        bm.check_integrity([])
+    except AssertionError as exc:
+        assert "live references" in str(exc)
+    else:
+        raise AssertionError("a block held by no live sequence must fail the integrity check")
+
+
+def test_identical_blocks_computed_twice_keep_one_cache_entry():
+    bm = BlockManager(8, BS)
+    a, b = seq("a", list(range(5))), seq("b", list(range(5)))
+    assert admit(bm, a) and admit(bm, b)  # admitted together: b could not hit a yet
+    compute(bm, a)
+    compute(bm, b)
+    assert bm.cached[bm.blocks[a.block_table[0]].hash] == a.block_table[0]
+    assert bm.blocks[b.block_table[0]].hash is None
+    bm.free_sequence(a)
+    bm.free_sequence(b)
+    bm.check_integrity([])

@@ -1,0 +1,129 @@
+"""Engine step API, sampling semantics and bad input, on a tiny random checkpoint (fast)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kernellab.runtime.engine import LLMEngine
+from kernellab.runtime.errors import ContextLengthError, InvalidRequestError, UnknownModelError
+from kernellab.runtime.registry import resolve_model
+from kernellab.runtime.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoints):
+    return LLMEngine(model=str(tiny_checkpoints["qwen3"]), device="cpu", dtype="float32", num_kv_blocks=128,
+                     max_model_len=256)
+
+
+def drain(engine) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    engine.check_integrity()
+    return tokens
+
+
+def test_same_seed_same_tokens_whatever_the_batch(engine):
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
+    engine.add_request("alone", [5, 6, 7], params)
+    alone = drain(engine)["alone"]
+    for i in range(5):
+        engine.add_request(f"other{i}", [9 + i] * (3 + i), SamplingParams(temperature=1.0, max_tokens=12))
+    engine.add_request("batched", [5, 6, 7], params)
+    assert drain(engine)["batched"] == alone
+
+
+def test_resume_from_emitted_tokens_continues_exactly(engine):
+    params = SamplingParams(temperature=0.9, seed=99, max_tokens=10, ignore_eos=True, frequency_penalty=0.5)
+    engine.add_request("full", [1, 2, 3, 4], params)
+    full = drain(engine)["full"]
+    engine.add_request("resumed", [1, 2, 3, 4], params, output_token_ids=full[:4])
+    assert full[:4] + drain(engine)["resumed"] == full
+
+
+def test_different_seeds_differ(engine):
+    for seed in (1, 2):
+        engine.add_request(f"s{seed}", [3, 3, 3], SamplingParams(temperature=1.0, seed=seed, max_tokens=16,
+                                                                   ignore_eos=True))
+    out = drain(engine)
+    assert out["s1"] != out["s2"]
+
+
+def test_logprobs_are_reported_for_the_chosen_token_and_top_n(engine):
+    engine.add_request("lp", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3, logprobs=4, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    for out in outputs:
+        (lp,) = out.new_logprobs
+        assert lp.token_id == out.new_token_ids[0]
+        assert len(lp.top) == 4
+        assert lp.top[0][0] == lp.token_id  # greedy: the chosen token is the most likely
+        assert lp.logprob == pytest.approx(lp.top[0][1])
+        assert all(a[1] >= b[1] for a, b in zip(lp.top, lp.top[1:], strict=False))
+
+
+def test_stop_token_ids_and_max_tokens(engine):
+    engine.add_request("greedy", [4, 5, 6], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    greedy = drain(engine)["greedy"]
+    assert len(greedy) == 6
+    engine.add_request("stop", [4, 5, 6], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                         stop_token_ids=[greedy[2]]))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [t for o in outs for t in o.new_token_ids] == greedy[: greedy.index(greedy[2]) + 1]
+    assert outs[-1].finished and outs[-1].finish_reason == "stop"
+
+
+def test_abort_frees_everything(engine):
+    engine.add_request("x", list(range(1, 60)), SamplingParams(max_tokens=50))
+    engine.step()
+    assert engine.stats().kv_cache_usage > 0
+    assert engine.abort("x")
+    assert engine.stats().kv_cache_usage == 0.0
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": -1}, "seed"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"stop": [""]}, "stop"),
+        ({"logprobs": 50}, "top_logprobs"),
+    ],
+)
+def test_bad_sampling_params_raise_typed_errors(kwargs, param):
+    with pytest.raises(InvalidRequestError) as exc:
+        SamplingParams(**kwargs)
+    assert exc.value.param == param
+    assert exc.value.status_code == 400
+
+
+def test_bad_prompts(engine):
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request("e", [], SamplingParams())
+    with pytest.raises(ContextLengthError, match="context"):
+        engine.add_request("long", [1] * 256, SamplingParams())
+    with pytest.raises(ContextLengthError) as exc:
+        engine.add_request("mt", [1] * 10, SamplingParams(max_tokens=250))
+    assert exc.value.param == "max_tokens"
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        engine.add_request("vocab", [10**6], SamplingParams())
+    assert not engine.has_unfinished_requests()
+
+
+def test_unknown_model_is_a_clear_error():
+    with pytest.raises(UnknownModelError, match="unknown model 'gpt-17'"):
+        resolve_model("gpt-17")
+    with pytest.raises(UnknownModelError):
+        resolve_model("")

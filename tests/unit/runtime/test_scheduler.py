@@ -1,0 +1,160 @@
+"""Scheduler (no torch, no model): budgets, chunking, priorities, preemption, cancellation, deadlines."""
+
+from __future__ import annotations
+
+from kernellab.runtime.block_manager import BlockManager
+from kernellab.runtime.sampling import SamplingParams
+from kernellab.runtime.scheduler import Scheduler
+from kernellab.runtime.sequence import Sequence, SequenceStatus
+
+BS = 4
+EOS = 0
+
+
+def make(num_blocks=32, budget=64, max_seqs=8, chunked=True, max_len=256, caching=True):
+    bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
+    return Scheduler(bm, max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len,
+                     eos_token_ids=(EOS,), enable_chunked_prefill=chunked)
+
+
+def seq(rid, n, priority=0, max_tokens=8, deadline=None, arrival=None, start=1000):
+    tokens = list(range(start, start + n))
+    return Sequence(rid, tokens, SamplingParams(temperature=0.0), max_tokens, priority, deadline,
+                    arrival_time=arrival)
+
+
+def run_step(s: Scheduler, token=7):
+    out = s.schedule()
+    sampled = [token if out.samples(q, n) else None for q, n in out.scheduled]
+    finished = s.postprocess(out, sampled)
+    return out, finished
+
+
+def plan(out):
+    return [(q.request_id, n) for q, n in out.scheduled]
+
+
+def test_chunked_prefill_respects_the_token_budget_and_decodes_first():
+    s = make(budget=16)
+    s.add(seq("a", 10, arrival=1.0, start=100))
+    s.add(seq("b", 20, arrival=2.0, start=200))
+    out, _ = run_step(s)
+    assert plan(out) == [("a", 10), ("b", 6)]
+    out, _ = run_step(s)
+    # a now decodes (1 token) before b's next chunk takes the rest of the budget.
+    assert plan(out) == [("a", 1), ("b", 14)]
+    out, _ = run_step(s)
+    assert plan(out) == [("a", 1), ("b", 1)]
+    s.check_integrity()
+
+
+def test_without_chunking_a_prompt_waits_for_a_step_with_room():
+    s = make(budget=16, chunked=False)
+    s.add(seq("a", 10, arrival=1.0, start=100))
+    s.add(seq("b", 12, arrival=2.0, start=200))
+    out, _ = run_step(s)
+    assert plan(out) == [("a", 10)]
+    out, _ = run_step(s)
+    assert plan(out) == [("a", 1), ("b", 12)]
+
+
+def test_long_prompt_runs_alone_when_unchunked():
+    s = make(budget=8, chunked=False)
+    s.add(seq("long", 30))
+    out, _ = run_step(s)
+    assert plan(out) == [("long", 30)]
+
+
+def test_max_num_seqs_caps_running():
+    s = make(max_seqs=2)
+    for i in range(3):
+        s.add(seq(f"r{i}", 3, arrival=float(i), start=100 * i + 100))
+    out, _ = run_step(s)
+    assert [r for r, _ in plan(out)] == ["r0", "r1"]
+    assert [q.request_id for q in s.waiting] == ["r2"]
+
+
+def test_priority_orders_admission():
+    s = make(max_seqs=1)
+    s.add(seq("low", 3, priority=5, arrival=1.0, start=100))
+    s.add(seq("high", 3, priority=0, arrival=2.0, start=200))
+    out, _ = run_step(s)
+    assert plan(out) == [("high", 3)]
+
+
+def test_preemption_by_recompute_when_blocks_run_out():
+    # 4 blocks of 4 tokens; two sequences of 7 tokens take 2 blocks each; growing past 8 needs a third.
+    s = make(num_blocks=4, caching=False)
+    s.add(seq("old", 7, arrival=1.0, start=100, max_tokens=20))
+    s.add(seq("new", 7, arrival=2.0, start=200, max_tokens=20))
+    run_step(s)  # both prefill; each has 8 tokens now (7 + 1 sampled)
+    out, _ = run_step(s)  # decode token 8: fills block 2 exactly; no new block yet
+    assert plan(out) == [("old", 1), ("new", 1)]
+    out, _ = run_step(s)  # token 9 needs a third block for each: "new" is preempted
+    assert [q.request_id for q in out.preempted] == ["new"]
+    assert plan(out) == [("old", 1)]
+    victim = s.requests["new"]
+    assert victim.status is SequenceStatus.WAITING and victim.block_table == []
+    assert victim.num_computed_tokens == 0 and victim.num_tokens == 9
+    assert s.num_preemptions == 1
+    s.check_integrity()
+
+
+def test_preempted_sequence_resumes_with_its_output_tokens():
+    s = make(num_blocks=4, caching=False)
+    s.add(seq("old", 7, arrival=1.0, start=100, max_tokens=3))
+    s.add(seq("new", 7, arrival=2.0, start=200, max_tokens=20))
+    run_step(s)
+    run_step(s)
+    out, finished = run_step(s)  # "new" is preempted; "old" reaches max_tokens and frees its blocks
+    assert [q.request_id for q in out.preempted] == ["new"]
+    assert [q.request_id for q in finished] == ["old"]
+    out, _ = run_step(s)
+    assert plan(out) == [("new", 9)]  # recompute prompt + emitted tokens in one prefill
+    s.check_integrity()
+
+
+def test_abort_frees_blocks_at_once():
+    s = make(num_blocks=8)
+    s.add(seq("a", 9))
+    run_step(s)
+    assert s.block_manager.num_free_blocks == 5
+    assert s.abort("a") is not None
+    assert s.block_manager.num_free_blocks == 8
+    assert not s.has_unfinished
+    assert s.abort("a") is None
+    s.check_integrity()
+
+
+def test_deadline_expires_waiting_and_running_requests():
+    s = make()
+    s.add(seq("running", 3, deadline=100.0, start=100))
+    s.schedule(now=50.0)
+    s.add(seq("waiting", 3, deadline=100.0, start=200))
+    out = s.schedule(now=150.0)
+    assert sorted(q.finish_reason for q in out.finished) == ["deadline", "deadline"]
+    assert out.scheduled == [] and not s.has_unfinished
+    assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
+
+
+def test_stop_conditions():
+    s = make()
+    s.add(seq("eos", 3, start=100))
+    s.add(seq("len", 3, max_tokens=2, start=200))
+    out = s.schedule()
+    finished = s.postprocess(out, [EOS, 5])
+    assert [(q.request_id, q.finish_reason) for q in finished] == [("eos", "stop")]
+    out = s.schedule()
+    finished = s.postprocess(out, [5])
+    assert [(q.request_id, q.finish_reason) for q in finished] == [("len", "length")]
+    s.check_integrity()
+
+
+def test_prefix_cache_hit_skips_cached_tokens():
+    s = make()
+    s.add(seq("a", 13, start=100))
+    run_step(s)
+    s.add(seq("b", 13, start=100))  # same prompt
+    out, _ = run_step(s)
+    assert ("b", 1) in plan(out)  # 12 cached tokens (3 full blocks), only the last runs
+    assert s.requests["b"].num_cached_tokens == 12
