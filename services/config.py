@@ -1,0 +1,79 @@
+"""Settings of the serving stack (pydantic-settings): flags override ``KERNELLAB_*`` environment variables.
+
+One class per service; the fields they share (Redis, key prefix, model, timing of heartbeats) live in
+``StackSettings`` so a gateway and its workers agree on them when they read the same environment.
+Importing this module imports no torch and no FastAPI.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+class StackSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KERNELLAB_", extra="ignore", validate_default=True)
+
+    redis_url: str = DEFAULT_REDIS_URL
+    key_prefix: str = "kl:"  # every Redis key starts with it; tests use their own to isolate themselves
+    model: str = "smollm2-135m"
+    metrics_host: str = "127.0.0.1"  # metrics ports bind here ("0.0.0.0" inside a container)
+    heartbeat_interval_s: float = Field(1.0, gt=0)
+    worker_dead_after_s: float = Field(5.0, gt=0)  # no heartbeat for this long: dead; its requests are reclaimed
+    output_ttl_s: int = Field(600, ge=1)  # lifetime of kl:out:{id} after its last write
+    request_timeout_s: float = Field(600.0, gt=0)  # per-request deadline from its arrival at the gateway
+    log_level: str = "info"
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _prefix(cls, value: str) -> str:
+        if not value or any(c.isspace() for c in value):
+            raise ValueError("key_prefix must be a non-empty string without spaces")
+        return value
+
+
+class GatewaySettings(StackSettings):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    metrics_port: int = Field(9100, ge=0, le=65535)  # 0: no metrics server
+    api_keys: str = ""  # comma-separated; empty (and no file): no authentication
+    api_key_file: str = ""  # one key per line; '#' starts a comment
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    max_waiting: int = Field(256, ge=0)  # admitted requests still waiting for their first token; beyond: 429
+    max_n: int = Field(16, ge=1)
+    max_model_len: int | None = None  # None: the registry's context length for the model
+    drain_timeout_s: float = Field(30.0, ge=0)
+
+    def keys_in_use(self) -> list[str]:
+        keys = [k.strip() for k in self.api_keys.split(",") if k.strip()]
+        if self.api_key_file:
+            for line in Path(self.api_key_file).expanduser().read_text().splitlines():
+                line = line.split("#", 1)[0].strip()
+                if line:
+                    keys.append(line)
+        return keys
+
+
+class WorkerSettings(StackSettings):
+    worker_id: str = ""  # "" → host-pid; must be unique among live workers (it is the consumer name)
+    metrics_port: int = Field(9200, ge=0, le=65535)  # also serves /health; 0: none
+    engine: str = "kernellab.runtime.engine:LLMEngine"  # "module:callable" taking an EngineConfig
+    device: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    num_kv_blocks: int | None = None
+    block_size: int = 16
+    max_deliveries: int = Field(3, ge=1)  # deliveries beyond this send a request to the dead-letter stream
+    drain_timeout_s: float = Field(30.0, ge=0)
+    batch_share: float = Field(0.75, gt=0, le=1)  # at most this share of max_num_seqs goes to batch requests
+
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"

@@ -1,0 +1,291 @@
+"""The OpenAI-compatible gateway (FastAPI). No torch: it tokenizes, validates, enqueues and streams.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /v1/requests/{id}/cancel (API key
+when keys are set), GET /health (liveness), GET /ready (Redis + a live worker). Every error is an OpenAI error
+object; bad input is always 4xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections import defaultdict
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from kernellab.runtime.errors import InvalidRequestError, KernellabError
+from kernellab.runtime.registry import resolve_model
+from kernellab.services.config import GatewaySettings
+from kernellab.services.gateway import responses as R
+from kernellab.services.gateway.errors import (
+    NotFound,
+    PayloadTooLarge,
+    ServiceUnavailable,
+    Unauthorized,
+    error_headers,
+)
+from kernellab.services.gateway.metrics import GatewayMetrics, HTTPMetricsMiddleware
+from kernellab.services.gateway.requests import prepare
+from kernellab.services.gateway.state import Gateway
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("kernellab.gateway")
+
+# Prompts longer than this (characters) are tokenized in a thread so they do not stall other streams.
+_THREAD_TOKENIZE_CHARS = 20_000
+
+
+class ClientGone(Exception):
+    pass
+
+
+class _Stream(StreamingResponse):
+    """A StreamingResponse that always runs ``on_close``, even when the client left before the body began."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
+    spec = resolve_model(settings.model)
+    metrics = GatewayMetrics(spec.name)
+    state: dict[str, Gateway] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        tok = tokenizer
+        if tok is None:
+            from kernellab.services.gateway.tokenizer import load_gateway_tokenizer
+
+            tok = load_gateway_tokenizer(spec.name)
+        gw = Gateway(settings, tok, spec.name, settings.max_model_len or spec.max_model_len, metrics)
+        app.state.gateway = state["gw"] = gw
+        await gw.start()
+        metrics_server = None
+        if settings.metrics_port:
+            from kernellab.services.worker.metrics import MetricsServer
+
+            metrics_server = MetricsServer(settings.metrics_host, settings.metrics_port, metrics.registry,
+                                           lambda: {"status": "ok", "in_flight": gw.in_flight}).start()
+        log.info("gateway %s serving %s (redis %s, auth %s)", gw.id, spec.name, settings.redis_url,
+                 f"{len(gw.api_keys)} key(s)" if gw.api_keys else "off")
+        try:
+            yield
+        finally:
+            gw.draining = True
+            await gw.stop()
+            if metrics_server is not None:
+                metrics_server.stop()
+
+    app = FastAPI(title="kernellab", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
+
+    def gw() -> Gateway:
+        return state["gw"]
+
+    # ----------------------------------------------------------------- errors
+    @app.exception_handler(KernellabError)
+    async def _kernellab_error(_request: Request, exc: KernellabError):
+        return JSONResponse(exc.to_openai(), status_code=exc.status_code, headers=error_headers(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException):
+        err = KernellabError(str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        err.error_type = "invalid_request_error"
+        return JSONResponse(err.to_openai(), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError):
+        return JSONResponse(InvalidRequestError(f"invalid request: {exc.errors()[:1]}").to_openai(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception):
+        log.exception("unexpected error")
+        return JSONResponse(KernellabError(f"internal error: {type(exc).__name__}").to_openai(), status_code=500)
+
+    # ----------------------------------------------------------------- helpers
+    def check_auth(request: Request) -> None:
+        keys = gw().api_keys
+        if not keys:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+        token = token.strip()
+        if not any(hmac.compare_digest(token.encode(), k.encode()) for k in keys):
+            raise Unauthorized("incorrect API key provided")
+
+    async def read_json(request: Request):
+        limit = settings.max_body_bytes
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > limit:
+            raise PayloadTooLarge(limit)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise PayloadTooLarge(limit)
+        try:
+            return json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidRequestError(f"the body is not valid JSON: {exc}") from None
+
+    async def until_disconnect(request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        raise ClientGone()
+
+    async def race(coro, watcher: asyncio.Task):
+        task = asyncio.ensure_future(coro)
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        raise ClientGone()
+
+    # ----------------------------------------------------------------- routes
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        ok, why = gw().ready()
+        body = {"status": why, "model": spec.name, "workers": len(gw().live_workers)}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_auth(request)
+        g = gw()
+        return {"object": "list", "data": [{"id": g.model, "object": "model", "created": 0, "owned_by": "kernellab",
+                                            "root": spec.hub_id or spec.source, "max_model_len": g.max_model_len}]}
+
+    @app.post("/v1/requests/{request_id}/cancel")
+    async def cancel(request_id: str, request: Request):
+        check_auth(request)
+        if not await gw().cancel_by_id(request_id):
+            raise NotFound(f"no request {request_id!r} (unknown or expired)", code="not_found")
+        return {"id": request_id, "object": "request.cancel", "cancelled": True}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await generate("chat", request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate("completion", request)
+
+    async def generate(kind: str, request: Request):
+        started = time.perf_counter()
+        check_auth(request)
+        g = gw()
+        if g.draining:
+            raise ServiceUnavailable("the gateway is shutting down", code="draining")
+        data = await read_json(request)
+        size = len(json.dumps(data.get("messages") or data.get("prompt") or "")) if isinstance(data, dict) else 0
+        args = (kind, data, g.tokenizer)
+        kwargs = {"served_model": g.model, "max_model_len": g.max_model_len, "max_n": settings.max_n}
+        if size > _THREAD_TOKENIZE_CHARS:
+            p = await asyncio.to_thread(prepare, *args, **kwargs)
+        else:
+            p = prepare(*args, **kwargs)
+        rs = await g.submit(p, started)
+        watcher = asyncio.ensure_future(until_disconnect(request))
+        handed_over = False
+        try:
+            first = await race(rs.next(), watcher)
+            if p.stream:
+                done = {"ok": False}
+
+                def on_close():
+                    if not done["ok"]:
+                        metrics.disconnects.inc()
+                    rs.close()
+
+                handed_over = True
+                return _Stream(stream_body(p, rs, first, done), on_close, media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return JSONResponse(await race(collect(p, rs, first), watcher))
+        except ClientGone:
+            metrics.disconnects.inc()
+            return Response(status_code=499)
+        finally:
+            watcher.cancel()
+            if not handed_over:
+                rs.close()
+
+    def chunk_for(p, created: int, u, sent: set, offsets: dict) -> dict:
+        first = u.index not in sent
+        sent.add(u.index)
+        text = u.text
+        if first and p.echo_text:
+            text = p.echo_text[u.index // (p.n_choices // len(p.prompts))] + text
+        if p.kind == "chat":
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            lp = R.chat_logprobs(u.logprobs, g_text()) if u.logprobs is not None else None
+            return R.chat_chunk(p, created, u.index, delta, lp, u.finish_reason, with_usage_field=p.include_usage)
+        lp = None
+        if u.logprobs is not None:
+            lp = R.completion_logprobs(u.logprobs, g_text(), offsets.get(u.index, 0))
+        offsets[u.index] = offsets.get(u.index, 0) + len(text)
+        return R.completion_chunk(p, created, u.index, text, lp, u.finish_reason, with_usage_field=p.include_usage)
+
+    def g_text() -> R.TokenText:
+        return gw().token_text
+
+    async def stream_body(p, rs, first, done: dict):
+        """The SSE body; ``done["ok"]`` tells the closer that the client got everything (no disconnect)."""
+        created, sent, offsets = int(time.time()), set(), {}
+        update = first
+        try:
+            while update is not None:
+                yield R.sse(chunk_for(p, created, update, sent, offsets))
+                update = await rs.next()
+            if p.include_usage:
+                usage = R.usage(sum(len(x) for x in p.prompts), rs.completion_tokens, rs.cached_tokens)
+                yield R.sse(R.usage_chunk(p, created, usage))
+        except KernellabError as exc:  # after the 200 went out: an error event, as OpenAI streams do
+            yield R.sse(exc.to_openai())
+        done["ok"] = True
+        rs.close()
+        yield R.SSE_DONE
+
+    async def collect(p, rs, first) -> dict:
+        texts, reasons = defaultdict(list), {}
+        update = first
+        while update is not None:
+            texts[update.index].append(update.text)
+            if update.finish_reason is not None:
+                reasons[update.index] = update.finish_reason
+            update = await rs.next()
+        choices = []
+        per_prompt = p.n_choices // len(p.prompts)
+        for c in p.choices:
+            text = "".join(texts[c.index])
+            if p.echo_text:
+                text = p.echo_text[c.index // per_prompt] + text
+            entries = rs.choices[c.index].logprobs
+            if p.kind == "chat":
+                lp = R.chat_logprobs(entries, g_text()) if p.logprobs is not None else None
+                choices.append(R.chat_choice(c.index, text, lp, reasons.get(c.index)))
+            else:
+                lp = R.completion_logprobs(entries, g_text(), 0) if p.logprobs is not None else None
+                choices.append(R.completion_choice(c.index, text, lp, reasons.get(c.index)))
+        usage = R.usage(sum(len(x) for x in p.prompts), rs.completion_tokens, rs.cached_tokens)
+        return R.final_response(p, int(time.time()), choices, usage)
+
+    return app

@@ -1,0 +1,145 @@
+"""One request's life in the gateway: enqueue its choices, follow their output streams, detokenize, answer.
+
+Invariants:
+- Each choice's tokens are taken exactly once: a chunk whose ``seq`` is behind what we have is trimmed (a
+  reclaiming worker may rewrite tokens a dead one already wrote); a chunk ahead of it is a protocol error.
+- A choice ends at its worker's final chunk or at the first stop string our own detokenizer sees, whichever
+  comes first; in the second case a cancel goes to the worker so it frees the KV blocks at its next step.
+- Whatever way the HTTP request ends (done, error, client gone), its subscription is dropped, the waiting and
+  in-flight counts return, and unfinished choices are cancelled on the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from kernellab.runtime.detokenizer import IncrementalDetokenizer
+from kernellab.services.gateway.errors import DeadlineExceeded, ServiceUnavailable, UpstreamError
+from kernellab.services.gateway.requests import Prepared
+from kernellab.services.gateway.router import RouterFailure, Subscription
+from kernellab.services.queue.protocol import ErrorMessage, OutputChunk, engine_request_id
+
+# A worker ends an expired request itself; this much later the gateway gives up waiting for it.
+DEADLINE_GRACE_S = 5.0
+
+
+@dataclass
+class Update:
+    index: int
+    text: str
+    logprobs: list | None  # wire-format entries for the new tokens
+    finish_reason: str | None
+
+
+@dataclass
+class ChoiceState:
+    detok: IncrementalDetokenizer
+    next_index: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    logprobs: list = field(default_factory=list)
+
+
+class ResultStream:
+    """Updates of every choice of a request, in arrival order; ``None`` once all have finished."""
+
+    def __init__(self, gateway, p: Prepared, sub: Subscription, deadline: float, started: float):
+        self.g, self.p, self.sub = gateway, p, sub
+        self.deadline = deadline + DEADLINE_GRACE_S
+        self.started = started
+        tok = gateway.tokenizer
+        self.choices = {
+            c.index: ChoiceState(IncrementalDetokenizer(tok, p.prompts[c.prompt_index], c.params.stop,
+                                                        c.params.include_stop_str_in_output))
+            for c in p.choices
+        }
+        self.remaining = len(self.choices)
+        self.first_token_at: float | None = None
+        self.closed = False
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.next_index for c in self.choices.values())
+
+    @property
+    def cached_tokens(self) -> int:
+        by_prompt: dict[int, int] = {}
+        for c in self.p.choices:
+            by_prompt[c.prompt_index] = max(by_prompt.get(c.prompt_index, 0), self.choices[c.index].cached_tokens)
+        return sum(by_prompt.values())
+
+    async def next(self) -> Update | None:
+        while self.remaining:
+            q = self.sub.queue
+            if q.empty():
+                try:
+                    async with asyncio.timeout(max(0.0, self.deadline - time.time())):
+                        index, msg = await q.get()
+                except TimeoutError:
+                    raise DeadlineExceeded() from None
+            else:
+                index, msg = q.get_nowait()
+            update = self._apply(index, msg)
+            if update is not None:
+                return update
+        return None
+
+    def _apply(self, index, msg) -> Update | None:
+        if isinstance(msg, RouterFailure):
+            raise ServiceUnavailable(f"lost the connection to the queue: {msg}", code="queue_unavailable")
+        st = self.choices[index]
+        if st.finished:
+            return None
+        if isinstance(msg, ErrorMessage):
+            raise UpstreamError(msg.status, msg.message, msg.type, msg.code, msg.param)
+        if not isinstance(msg, OutputChunk):
+            return None
+        skip = st.next_index - msg.seq
+        if skip < 0:
+            raise ServiceUnavailable(f"choice {index} skipped tokens {st.next_index}..{msg.seq}", code="protocol_gap")
+        tokens = msg.token_ids[skip:]
+        logprobs = msg.logprobs[skip:] if msg.logprobs is not None else None
+        st.next_index += len(tokens)
+        if tokens and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+            self.g.first_token(self)
+        text = st.detok.push(tokens) if tokens else ""
+        reason = None
+        if st.detok.stopped:
+            reason = "stop"
+            if not msg.finished:
+                self.g.cancel(self.p.request_id, index, "stop_string")
+        elif msg.finished:
+            text += st.detok.flush()
+            reason = msg.finish_reason
+        if msg.finished:
+            st.cached_tokens = msg.cached_tokens
+        if reason is not None:
+            if reason == "deadline":
+                raise DeadlineExceeded()
+            st.finished, st.finish_reason = True, reason
+            self.remaining -= 1
+        if not text and not logprobs and reason is None:
+            return None
+        if logprobs and self.p.logprobs is not None:
+            st.logprobs.extend(logprobs)
+        return Update(index, text, logprobs if self.p.logprobs is not None else None, reason)
+
+    def close(self) -> None:
+        """Idempotent: drop the subscription; cancel what has not finished (client gone, error)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.g.release(self)
+        unfinished = [i for i, c in self.choices.items() if not c.finished]
+        if unfinished:
+            index = None if len(unfinished) == len(self.choices) else unfinished
+            if index is None:
+                self.g.cancel(self.p.request_id, None, "closed")
+            else:
+                for i in index:
+                    self.g.cancel(self.p.request_id, i, "closed")
+        self.g.forget_streams([engine_request_id(self.p.request_id, i) for i in self.choices])

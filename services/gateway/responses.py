@@ -1,0 +1,103 @@
+"""OpenAI response shapes: chat.completion(.chunk), text_completion, usage and logprobs, as plain dicts."""
+
+from __future__ import annotations
+
+import json
+
+from kernellab.services.gateway.requests import Prepared
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def sse(obj) -> bytes:
+    return b"data: " + _dumps(obj).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class TokenText:
+    """The text of single tokens for logprobs (cached: a vocabulary is small next to a long serving life)."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tok.decode([token_id], skip_special_tokens=False)
+            if len(self._cache) < 200_000:
+                self._cache[token_id] = text
+        return text
+
+
+def chat_logprobs(entries: list, text: TokenText) -> dict:
+    """``entries``: [token_id, logprob, [[top_id, top_logprob], ...]] per token (the wire format)."""
+    content = []
+    for token_id, logprob, top in entries:
+        s = text(token_id)
+        content.append({
+            "token": s, "logprob": logprob, "bytes": list(s.encode()),
+            "top_logprobs": [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode())} for t, lp in top],
+        })
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(entries: list, text: TokenText, offset: int) -> dict:
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for token_id, logprob, top in entries:
+        s = text(token_id)
+        tokens.append(s)
+        token_logprobs.append(logprob)
+        tops.append({text(t): lp for t, lp in top})
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def chat_chunk(p: Prepared, created: int, index: int, delta: dict, logprobs, finish_reason, *,
+               with_usage_field: bool = False) -> dict:
+    chunk = {"id": p.request_id, "object": "chat.completion.chunk", "created": created, "model": p.model,
+             "system_fingerprint": None,
+             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+    if with_usage_field:
+        chunk["usage"] = None
+    return chunk
+
+
+def completion_chunk(p: Prepared, created: int, index: int, text: str, logprobs, finish_reason, *,
+                     with_usage_field: bool = False) -> dict:
+    chunk = {"id": p.request_id, "object": "text_completion", "created": created, "model": p.model,
+             "system_fingerprint": None,
+             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+    if with_usage_field:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(p: Prepared, created: int, u: dict) -> dict:
+    obj = "chat.completion.chunk" if p.kind == "chat" else "text_completion"
+    return {"id": p.request_id, "object": obj, "created": created, "model": p.model, "system_fingerprint": None,
+            "choices": [], "usage": u}
+
+
+def final_response(p: Prepared, created: int, choices: list[dict], u: dict) -> dict:
+    obj = "chat.completion" if p.kind == "chat" else "text_completion"
+    return {"id": p.request_id, "object": obj, "created": created, "model": p.model, "system_fingerprint": None,
+            "choices": choices, "usage": u}
+
+
+def chat_choice(index: int, text: str, logprobs, finish_reason) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
+            "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_choice(index: int, text: str, logprobs, finish_reason) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}

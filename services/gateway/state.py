@@ -1,0 +1,207 @@
+"""The gateway's shared state: Redis clients, the output router, backpressure counts, readiness.
+
+Backpressure: ``waiting`` counts admitted requests that have no first token yet (queued in Redis or in an
+engine's waiting list); a request beyond ``max_waiting`` is refused with 429 + Retry-After before it touches
+Redis. ``/ready`` needs Redis and a heartbeat younger than ``worker_dead_after_s`` from a worker of our model
+that is not draining; a poller refreshes that view every half second so requests never pay for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+
+import redis.asyncio as aioredis
+from kernellab.services.config import GatewaySettings
+from kernellab.services.gateway.errors import RateLimited, ServiceUnavailable
+from kernellab.services.gateway.generation import ResultStream
+from kernellab.services.gateway.metrics import GatewayMetrics
+from kernellab.services.gateway.requests import Prepared
+from kernellab.services.gateway.responses import TokenText
+from kernellab.services.gateway.router import REDIS_DOWN, OutputRouter
+from kernellab.services.queue.keys import GROUP, Keys
+from kernellab.services.queue.protocol import (
+    CancelMessage,
+    Heartbeat,
+    ProtocolError,
+    RequestMessage,
+    decode,
+    entry,
+)
+
+log = logging.getLogger("kernellab.gateway")
+
+REQUEST_STREAM_MAXLEN = 100_000  # approximate trim; backpressure keeps the backlog far below it
+
+
+def redis_client(url: str, *, timeout: float = 1.0, blocking_ms: int = 0) -> aioredis.Redis:
+    """Fail fast when Redis is away: short connect timeout, no hidden retries."""
+    return aioredis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout + blocking_ms / 1000,
+                                   retry=None)
+
+
+class Gateway:
+    def __init__(self, settings: GatewaySettings, tokenizer, served_model: str, max_model_len: int,
+                 metrics: GatewayMetrics | None = None):
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.model = served_model
+        self.max_model_len = max_model_len
+        self.keys = Keys(settings.key_prefix, served_model)
+        self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.metrics = metrics or GatewayMetrics(served_model)
+        self.token_text = TokenText(tokenizer)
+        self.api_keys = settings.keys_in_use()
+        self.redis = redis_client(settings.redis_url)
+        self.router = OutputRouter(redis_client(settings.redis_url, blocking_ms=5000), self.keys.wake(self.id))
+        self.waiting = 0
+        self.in_flight = 0
+        self.draining = False
+        self.redis_ok = False
+        self.live_workers: list[Heartbeat] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._poller: asyncio.Task | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        await self.router.start()
+        await self.poll_once()
+        self._poller = asyncio.create_task(self._poll(), name="readiness-poller")
+
+    async def stop(self) -> None:
+        if self._poller:
+            self._poller.cancel()
+        await self.router.stop()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=2.0)
+        await self.redis.aclose()
+        await self.router.r.aclose()
+
+    def _spawn(self, coro) -> None:
+        """Fire and forget (cancels, cleanup): never awaited by a request that may itself be cancelled."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ----------------------------------------------------------------- readiness
+    async def poll_once(self) -> None:
+        try:
+            now = time.time()
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.zrangebyscore(self.keys.workers, now - self.settings.worker_dead_after_s, "+inf")
+            for stream in self.keys.request_streams:
+                pipe.xinfo_groups(stream)
+            ids, *groups = await pipe.execute(raise_on_error=False)
+            workers = []
+            if isinstance(ids, list) and ids:
+                blobs = await self.redis.mget([self.keys.heartbeat(w.decode()) for w in ids])
+                for blob in blobs:
+                    try:
+                        hb = decode(blob, Heartbeat) if blob else None
+                    except ProtocolError:
+                        hb = None
+                    if hb is not None and not hb.draining:
+                        workers.append(hb)
+            self.live_workers = workers
+            lag = 0
+            for g in groups:
+                if isinstance(g, list):
+                    lag += sum(int(x.get("lag") or 0) for x in g if x.get("name") in (GROUP, GROUP.encode()))
+            self.metrics.redis_lag.set(lag)
+            self.redis_ok = True
+        except REDIS_DOWN:
+            self.redis_ok = False
+            self.live_workers = []
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            await self.poll_once()
+
+    def ready(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "draining"
+        if not self.redis_ok or not self.router.healthy:
+            return False, "redis unavailable"
+        if not self.live_workers:
+            return False, f"no live worker for {self.model}"
+        return True, "ready"
+
+    # ----------------------------------------------------------------- requests
+    async def submit(self, p: Prepared, started: float) -> ResultStream:
+        if self.draining:
+            raise ServiceUnavailable("the gateway is shutting down", code="draining")
+        if self.waiting >= self.settings.max_waiting:
+            self.metrics.rejected.inc()
+            raise RateLimited(f"too many requests waiting ({self.waiting}); retry shortly")
+        streams = {self.keys.output(f"{p.request_id}-{c.index}"): c.index for c in p.choices}
+        sub = self.router.subscribe(streams)
+        now = time.time()
+        deadline = now + self.settings.request_timeout_s
+        pipe = self.redis.pipeline(transaction=False)
+        stream = self.keys.requests(p.priority)
+        for c in p.choices:
+            msg = RequestMessage(p.request_id, c.index, p.model, p.prompts[c.prompt_index], c.params.to_dict(),
+                                 p.priority, deadline, now)
+            pipe.xadd(stream, entry(msg), maxlen=REQUEST_STREAM_MAXLEN, approximate=True)
+        pipe.set(self.keys.meta(p.request_id), len(p.choices), ex=self.settings.output_ttl_s)
+        pipe.xadd(self.router.wake_key, {b"w": b"1"}, maxlen=64, approximate=True)
+        try:
+            await pipe.execute()
+        except REDIS_DOWN as exc:
+            self.router.unsubscribe(sub)
+            raise ServiceUnavailable(f"the request queue is unavailable: {exc}", code="queue_unavailable") from None
+        self.waiting += 1
+        self.in_flight += 1
+        self.metrics.queue_depth.set(self.waiting)
+        self.metrics.in_flight.set(self.in_flight)
+        return ResultStream(self, p, sub, deadline, started)
+
+    def first_token(self, rs: ResultStream) -> None:
+        self.waiting -= 1
+        self.metrics.queue_depth.set(self.waiting)
+        self.metrics.ttft.observe(rs.first_token_at - rs.started)
+
+    def release(self, rs: ResultStream) -> None:
+        self.router.unsubscribe(rs.sub)
+        if rs.first_token_at is None:
+            self.waiting -= 1
+            self.metrics.queue_depth.set(self.waiting)
+        self.in_flight -= 1
+        self.metrics.in_flight.set(self.in_flight)
+
+    def cancel(self, request_id: str, index: int | None, reason: str) -> None:
+        self.metrics.cancels.labels(reason).inc()
+        self._spawn(self._send_cancel(CancelMessage(request_id, index, reason)))
+
+    async def _send_cancel(self, msg: CancelMessage) -> None:
+        try:
+            await self.redis.xadd(self.keys.cancel, entry(msg), maxlen=10_000, approximate=True)
+        except REDIS_DOWN as exc:
+            log.warning("could not send cancel for %s: %s", msg.request_id, exc)
+
+    async def cancel_by_id(self, request_id: str) -> bool:
+        """POST /v1/requests/{id}/cancel: any gateway can cancel any request it can find in Redis."""
+        try:
+            exists = await self.redis.exists(self.keys.meta(request_id))
+        except REDIS_DOWN as exc:
+            raise ServiceUnavailable(f"the request queue is unavailable: {exc}", code="queue_unavailable") from None
+        if not exists:
+            return False
+        await self._send_cancel(CancelMessage(request_id, None, "api"))
+        self.metrics.cancels.labels("api").inc()
+        return True
+
+    def forget_streams(self, engine_ids: list[str]) -> None:
+        keys = [self.keys.output(e) for e in engine_ids]
+
+        async def unlink():
+            with contextlib.suppress(*REDIS_DOWN):  # they expire anyway
+                await self.redis.unlink(*keys)
+
+        self._spawn(unlink())

@@ -1,0 +1,287 @@
+"""The worker's Redis I/O, in threads beside the step loop so the engine never waits on the network.
+
+- ``request reader``: XREADGROUP (interactive first, batch capped to a share of capacity), only as many
+  requests as the worker has room for, so that several workers share the load.
+- ``cancel reader``: XREAD of the broadcast cancel stream; remembers recent cancels for requests not yet seen.
+- ``writer``: each step's chunks and XACKs in one MULTI/EXEC pipeline (so a gateway's blocked XREAD wakes once
+  per step with every stream's new entry). While Redis is away it keeps the batch and retries; after
+  ``outage_grace_s`` it asks the step loop to abort everything in flight (the gateways have failed those
+  streams already), and the aborts are written once Redis answers again.
+- ``housekeeping``: heartbeat, refresh of held entries, XAUTOCLAIM of dead workers' requests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import redis
+from kernellab.services.queue.broker import Delivery, WorkerQueue, connect, decode_cancel
+from kernellab.services.queue.keys import GROUP, Keys
+from kernellab.services.queue.protocol import CancelMessage, ErrorMessage, Heartbeat, OutputChunk, encode
+
+log = logging.getLogger("kernellab.worker")
+
+_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+
+@dataclass
+class WriteBatch:
+    messages: list[OutputChunk | ErrorMessage] = field(default_factory=list)
+    acks: list[Delivery] = field(default_factory=list)
+    requeue: list[Delivery] = field(default_factory=list)  # a draining worker hands these back
+
+
+class Holdings:
+    """Entries this worker holds (read, not yet XACKed), by engine id. Thread-safe; wakes the reader on release."""
+
+    def __init__(self):
+        self._lock = threading.Condition()
+        self._held: dict[str, Delivery] = {}
+
+    def add(self, d: Delivery) -> None:
+        with self._lock:
+            self._held[d.message.engine_id] = d
+
+    def release(self, deliveries: list[Delivery]) -> None:
+        with self._lock:
+            for d in deliveries:
+                if self._held.get(d.message.engine_id) is d:
+                    del self._held[d.message.engine_id]
+            self._lock.notify_all()
+
+    def count(self, priority: str | None = None) -> int:
+        with self._lock:
+            return sum(1 for d in self._held.values() if priority in (None, d.message.priority))
+
+    def by_stream(self) -> dict[str, list[str]]:
+        with self._lock:
+            out: dict[str, list[str]] = {}
+            for d in self._held.values():
+                out.setdefault(d.stream, []).append(d.entry_id)
+            return out
+
+    def all(self) -> list[Delivery]:
+        with self._lock:
+            return list(self._held.values())
+
+    def wait_for_room(self, limit: int, timeout: float) -> None:
+        with self._lock:
+            if len(self._held) >= limit:
+                self._lock.wait(timeout)
+
+
+class RecentCancels:
+    """Cancels seen on the broadcast stream, kept for ``ttl_s`` so a request read later is dropped at once."""
+
+    def __init__(self, ttl_s: float):
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._seen: dict[str, tuple[float, set[int] | None]] = {}
+
+    def add(self, c: CancelMessage) -> None:
+        with self._lock:
+            _t, idx = self._seen.get(c.request_id, (0.0, set()))
+            if c.index is None or idx is None:
+                idx = None
+            else:
+                idx = idx | {c.index}
+            self._seen[c.request_id] = (time.monotonic(), idx)
+
+    def cancelled(self, request_id: str, index: int) -> bool:
+        with self._lock:
+            hit = self._seen.get(request_id)
+            return hit is not None and (hit[1] is None or index in hit[1])
+
+    def prune(self) -> None:
+        cutoff = time.monotonic() - self.ttl_s
+        with self._lock:
+            for rid in [r for r, (t, _i) in self._seen.items() if t < cutoff]:
+                del self._seen[rid]
+
+
+class RedisIO:
+    def __init__(self, url: str, keys: Keys, worker_id: str, *, max_num_seqs: int, batch_share: float,
+                 max_deliveries: int, heartbeat_interval_s: float, dead_after_s: float, output_ttl_s: int,
+                 request_timeout_s: float, inbox: queue.SimpleQueue, heartbeat: Callable[[], Heartbeat],
+                 metrics=None, outage_grace_s: float = 2.0):
+        self.url, self.keys, self.worker_id = url, keys, worker_id
+        self.max_num_seqs, self.batch_share = max_num_seqs, batch_share
+        self.max_deliveries = max_deliveries
+        self.hb_interval, self.dead_after_s = heartbeat_interval_s, dead_after_s
+        self.output_ttl_ms = output_ttl_s * 1000
+        self.inbox, self.make_heartbeat, self.metrics = inbox, heartbeat, metrics
+        self.outage_grace_s = outage_grace_s
+        self.holdings = Holdings()
+        self.cancels = RecentCancels(request_timeout_s)
+        self.outbox: queue.SimpleQueue[WriteBatch | None] = queue.SimpleQueue()
+        self.accepting = threading.Event()  # cleared on drain: read and reclaim nothing new
+        self.accepting.set()
+        self.stopping = threading.Event()
+        self.redis_ok = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def _queue(self, blocking_ms: int = 0) -> WorkerQueue:
+        return WorkerQueue(connect(self.url, blocking_ms=blocking_ms), self.keys, self.worker_id,
+                           max_deliveries=self.max_deliveries)
+
+    def start(self) -> None:
+        for name, target in (("request-reader", self._read_requests), ("cancel-reader", self._read_cancels),
+                             ("writer", self._write), ("housekeeping", self._housekeeping)):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop reading, flush the writer (everything queued before this call is written first), leave."""
+        self.accepting.clear()
+        self.outbox.put(None)
+        self.stopping.set()
+        for t in self._threads:
+            t.join(timeout)
+        with contextlib.suppress(_REDIS_DOWN):
+            self._queue().leave(self.keys.heartbeat(self.worker_id))
+
+    def _down(self, where: str, exc: Exception) -> None:
+        if self.redis_ok.is_set():
+            log.warning("redis unavailable (%s): %s", where, exc)
+        self.redis_ok.clear()
+        if self.metrics is not None:
+            self.metrics.redis_errors.inc()
+
+    def _deliver(self, deliveries: list[Delivery]) -> None:
+        for d in deliveries:
+            self.holdings.add(d)
+            self.inbox.put(("add", d))
+
+    # ----------------------------------------------------------------- threads
+    def _read_requests(self) -> None:
+        q = None
+        while not self.stopping.is_set():
+            if not self.accepting.is_set():
+                self.stopping.wait(0.1)
+                continue
+            try:
+                q = q or self._queue(blocking_ms=1000)
+                room = self.max_num_seqs - self.holdings.count()
+                if room <= 0:
+                    self.holdings.wait_for_room(self.max_num_seqs, 0.5)
+                    continue
+                batch_room = max(0, min(room, int(self.max_num_seqs * self.batch_share) - self.holdings.count("batch")))
+                got = q.read({"interactive": room}, None)
+                if len(got) < room and batch_room:
+                    got += q.read({"batch": min(batch_room, room - len(got))}, None)
+                if not got:
+                    got = q.read({"interactive": 1, "batch": 1 if batch_room else 0}, 1000)
+                self.redis_ok.set()
+                self._deliver(got)
+            except _REDIS_DOWN as exc:
+                self._down("read", exc)
+                q = None
+                self.stopping.wait(0.5)
+
+    def _read_cancels(self) -> None:
+        q, last = None, None
+        while not self.stopping.is_set():
+            try:
+                if q is None:
+                    q = self._queue(blocking_ms=1000)
+                    recent, last = q.recent_cancels(self.cancels.ttl_s)
+                    for c in recent:
+                        if c is not None:
+                            self.cancels.add(c)
+                reply = q.r.xread({self.keys.cancel: last}, count=512, block=1000)
+                for _stream, entries in reply or []:
+                    for eid, fields in entries:
+                        last = eid
+                        c = decode_cancel(fields)
+                        if c is not None:
+                            self.cancels.add(c)  # first: a request read after this is dropped at once
+                            self.inbox.put(("cancel", c))
+            except _REDIS_DOWN as exc:
+                self._down("cancels", exc)
+                q = None
+                self.stopping.wait(0.5)
+
+    def _write(self) -> None:
+        q, pending, failing_since, aborted = None, None, None, False
+        done = False
+        while not (done and pending is None):
+            if pending is None:
+                item = self.outbox.get()
+                if item is None:
+                    done = True
+                    continue
+                pending = item
+                while True:  # coalesce: a writer that fell behind sends several steps in one pipeline
+                    try:
+                        more = self.outbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None:
+                        done = True
+                        break
+                    pending.messages += more.messages
+                    pending.acks += more.acks
+                    pending.requeue += more.requeue
+            try:
+                q = q or self._queue()
+                self._execute(q, pending)
+                self.holdings.release(pending.acks + pending.requeue)
+                pending, failing_since, aborted = None, None, False
+                self.redis_ok.set()
+            except _REDIS_DOWN as exc:
+                self._down("write", exc)
+                q = None
+                failing_since = failing_since or time.monotonic()
+                if not aborted and time.monotonic() - failing_since > self.outage_grace_s:
+                    self.inbox.put(("abort_all", "redis unavailable"))
+                    aborted = True
+                if done and time.monotonic() - failing_since > self.outage_grace_s:
+                    log.error("dropping %d unwritten messages at exit: redis unavailable", len(pending.messages))
+                    return
+                time.sleep(0.2)
+
+    def _execute(self, q: WorkerQueue, batch: WriteBatch) -> None:
+        pipe = q.r.pipeline(transaction=True)
+        for m in batch.messages:
+            key = self.keys.output(f"{m.request_id}-{m.index}")
+            pipe.xadd(key, {b"m": encode(m)})
+            pipe.pexpire(key, self.output_ttl_ms)
+        for d in batch.acks:
+            pipe.xack(d.stream, GROUP, d.entry_id)
+        pipe.execute(raise_on_error=False)
+        if batch.requeue:
+            q.requeue(batch.requeue)
+
+    def _housekeeping(self) -> None:
+        q = None
+        while not self.stopping.wait(self.hb_interval):
+            try:
+                q = q or self._queue()
+                if self.accepting.is_set():
+                    q.ensure_groups()
+                hb = self.make_heartbeat()
+                ttl_ms = int(self.dead_after_s * 1000)
+                q.heartbeat(self.keys.heartbeat(self.worker_id), encode(hb), ttl_ms, hb.time)
+                q.refresh(self.holdings.by_stream())
+                room = self.max_num_seqs - self.holdings.count()
+                if self.accepting.is_set() and room > 0:
+                    dead_before = q.dead_lettered
+                    claimed = q.reclaim(ttl_ms, room)
+                    if self.metrics is not None:
+                        self.metrics.reclaimed.inc(len(claimed))
+                        self.metrics.dead_lettered.inc(q.dead_lettered - dead_before)
+                    if claimed:
+                        log.info("reclaimed %d request(s) from dead workers", len(claimed))
+                    self._deliver(claimed)
+                self.cancels.prune()
+                self.redis_ok.set()
+            except _REDIS_DOWN as exc:
+                self._down("heartbeat", exc)
+                q = None

@@ -1,0 +1,262 @@
+"""The worker: one engine, driven by a step loop that never touches the network.
+
+Between steps the loop drains its inbox (new requests, cancels, "abort all" after a Redis outage) that the I/O
+threads fill; after each step it hands that step's chunks and XACKs to the writer thread as one batch.
+
+Invariants:
+- A request is XACKed only in the same transaction that writes its final chunk or error.
+- ``OutputChunk.seq`` counts the tokens emitted for the choice, including those emitted before a resume.
+- Drain (SIGTERM): stop reading, finish what runs until ``drain_timeout_s``, then hand the rest back to the
+  queue as resumable copies after their emitted chunks are written; a live worker continues them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from kernellab.runtime.errors import KernellabError
+from kernellab.runtime.sampling import SamplingParams
+from kernellab.services.config import WorkerSettings
+from kernellab.services.queue.broker import Delivery, WorkerQueue, connect
+from kernellab.services.queue.keys import Keys
+from kernellab.services.queue.protocol import ErrorMessage, Heartbeat, OutputChunk
+from kernellab.services.worker.io import RedisIO, WriteBatch
+from kernellab.services.worker.metrics import WorkerMetrics
+
+log = logging.getLogger("kernellab.worker")
+
+PRIORITY_VALUE = {"interactive": 0, "batch": 1}  # the engine runs lower values first
+
+
+@dataclass
+class Active:
+    delivery: Delivery
+    emitted: int  # tokens emitted so far for this choice (seq of the next chunk)
+    arrival: float
+    first: float | None = None
+    last: float | None = None
+
+
+def load_engine_factory(path: str):
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr or "LLMEngine")
+
+
+class Worker:
+    def __init__(self, settings: WorkerSettings, engine=None):
+        self.settings = s = settings
+        self.worker_id = s.resolved_worker_id()
+        if engine is None:
+            from kernellab.runtime.config import EngineConfig
+
+            engine = load_engine_factory(s.engine)(EngineConfig(
+                model=s.model, device=s.device, dtype=s.dtype, max_model_len=s.max_model_len,
+                max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                num_kv_blocks=s.num_kv_blocks, block_size=s.block_size))
+        self.engine = engine
+        self.model_name = getattr(getattr(engine, "spec", None), "name", None) or s.model
+        self.keys = Keys(s.key_prefix, self.model_name)
+        self.metrics = WorkerMetrics(self.model_name)
+        self.metrics_url = ""
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.io = RedisIO(s.redis_url, self.keys, self.worker_id, max_num_seqs=s.max_num_seqs,
+                          batch_share=s.batch_share, max_deliveries=s.max_deliveries,
+                          heartbeat_interval_s=s.heartbeat_interval_s, dead_after_s=s.worker_dead_after_s,
+                          output_ttl_s=s.output_ttl_s, request_timeout_s=s.request_timeout_s, inbox=self.inbox,
+                          heartbeat=self.heartbeat, metrics=self.metrics)
+        self.active: dict[str, Active] = {}
+        self.draining = threading.Event()
+        self.stopped = threading.Event()
+        self._stats = engine.stats()
+        self.loop_error: BaseException | None = None
+
+    # ----------------------------------------------------------------- public
+    def heartbeat(self) -> Heartbeat:
+        st = self._stats
+        return Heartbeat(self.worker_id, self.model_name, time.time(), os.getpid(), st.num_running, st.num_waiting,
+                         float(st.kv_cache_usage), int(getattr(self.engine, "max_model_len", 0) or 0),
+                         self.metrics_url, self.draining.is_set(), {"active": len(self.active)})
+
+    def health(self) -> dict:
+        ok = self.loop_error is None and not self.stopped.is_set()
+        st = self._stats
+        return {"status": "ok" if ok else "failed", "worker_id": self.worker_id, "model": self.model_name,
+                "redis": self.io.redis_ok.is_set(), "draining": self.draining.is_set(),
+                "running": st.num_running, "waiting": st.num_waiting, "kv_cache_usage": st.kv_cache_usage}
+
+    def drain(self) -> None:
+        """Stop taking requests; the loop finishes what it has (up to drain_timeout_s) and returns."""
+        self.draining.set()
+        self.io.accepting.clear()
+        self.inbox.put(("wake", None))
+
+    def run(self) -> None:
+        try:
+            WorkerQueue(connect(self.settings.redis_url), self.keys, self.worker_id).ensure_groups()
+        except Exception as exc:  # Redis may come later; the I/O threads retry
+            log.warning("could not create consumer groups yet: %s", exc)
+        self.io.start()
+        try:
+            self._loop()
+        except BaseException as exc:
+            self.loop_error = exc
+            raise
+        finally:
+            self.io.stop()
+            self.stopped.set()
+
+    # ----------------------------------------------------------------- the loop
+    def _loop(self) -> None:
+        drain_deadline = None
+        while True:
+            self._drain_inbox(block=not self.engine.has_unfinished_requests())
+            if self.draining.is_set():
+                drain_deadline = drain_deadline or time.monotonic() + self.settings.drain_timeout_s
+                if not self.active or time.monotonic() >= drain_deadline:
+                    self._hand_back()
+                    return
+            if not self.engine.has_unfinished_requests():
+                self._refresh_stats()
+                continue
+            outputs = self.engine.step()
+            self._emit(outputs)
+            self._refresh_stats()
+
+    def _refresh_stats(self) -> None:
+        self._stats = self.engine.stats()
+        self.metrics.update_from_stats(self._stats)
+
+    def _drain_inbox(self, block: bool) -> None:
+        batch = WriteBatch()
+        try:
+            item = self.inbox.get(timeout=0.1) if block else self.inbox.get_nowait()
+            while True:
+                kind, payload = item
+                if kind == "add":
+                    self._add(payload, batch)
+                elif kind == "cancel":
+                    self._cancel(payload.request_id, payload.index, batch)
+                elif kind == "abort_all":
+                    log.warning("aborting %d request(s): %s", len(self.active), payload)
+                    for eid in list(self.active):
+                        self._abort(eid, batch)
+                item = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+        if batch.messages or batch.acks:
+            self.io.outbox.put(batch)
+
+    def _add(self, d: Delivery, batch: WriteBatch) -> None:
+        msg = d.message
+        eid = msg.engine_id
+        if d.finished:  # resumed, but its final chunk is already written: only the XACK was lost
+            batch.acks.append(d)
+            return
+        emitted = list(d.emitted or [])
+
+        def finish(reason: str) -> None:
+            batch.messages.append(self._chunk(d, len(emitted), [], None, True, reason))
+            batch.acks.append(d)
+            self.metrics.finish(reason)
+
+        if self.io.cancels.cancelled(msg.request_id, msg.index):
+            return finish("abort")
+        if msg.deadline is not None and msg.deadline <= time.time():
+            return finish("deadline")
+        if eid in self.active:  # read twice (a reclaim raced our own refresh): the running copy wins
+            self.io.holdings.release([d])
+            return
+        try:
+            params = SamplingParams.from_dict(msg.params)
+            self.engine.add_request(eid, msg.prompt_token_ids, params, priority=PRIORITY_VALUE.get(msg.priority, 0),
+                                    deadline=msg.deadline, output_token_ids=emitted)
+        except KernellabError as exc:
+            batch.messages.append(ErrorMessage(msg.request_id, msg.index, exc.status_code, exc.message,
+                                               exc.error_type, exc.code, exc.param, self.worker_id))
+            batch.acks.append(d)
+            return
+        except (TypeError, ValueError) as exc:
+            batch.messages.append(ErrorMessage(msg.request_id, msg.index, 400, f"bad request: {exc}",
+                                               "invalid_request_error", None, None, self.worker_id))
+            batch.acks.append(d)
+            return
+        self.active[eid] = Active(d, len(emitted), time.monotonic())
+
+    def _cancel(self, request_id: str, index: int | None, batch: WriteBatch) -> None:
+        indices = [index] if index is not None else None
+        for eid, a in list(self.active.items()):
+            m = a.delivery.message
+            if m.request_id == request_id and (indices is None or m.index in indices):
+                self._abort(eid, batch)
+
+    def _abort(self, eid: str, batch: WriteBatch) -> None:
+        a = self.active.pop(eid)
+        self.engine.abort(eid)
+        batch.messages.append(self._chunk(a.delivery, a.emitted, [], None, True, "abort"))
+        batch.acks.append(a.delivery)
+        self.metrics.finish("abort")
+
+    def _chunk(self, d: Delivery, seq: int, tokens, logprobs, finished: bool, reason, stop_reason=None,
+               cached: int = 0) -> OutputChunk:
+        m = d.message
+        return OutputChunk(m.request_id, m.index, seq, tokens, logprobs, finished, reason, stop_reason,
+                           len(m.prompt_token_ids), seq + len(tokens), cached, self.worker_id)
+
+    def _emit(self, outputs) -> None:
+        batch = WriteBatch()
+        now = time.monotonic()
+        m = self.metrics
+        for out in outputs:
+            a = self.active.get(out.request_id)
+            if a is None:
+                continue
+            tokens = list(out.new_token_ids)
+            if not tokens and not out.finished:
+                continue
+            logprobs = None
+            if out.new_logprobs:
+                logprobs = [[lp.token_id, float(lp.logprob), [[int(t), float(v)] for t, v in lp.top]]
+                            for lp in out.new_logprobs]
+            batch.messages.append(self._chunk(a.delivery, a.emitted, tokens, logprobs, out.finished,
+                                              out.finish_reason, out.stop_reason, out.num_cached_tokens))
+            a.emitted += len(tokens)
+            if tokens:
+                if a.first is None:
+                    a.first = now
+                    m.ttft.observe(now - a.arrival)
+                elif a.last is not None:
+                    m.itl.observe((now - a.last) / len(tokens))
+                a.last = now
+            if out.finished:
+                m.e2e.observe(now - a.arrival)
+                m.finish(out.finish_reason)
+                batch.acks.append(a.delivery)
+                del self.active[out.request_id]
+        if batch.messages or batch.acks:
+            self.io.outbox.put(batch)
+
+    def _hand_back(self) -> None:
+        """Drain timed out (or finished): abort what still runs and requeue it, after its chunks are written."""
+        batch = WriteBatch()
+        for eid, a in list(self.active.items()):
+            self.engine.abort(eid)
+            batch.requeue.append(a.delivery)
+            del self.active[eid]
+        # Requests read but never started (still in the inbox) go back too.
+        try:
+            while True:
+                kind, payload = self.inbox.get_nowait()
+                if kind == "add":
+                    batch.requeue.append(payload)
+        except queue.Empty:
+            pass
+        if batch.requeue:
+            log.info("handing %d unfinished request(s) back to the queue", len(batch.requeue))
+            self.io.outbox.put(batch)
+        self._refresh_stats()

@@ -1,0 +1,44 @@
+"""``kernellab worker``: load the engine, serve metrics and /health, run the step loop until SIGTERM drains it."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+from kernellab.services.config import WorkerSettings
+
+log = logging.getLogger("kernellab.worker")
+
+
+def serve(settings: WorkerSettings) -> None:
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kernellab.services.worker.loop import Worker
+    from kernellab.services.worker.metrics import MetricsServer
+
+    worker = Worker(settings)
+    server = None
+    if settings.metrics_port:
+        server = MetricsServer(settings.metrics_host, settings.metrics_port, worker.metrics.registry,
+                               worker.health).start()
+        worker.metrics_url = f"http://{settings.metrics_host}:{server.port}/metrics"
+
+    def on_signal(signum, _frame):
+        log.info("signal %d: draining (up to %.0fs)", signum, settings.drain_timeout_s)
+        worker.drain()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+    log.info("worker %s serving %s (redis %s, prefix %r, metrics %s)", worker.worker_id, worker.model_name,
+             settings.redis_url, settings.key_prefix, worker.metrics_url or "off")
+    try:
+        worker.run()
+    finally:
+        if server is not None:
+            server.stop()
+    log.info("worker %s stopped", worker.worker_id)
+
+
+if __name__ == "__main__":
+    serve(WorkerSettings())

@@ -1,0 +1,114 @@
+"""A deterministic stand-in for ``LLMEngine`` with the same step API, for testing the worker and the queue
+without loading a model: output token i of a request is ``prompt[(i + seed) % len(prompt)]`` (it echoes its
+prompt), so a resumed request continues exactly; each step sleeps ``step_s`` like a decode step would."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from kernellab.runtime.errors import ContextLengthError, InvalidRequestError
+
+
+@dataclass
+class _Logprob:
+    token_id: int
+    logprob: float
+    top: list
+
+
+@dataclass
+class FakeOutput:
+    request_id: str
+    new_token_ids: list
+    new_logprobs: list | None
+    finished: bool
+    finish_reason: str | None
+    stop_reason: object
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class FakeStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+class _Seq:
+    def __init__(self, rid, prompt, params, deadline, emitted):
+        self.rid, self.prompt, self.params, self.deadline = rid, prompt, params, deadline
+        self.output = list(emitted)
+        self.max_tokens = params.max_tokens
+
+
+class FakeEngine:
+    max_model_len = 256
+    num_blocks = 64
+
+    def __init__(self, config=None, step_s: float | None = None):
+        self.config = config
+        self.step_s = float(os.environ.get("FAKE_STEP_S", "0.01")) if step_s is None else step_s
+        self.seqs: dict[str, _Seq] = {}
+        self.generation_tokens = 0
+        self.prompt_tokens = 0
+        self.added: list[tuple[str, list[int], list[int]]] = []  # (id, prompt, output_token_ids) per add
+
+    def add_request(self, request_id, prompt_token_ids, params, *, priority=0, deadline=None, output_token_ids=()):
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if len(prompt) + len(output_token_ids) >= self.max_model_len:
+            raise ContextLengthError("prompt too long", param="prompt")
+        if request_id in self.seqs:
+            raise InvalidRequestError("duplicate id")
+        self.added.append((request_id, prompt, list(output_token_ids)))
+        self.prompt_tokens += len(prompt)
+        self.seqs[request_id] = _Seq(request_id, prompt, params, deadline, output_token_ids)
+
+    def abort(self, request_id) -> bool:
+        return self.seqs.pop(request_id, None) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.seqs)
+
+    def step(self):
+        time.sleep(self.step_s)
+        outs = []
+        now = time.time()
+        for rid, s in list(self.seqs.items()):
+            if s.deadline is not None and s.deadline <= now:
+                outs.append(self._out(s, [], True, "deadline"))
+                continue
+            i = len(s.output)
+            token = s.prompt[(i + (s.params.seed or 0)) % len(s.prompt)]
+            s.output.append(token)
+            self.generation_tokens += 1
+            limit = s.max_tokens or (self.max_model_len - len(s.prompt))
+            done = len(s.output) >= limit
+            lp = None
+            if s.params.logprobs is not None:
+                lp = [_Logprob(token, -0.5, [(token, -0.5), (token + 1, -1.5)][: s.params.logprobs])]
+            outs.append(self._out(s, [token], done, "length" if done else None, lp))
+        return outs
+
+    def _out(self, s, tokens, finished, reason, lp=None):
+        if finished:
+            del self.seqs[s.rid]
+        return FakeOutput(s.rid, tokens, lp, finished, reason, None, len(s.prompt), len(s.output), 0)
+
+    def stats(self):
+        usage = min(1.0, sum(len(s.prompt) + len(s.output) for s in self.seqs.values()) / 16 / self.num_blocks)
+        return FakeStats(len(self.seqs), 0, usage, prompt_tokens=self.prompt_tokens,
+                         generation_tokens=self.generation_tokens)
+
+    def check_integrity(self):
+        pass

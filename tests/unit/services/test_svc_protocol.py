@@ -1,0 +1,90 @@
+import msgpack
+import pytest
+
+from kernellab.services.queue.keys import Keys
+from kernellab.services.queue.protocol import (
+    PROTOCOL_VERSION,
+    CancelMessage,
+    ErrorMessage,
+    Heartbeat,
+    OutputChunk,
+    ProtocolError,
+    RequestMessage,
+    decode,
+    encode,
+    entry,
+    from_entry,
+)
+
+MESSAGES = [
+    RequestMessage("chatcmpl-1", 1, "smollm2-135m", [1, 2, 3], {"max_tokens": 4, "stop": ["x"]}, "batch", 12.5, 10.0,
+                   2, True),
+    OutputChunk("chatcmpl-1", 0, 5, [7, 8], [[7, -0.1, [[7, -0.1], [9, -2.0]]], [8, -0.2, []]], True, "stop", "x",
+                3, 7, 16, "w1"),
+    ErrorMessage("cmpl-2", 0, 400, "bad", "invalid_request_error", "context_length_exceeded", "max_tokens", "w2"),
+    CancelMessage("cmpl-3", None, "disconnect"),
+    CancelMessage("cmpl-3", 2),
+    Heartbeat("w1", "smollm2-135m", 123.0, 42, 3, 1, 0.25, 8192, "http://x/metrics", True, {"active": 4}),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(message):
+    assert decode(encode(message)) == message
+    assert from_entry(entry(message)) == message
+    assert from_entry({k.decode(): v for k, v in entry(message).items()}) == message
+
+
+def test_engine_request_id_joins_id_and_choice():
+    assert MESSAGES[0].engine_id == "chatcmpl-1-1"
+
+
+def test_other_versions_are_rejected():
+    body = msgpack.unpackb(encode(MESSAGES[3]))
+    for version in (PROTOCOL_VERSION + 1, 0, None, "1"):
+        body["v"] = version
+        with pytest.raises(ProtocolError, match="version"):
+            decode(msgpack.packb(body))
+
+
+def test_unknown_kind_missing_fields_and_garbage_are_rejected():
+    with pytest.raises(ProtocolError, match="kind"):
+        decode(msgpack.packb({"v": PROTOCOL_VERSION, "k": "telepathy"}))
+    with pytest.raises(ProtocolError, match="malformed"):
+        decode(msgpack.packb({"v": PROTOCOL_VERSION, "k": "cancel"}))
+    with pytest.raises(ProtocolError):
+        decode(b"\xc1 not msgpack")
+    with pytest.raises(ProtocolError):
+        decode(msgpack.packb([1, 2]))
+    with pytest.raises(ProtocolError):
+        from_entry({b"other": b""})
+
+
+def test_hop_restriction():
+    with pytest.raises(ProtocolError, match="unexpected"):
+        decode(encode(MESSAGES[3]), RequestMessage)
+    assert decode(encode(MESSAGES[1]), (OutputChunk, ErrorMessage)) == MESSAGES[1]
+
+
+def test_unknown_fields_from_a_newer_minor_writer_are_ignored():
+    body = msgpack.unpackb(encode(MESSAGES[3]))
+    body["future_field"] = 1
+    assert decode(msgpack.packb(body)) == MESSAGES[3]
+
+
+def test_cancel_matching():
+    assert CancelMessage("a").matches("a", 3)
+    assert CancelMessage("a", 1).matches("a", 1)
+    assert not CancelMessage("a", 1).matches("a", 0)
+    assert not CancelMessage("a").matches("b", 0)
+
+
+def test_keys_share_one_prefix_and_split_by_model():
+    k = Keys("kl:", "m")
+    names = [*k.request_streams, k.output("x-0"), k.meta("x"), k.cancel, k.dead_letter, k.workers,
+             k.heartbeat("w"), k.wake("g")]
+    assert all(n.startswith("kl:") for n in names)
+    assert len(set(names)) == len(names)
+    assert k.requests("interactive") != Keys("kl:", "other").requests("interactive")
+    with pytest.raises(ValueError):
+        k.requests("urgent")

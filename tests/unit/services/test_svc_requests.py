@@ -1,0 +1,132 @@
+"""Gateway request validation: every bad input is a 4xx KernellabError with the right param."""
+
+import pytest
+
+from kernellab.runtime.errors import ContextLengthError, InvalidRequestError, KernellabError, UnknownModelError
+from kernellab.services.gateway.requests import prepare
+
+MODEL = "smollm2-135m"
+MSGS = [{"role": "user", "content": "Hi"}]
+
+
+def chat(tokenizer, **body):
+    return prepare("chat", {"model": MODEL, "messages": MSGS, **body}, tokenizer, served_model=MODEL,
+                   max_model_len=128, max_n=4)
+
+
+def completion(tokenizer, **body):
+    return prepare("completion", {"model": MODEL, "prompt": "Hello", **body}, tokenizer, served_model=MODEL,
+                   max_model_len=128, max_n=4)
+
+
+def test_chat_defaults(tokenizer):
+    p = chat(tokenizer, some_unknown_field={"x": 1})
+    assert p.kind == "chat" and p.request_id.startswith("chatcmpl-") and p.model == MODEL
+    assert p.prompts == [tokenizer.apply_chat_template(MSGS)]
+    [c] = p.choices
+    assert c.params.max_tokens is None  # the rest of the context, not 16
+    assert p.logprobs is None and not p.stream and p.priority == "interactive"
+
+
+def test_chat_options(tokenizer):
+    p = chat(tokenizer, max_completion_tokens=5, max_tokens=9, temperature=0, top_p=0.5, top_k=3, min_p=0.1,
+             presence_penalty=0.5, frequency_penalty=0.2, repetition_penalty=1.1, seed=7, stop="\n", n=3,
+             logprobs=True, top_logprobs=2, stream=True, stream_options={"include_usage": True}, user="u",
+             service_tier="flex")
+    assert [c.index for c in p.choices] == [0, 1, 2]
+    assert [c.params.seed for c in p.choices] == [7, 8, 9]
+    c = p.choices[0].params
+    assert (c.max_tokens, c.temperature, c.top_p, c.top_k, c.min_p, c.stop) == (5, 0, 0.5, 3, 0.1, ["\n"])
+    assert (c.presence_penalty, c.frequency_penalty, c.repetition_penalty, c.logprobs) == (0.5, 0.2, 1.1, 2)
+    assert p.logprobs == 2 and p.stream and p.include_usage and p.priority == "batch"
+
+
+def test_content_parts_are_joined(tokenizer):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]}]
+    assert prepare("chat", {"model": MODEL, "messages": parts}, tokenizer, served_model=MODEL, max_model_len=128,
+                   max_n=1).prompts == chat(tokenizer).prompts
+
+
+def test_completion_prompts(tokenizer):
+    assert completion(tokenizer).prompts == [tokenizer.encode("Hello")]
+    assert completion(tokenizer, prompt=[5, 6, 7]).prompts == [[5, 6, 7]]
+    p = completion(tokenizer, prompt=["a", "b"], n=2, logprobs=1, echo=True)
+    assert [(c.index, c.prompt_index) for c in p.choices] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    assert p.echo_text == ["a", "b"] and p.logprobs == 1 and p.request_id.startswith("cmpl-")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"messages": ["hi"]}, "messages[0]"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"max_tokens": 1.5}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": 2}, "min_p"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"n": 0}, "n"),
+    ({"n": 5}, "n"),
+    ({"seed": -1}, "seed"),
+    ({"stop": 5}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"stream": "yes"}, "stream"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"model": 3}, "model"),
+])
+def test_bad_chat_bodies(tokenizer, body, param):
+    with pytest.raises(InvalidRequestError) as info:
+        chat(tokenizer, **body)
+    assert info.value.status_code == 400
+    assert info.value.param == param, info.value.message
+
+
+def test_missing_fields(tokenizer):
+    for kind, body, param in (("chat", {"model": MODEL}, "messages"), ("chat", {"messages": MSGS}, "model"),
+                              ("completion", {"model": MODEL}, "prompt")):
+        with pytest.raises(InvalidRequestError) as info:
+            prepare(kind, body, tokenizer, served_model=MODEL, max_model_len=128, max_n=1)
+        assert info.value.param == param and "missing" in info.value.message
+    with pytest.raises(InvalidRequestError):
+        prepare("chat", [1, 2], tokenizer, served_model=MODEL, max_model_len=128, max_n=1)
+
+
+def test_unknown_model_is_404(tokenizer):
+    for name in ("no-such-model", "qwen3-0.6b", "org/other"):
+        with pytest.raises(UnknownModelError) as info:
+            chat(tokenizer, model=name)
+        assert info.value.status_code == 404 and info.value.code == "model_not_found"
+
+
+def test_context_limits(tokenizer):
+    prompt_len = len(chat(tokenizer).prompts[0])
+    chat(tokenizer, max_tokens=128 - prompt_len)
+    with pytest.raises(ContextLengthError) as info:
+        chat(tokenizer, max_tokens=129 - prompt_len)
+    assert info.value.param == "max_tokens" and info.value.status_code == 400
+    with pytest.raises(ContextLengthError) as info:
+        completion(tokenizer, prompt="word " * 200)
+    assert info.value.param == "prompt"
+    with pytest.raises(InvalidRequestError):
+        completion(tokenizer, prompt="")
+    with pytest.raises(InvalidRequestError):
+        completion(tokenizer, prompt=[10**9])
+
+
+def test_every_validation_error_is_4xx(tokenizer):
+    bad = [{"max_tokens": {}}, {"messages": None}, {"stop": [1]}, {"n": None, "seed": 2**63}]
+    for body in bad:
+        with pytest.raises(KernellabError) as info:
+            chat(tokenizer, **body)
+        assert 400 <= info.value.status_code < 500
