@@ -27,6 +27,7 @@ RUN pip install --no-deps /src
 FROM nvidia/cuda:13.0.2-base-ubuntu24.04
 ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH \
     LOCUST_LOCUSTFILE=/home/kernellab/locustfile.py MPLBACKEND=Agg
+# Apt versions unpinned on purpose (DL3008): see the build stage of gateway.Dockerfile.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3.12 ca-certificates \

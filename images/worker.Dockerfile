@@ -41,6 +41,7 @@ ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH \
     KERNELLAB_GPU_LOCK_DIR=/var/lib/kernellab/gpu-locks
 # gcc and the Python headers: Triton compiles its small C launcher for each kernel at run time.
 # util-linux gives flock, with which each compose replica claims its own GPU (worker-entrypoint.sh).
+# Apt versions unpinned on purpose (DL3008): see the build stage of gateway.Dockerfile.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3.12 python3.12-dev gcc libc6-dev \
