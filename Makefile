@@ -1,0 +1,40 @@
+# kernellab: the README's two commands are `make up` (the local stack with the embedded model) and `make test`.
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml scripts/install-python-deps.sh 2>/dev/null | sha1sum | cut -c1-12)
+
+.PHONY: install up generate test test-unit test-integration lint format bench-cpu gpu clean
+
+$(STAMP): pyproject.toml scripts/install-python-deps.sh
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	VENV=$(VENV) bash scripts/install-python-deps.sh
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+up: install  ## gateway + worker + Redis on 127.0.0.1 with the embedded SmolLM2-135M
+	$(BIN)/kernellab up
+
+generate: install
+	$(BIN)/kernellab generate smollm2-135m "What is the capital of France?"
+
+test: install  ## everything CI runs: unit (CPU, Triton interpreter) + integration (real Redis, real processes)
+	bash scripts/install-system-deps.sh
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+
+test-unit: install
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/unit
+
+lint: install
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
+
+bench-cpu: install  ## the CPU offline benchmark artifact (issue figures); run on a quiet machine
+	$(BIN)/kernellab bench offline --model smollm2-135m --dtype auto --dtype float32 --peer hf --peer llama.cpp \
+		--output results/bench_offline_cpu.json
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

