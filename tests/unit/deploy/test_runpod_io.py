@@ -1,0 +1,195 @@
+"""The RunPod handler's input parsing and output shapes (runpod/openai_io.py) with the embedded model's real
+tokenizer, and its CUDA-fault exit. The whole handler through the SDK: tests/integration/deploy."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from kernellab.runtime.errors import InvalidRequestError, UnknownModelError
+
+from tests.unit.deploy.support import REPO
+
+sys.path.insert(0, str(REPO / "runpod"))  # the handler's modules sit beside handler.py, as in the image
+from engine_loop import is_cuda_fault
+from openai_io import ParsedRequest, ResponseBuilder, error_output, models_output, parse_job_input
+
+SERVED = ("smollm2-135m",)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from kernellab.runtime.tokenizer import load_tokenizer
+
+    return load_tokenizer("smollm2-135m")
+
+
+def _chat(**body) -> dict:
+    return {
+        "openai_route": "/v1/chat/completions",
+        "openai_input": {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}], **body},
+    }
+
+
+def test_openai_chat_input(tokenizer):
+    request = parse_job_input(_chat(max_tokens=7, temperature=0.2, stop="\n", stream=True,
+                                    stream_options={"include_usage": True}), tokenizer, SERVED)  # fmt: skip
+    assert request.kind == "chat" and request.stream and request.include_usage
+    assert request.prompt_token_ids == tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert (request.params.max_tokens, request.params.temperature, request.params.stop) == (7, 0.2, ["\n"])
+
+
+def test_openai_completions_input_and_max_completion_tokens(tokenizer):
+    request = parse_job_input({"openai_route": "/v1/completions",
+                               "openai_input": {"prompt": "Once", "max_completion_tokens": 3}}, tokenizer, SERVED)  # fmt: skip
+    assert request.kind == "completion" and not request.stream
+    assert request.prompt_token_ids == tokenizer.encode("Once") and request.params.max_tokens == 3
+
+
+def test_native_inputs(tokenizer):
+    by_prompt = parse_job_input({"prompt": "Once", "sampling_params": {"max_tokens": 4, "seed": 1}, "stream": True},
+                                tokenizer, SERVED)  # fmt: skip
+    assert by_prompt.kind == "native" and by_prompt.stream and by_prompt.params.seed == 1
+    by_messages = parse_job_input({"messages": [{"role": "user", "content": "Hi"}]}, tokenizer, SERVED)
+    assert by_messages.params.max_tokens == 256 and not by_messages.stream
+
+
+@pytest.mark.parametrize(
+    ("job_input", "error", "param"),
+    [
+        ("text", InvalidRequestError, "input"),
+        ({"openai_route": "/v1/embeddings", "openai_input": {}}, InvalidRequestError, "openai_route"),
+        (_chat(model="gpt-4"), UnknownModelError, "model"),
+        (_chat(n=2), InvalidRequestError, "n"),
+        (_chat(logprobs=True), InvalidRequestError, "logprobs"),
+        (_chat(tools=[]), InvalidRequestError, "tools"),
+        (_chat(temperature=-1), InvalidRequestError, "temperature"),
+        (_chat(stream="yes"), InvalidRequestError, "stream"),
+        ({"prompt": "x", "messages": []}, InvalidRequestError, "prompt"),
+        (
+            {"prompt": "x", "sampling_params": {"max_tokenz": 3}},
+            InvalidRequestError,
+            "sampling_params.max_tokenz",
+        ),
+        ({"prompt": "x", "extra": 1}, InvalidRequestError, "extra"),
+        ({"prompt": ""}, InvalidRequestError, "prompt"),
+    ],
+)
+def test_bad_inputs_are_clean_errors(tokenizer, job_input, error, param):
+    with pytest.raises(error) as caught:
+        parse_job_input(job_input, tokenizer, SERVED)
+    assert caught.value.param == param
+    out = error_output(caught.value)
+    assert out["error"]["type"] == "invalid_request_error" and out["error"]["message"]
+
+
+def test_models_route():
+    assert parse_job_input({"openai_route": "/v1/models"}, None, SERVED).kind == "models"
+    assert models_output("smollm2-135m")["data"][0]["id"] == "smollm2-135m"
+
+
+def _sse_payloads(outputs: list[str]) -> list:
+    assert all(o.startswith("data: ") and o.endswith("\n\n") for o in outputs)
+    return [o[len("data: ") : -2] for o in outputs]
+
+
+def test_openai_chat_stream_shape():
+    request = ParsedRequest("chat", [1, 2], None, stream=True, include_usage=True)
+    builder = ResponseBuilder(request, "job-1", "smollm2-135m")
+    outputs = [builder.opening(), builder.piece("Hel", [5]), builder.piece("", [6]), builder.piece("lo", [7])]
+    outputs = [o for o in outputs if o is not None]
+    outputs += builder.closing("!", "stop", num_prompt=2, num_output=4)
+    payloads = _sse_payloads(outputs)
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "Hello!"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 4,
+                                                                   "total_tokens": 6}  # fmt: skip
+    assert {c["id"] for c in chunks} == {"chatcmpl-job-1"} and {c["object"] for c in chunks} == {
+        "chat.completion.chunk"
+    }
+
+
+def test_openai_non_stream_shapes():
+    chat = ResponseBuilder(ParsedRequest("chat", [1], None, False, False), "j", "m")
+    assert chat.piece("Hi", [1]) is None
+    [full] = chat.closing(" there", "length", 1, 2)
+    assert full["object"] == "chat.completion"
+    assert full["choices"][0]["message"] == {"role": "assistant", "content": "Hi there"}
+    assert full["choices"][0]["finish_reason"] == "length" and full["usage"]["total_tokens"] == 3
+    completion = ResponseBuilder(ParsedRequest("completion", [1], None, False, False), "j", "m")
+    completion.piece("abc", [1])
+    [full] = completion.closing("", "stop", 1, 1)
+    assert full["object"] == "text_completion" and full["choices"][0]["text"] == "abc"
+
+
+def test_native_shapes():
+    streamed = ResponseBuilder(ParsedRequest("native", [1], None, True, True), "j", "m")
+    assert streamed.piece("a", [4]) == {"text": "a", "token_ids": [4]}
+    [last] = streamed.closing("b", "stop", 1, 2)
+    assert last == {"text": "b", "finish_reason": "stop", "usage": {"prompt_tokens": 1, "completion_tokens": 2,
+                                                                       "total_tokens": 3}}  # fmt: skip
+    whole = ResponseBuilder(ParsedRequest("native", [1], None, False, True), "j", "m")
+    assert whole.piece("a", [4]) is None
+    [out] = whole.closing("b", "length", 1, 2)
+    assert out["text"] == "ab" and out["token_ids"] == [4] and out["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    ("message", "fault"),
+    [
+        ("CUDA error: an illegal memory access was encountered", True),
+        ("CUDA error: device-side assert triggered", True),
+        ("CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx`", True),
+        ("CUDA out of memory. Tried to allocate 2.00 GiB", False),
+        ("shape mismatch", False),
+    ],
+)
+def test_cuda_fault_classification(message, fault):
+    assert is_cuda_fault(RuntimeError(message)) is fault
+
+
+def test_engine_loop_exits_non_zero_after_a_cuda_fault(tmp_path):
+    """A CUDA fault cannot be caused on a CPU machine, so a stand-in engine raises the error text torch
+    raises; the real EngineLoop and the handler's exit path then run in a real process."""
+    script = tmp_path / "fault.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import asyncio, sys
+        sys.path.insert(0, {str(REPO / "runpod")!r})
+        from engine_loop import EngineLoop
+        import handler
+
+        class FaultingEngine:
+            def __init__(self):
+                self.pending = set()
+            def add_request(self, request_id, prompt_token_ids, params):
+                self.pending.add(request_id)
+            def has_unfinished_requests(self):
+                return bool(self.pending)
+            def step(self):
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            def abort(self, request_id):
+                self.pending.discard(request_id)
+
+        async def main():
+            loop = EngineLoop(FaultingEngine(), on_fatal=lambda e: handler.exit_after_fault(e, grace_s=0.1))
+            loop.start()
+            error = await asyncio.wait_for(loop.submit("job-1", [1, 2, 3], None).get(), 10)
+            print("job saw:", error, flush=True)
+            await asyncio.sleep(30)  # the engine thread ends the process before this
+
+        asyncio.run(main())
+    """)
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "job saw: CUDA error: an illegal memory access" in done.stdout
