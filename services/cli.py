@@ -27,5 +27,7 @@ def _register() -> None:
 
 _register()
 
-if __name__ == "__main__":
-    app()
+if __name__ == "__main__":  # `python -m kernellab.services.cli`: commands live on the imported module's app
+    from kernellab.services.cli import app as registered
+
+    registered()

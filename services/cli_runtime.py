@@ -14,7 +14,7 @@ from rich.table import Table
 from kernellab.runtime.errors import KernellabError
 from kernellab.services.cli import app
 
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # one error = one line, whatever the terminal width
 bench_app = typer.Typer(help="Benchmarks that write JSON artifacts with provenance.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 

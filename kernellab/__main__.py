@@ -1,0 +1,5 @@
+"""`python -m kernellab …` is the `kernellab` command."""
+
+from kernellab.services.cli import app
+
+app()
