@@ -1,0 +1,109 @@
+"""Shape-bucketed GEMM: ``y = x @ Wᵀ`` for prefill-sized M, with one fixed tile config per M bucket.
+
+Formula
+    ``y[m, n] = Σ_k x[m, k] · W[n, k]`` for ``x: (M, K)``, ``weight: (N, K)`` → ``(M, N)`` in x's dtype
+    (reference ``ops.linear``, i.e. cuBLAS).
+
+Program mapping
+    One program per ``[BLOCK_M, BLOCK_N]`` output tile, walking K in ``BLOCK_K`` steps: two tile loads (x rows,
+    weight rows — the weight tile is read as ``Wᵀ`` simply by swapping the index roles, no transpose copy) and a
+    ``tl.dot`` into an fp32 accumulator; Triton software-pipelines the loads ``num_stages`` deep and, on
+    Hopper, lowers the dot to wgmma. Programs are ordered in groups of ``GROUP_M`` row tiles so that
+    consecutive programs share weight tiles in L2 ("grouped ordering").
+
+Buckets (exact-shape dispatch without autotuning, so a call never compiles or benchmarks on the hot path):
+    M ≤ 64: 64×64×128 tiles, 4 warps; M ≤ 512: 128×128×64, 8 warps; larger: 128×256×64, 8 warps.
+    Decode-sized M (≤ 16) belongs to ``gemv.py``.
+
+Coalescing
+    Both operands are K-contiguous, so each tile load is BLOCK_K-long contiguous runs per row. Bytes (ideal):
+    read ``2(MK + NK)``, write ``2MN``; FLOPs ``2MNK``.
+
+Precision
+    bf16/fp16 operands, fp32 accumulation, one rounding at the end (like cuBLAS). fp32 inputs use IEEE fp32 dot
+    (no TF32) so CPU tests compare tightly.
+
+Trade-offs tried
+    This is a teaching kernel: cuBLAS (with its hand-tuned Hopper kernels, TMA and warp specialisation) stays the
+    default wherever it wins; ``linear.py`` dispatches to this kernel only in buckets where the benchmark in
+    ``benchmarks/kernels/bench_gemm.py`` measured a win.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import cdiv, require, rows_2d
+
+__all__ = ["bucket_config", "linear"]
+
+
+@triton.jit
+def _gemm_kernel(
+    a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_bn, stride_cm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_m
+    pid_n = (pid % group) // group_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk[None, :]
+    b_ptrs = b_ptr + rn.to(tl.int64)[None, :] * stride_bn + rk[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=(rm < M)[:, None] & (rk < k_left)[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=(rk < k_left)[:, None] & (rn < N)[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+def bucket_config(M: int) -> dict:
+    """Tile config of M's bucket (see the module docstring)."""
+    if M <= 64:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
+    if M <= 512:
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None, config: dict | None = None
+) -> torch.Tensor:
+    """``x @ weight.T`` for ``x: (..., K)``, ``weight: (N, K)``; returns ``(..., N)`` in x's dtype."""
+    require(weight.dtype == x.dtype, "weight and x must share a dtype")
+    require(weight.dim() == 2 and weight.shape[1] == x.shape[-1], "weight must be (N, K)")
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    x2 = rows_2d(x)
+    M, K = x2.shape
+    N = weight.shape[0]
+    if out is None:
+        out = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
+    require(out.shape == (*x.shape[:-1], N) and out.dtype == x.dtype and out.stride(-1) == 1, "bad out")
+    out2 = out.view(-1, N)
+    if M == 0 or N == 0:
+        return out
+    cfg = dict(config or bucket_config(M))
+    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
+    _gemm_kernel[grid](
+        x2, weight, out2, M, N, K, x2.stride(0), weight.stride(0), out2.stride(0),
+        IEEE=x.dtype == torch.float32, **cfg,
+    )
+    return out

@@ -1,0 +1,209 @@
+"""Decode GEMV: ``y = x @ Wᵀ`` for a few rows of x (M = 1…16), warp-reduced, with an in-kernel split-K.
+
+Formula
+    ``y[m, n] = Σ_k x[m, k] · W[n, k]`` for ``x: (M, K)``, ``weight: (N, K)`` (``nn.Linear`` layout, unit stride
+    along K) → ``y: (M, N)`` in x's dtype (reference ``ops.linear``). The same kernel serves the quantized
+    weights of ``quant_gemv.py`` (int8, or two int4 per byte, with one scale per output channel).
+
+Why a GEMV at all
+    At decode a linear layer is a pure weight stream: ``2·N·K`` bytes read for ``2·M·N·K`` FLOPs — 1 FLOP/byte
+    at M = 1 against the H200's ~200 FLOP/byte balance point. The only goal is to keep enough bytes in flight
+    to saturate HBM, and for Qwen3-0.6B's 2–12 MB matrices that is a large fraction of the whole matrix at once:
+    at ~3.6 TB/s and ~0.7 µs memory latency, ~2.5 MB must be outstanding.
+
+Program mapping
+    A 2-D grid ``(cdiv(N, BLOCK_N), SPLIT_K)``. Program ``(j, s)`` owns output columns ``[j·BLOCK_N, …)`` and
+    the K range ``[s·k_per_split, (s+1)·k_per_split)``, which it walks in ``[BLOCK_N, BLOCK_K]`` weight tiles.
+    - M = 1 ("warp-reduced" path): the tile is multiplied elementwise by the broadcast x chunk and accumulated
+      into a ``[BLOCK_N, BLOCK_K]`` fp32 register tile — the inner loop is loads and FMAs only; the cross-lane
+      reduction along K (warp shuffles, then shared memory between warps) happens once, after the loop.
+    - M = 2…16: x is padded to 16 rows and each tile goes through ``tl.dot`` (tensor cores), reading every
+      weight byte once for all M rows; the arithmetic is free at this intensity.
+    - Split-K: when ``N / BLOCK_N`` programs are too few to cover the SMs (o_proj, down_proj: N = 1024), K is
+      cut into ``SPLIT_K`` slices. Each program stores its fp32 partial, then increments a per-column-block
+      counter with an acquire-release atomic; the program that brings the counter to ``SPLIT_K`` sums the
+      partials in slice order (deterministic), writes y and resets the counter to 0 for the next call. One
+      launch, no memset, no second kernel. (Counters and partials live in cached device buffers: warm up before
+      CUDA-graph capture and do not run two GEMVs concurrently on different streams.)
+
+Coalescing
+    A tile row is ``BLOCK_K`` contiguous weight elements; with ``BLOCK_K = 512`` bf16 a warp reads whole 1 KB
+    runs and each thread issues 16-byte loads. x (a few KB) is re-read by every column block from L2.
+    Bytes: read ``N·K·w_bytes + M·K·2`` (+ ``4·N`` scales), write ``M·N·2``.
+
+Precision
+    Products and the K reduction in fp32 (for the dot path: bf16 operands, fp32 accumulation, like cuBLAS);
+    per-channel scales applied to the fp32 sums; one rounding to x's dtype at the end.
+
+Trade-offs tried
+    ``BLOCK_N`` 8/16/32 × ``BLOCK_K`` 256/512 × 4/8 warps × split-K on/off at the four Qwen3-0.6B shapes: the
+    sweep in ``benchmarks/kernels/bench_gemv.py`` records each (docs/kernels.md). Split-K by atomically adding
+    into an fp32 output was rejected: it needs a memset and a cast kernel (three launches for a ~2 µs op).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import cached_empty, cached_zeros, cdiv, next_pow2, num_sms, require, rows_2d
+
+__all__ = ["GemvConfig", "default_config", "linear"]
+
+MAX_M = 16
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, k_per_split, split_k,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    W_BITS: tl.constexpr, USE_DOT: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    m = tl.arange(0, BLOCK_M)
+    m_mask = m < M
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    x_ty = x_ptr.dtype.element_ty
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    elif W_BITS == 4:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K // 2], dtype=tl.float32)
+    else:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        if W_BITS == 4:
+            # byte j of a row packs columns 2j (low nibble) and 2j+1 (high nibble), each stored as q + 8
+            j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            jm = 2 * j < k_hi
+            b = tl.load(w_rows + j[None, :], mask=n_mask[:, None] & jm[None, :], other=0).to(tl.int32)
+            lo = ((b & 15) - 8).to(tl.float32)
+            hi = ((b >> 4) - 8).to(tl.float32)
+            if USE_DOT:
+                k = k0 + tl.arange(0, BLOCK_K)
+                xt = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
+                             mask=m_mask[:, None] & (k < k_hi)[None, :], other=0.0)
+                w = tl.interleave(lo, hi).to(x_ty)
+                acc = tl.dot(xt, tl.trans(w), acc)
+            else:
+                xe = tl.load(x_ptr + 2 * j, mask=jm, other=0.0).to(tl.float32)
+                xo = tl.load(x_ptr + 2 * j + 1, mask=jm, other=0.0).to(tl.float32)
+                acc2 += lo * xe[None, :] + hi * xo[None, :]
+        else:
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < k_hi
+            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & km[None, :], other=0)
+            if USE_DOT:
+                xt = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
+                             mask=m_mask[:, None] & km[None, :], other=0.0)
+                wt = tl.trans(w.to(tl.float32).to(x_ty))  # int8 → fp32 → x dtype: exact for |q| ≤ 128
+                if IEEE:
+                    acc = tl.dot(xt, wt, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(xt, wt, acc)
+            else:
+                xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+                acc2 += w.to(tl.float32) * xv[None, :]
+
+    if not USE_DOT:
+        acc = tl.sum(acc2, axis=1)[None, :]  # BLOCK_M == 1
+    if W_BITS != 16:
+        acc = acc * tl.load(scale_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    out_ptrs = out_ptr + m[:, None] * stride_om + n[None, :]
+    out_ty = out_ptr.dtype.element_ty
+    if SPLIT:
+        tile = m[:, None] * N + n[None, :]
+        tl.store(ws_ptr + pid_k * M * N + tile, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(0, split_k):
+                total += tl.load(ws_ptr + s * M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ty), mask=out_mask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+    else:
+        tl.store(out_ptrs, acc.to(out_ty), mask=out_mask)
+
+
+def default_config(M: int, N: int, K: int, w_bits: int, device: torch.device) -> GemvConfig:
+    """The shape heuristic: 8–16 KB weight tiles, and split-K until there are ≥ 2 programs per SM."""
+    if M > 1:
+        block_n, block_k, warps, stages = 32, 128, 4, 3
+    elif w_bits == 16:
+        block_n, block_k, warps, stages = 16, 512, 4, 1
+    else:  # 8 KB of packed weight per tile
+        block_n, block_k, warps, stages = 8, (1024 if w_bits == 8 else 2048), 4, 1
+    block_k = min(block_k, max(32, next_pow2(K)))
+    n_blocks = cdiv(N, block_n)
+    k_iters = cdiv(K, block_k)
+    target = 2 * num_sms(device)
+    split = 1 if n_blocks >= target else min(k_iters, cdiv(target, n_blocks))
+    return GemvConfig(block_n, block_k, split, warps, stages)
+
+
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, w_bits: int,
+    out: torch.Tensor | None, config: GemvConfig | None,
+) -> torch.Tensor:
+    """Launcher shared by the dense and quantized entry points. ``weight`` holds K/2 bytes per row for int4."""
+    K = x.shape[-1]
+    x2 = rows_2d(x)
+    M, N = x2.shape[0], weight.shape[0]
+    require(M <= MAX_M, f"the GEMV handles at most {MAX_M} rows, got {M}")
+    require(weight.stride(1) == 1, "weight needs a unit stride along K")
+    require(weight.shape[1] == (K // 2 if w_bits == 4 else K), "weight and x disagree on K")
+    if w_bits == 4:
+        require(K % 2 == 0, "int4 weights need an even K")
+    if out is None:
+        out = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
+    require(out.shape == (*x.shape[:-1], N) and out.dtype == x.dtype and out.stride(-1) == 1, "bad out")
+    out2 = out.view(-1, N)
+    if M == 0 or N == 0:
+        return out
+    cfg = config or default_config(M, N, K, w_bits, x.device)
+    k_per_split = cdiv(cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = cdiv(K, k_per_split)
+    n_blocks = cdiv(N, cfg.block_n)
+    use_dot = M > 1
+    if split > 1:
+        ws = cached_empty("gemv.partials", split * M * N, torch.float32, x.device)
+        cnt = cached_zeros("gemv.counters", n_blocks, torch.int32, x.device)
+    else:
+        ws = cnt = out2  # unused (SPLIT=False)
+    _gemv_kernel[(n_blocks, split)](
+        x2, weight, scales if scales is not None else weight, out2, ws, cnt,
+        M, N, K, x2.stride(0), weight.stride(0), out2.stride(0), k_per_split, split,
+        BLOCK_M=16 if use_dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, W_BITS=w_bits, USE_DOT=use_dot,
+        SPLIT=split > 1, IEEE=x.dtype == torch.float32, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+    )
+    return out
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None, config: GemvConfig | None = None
+) -> torch.Tensor:
+    """``x @ weight.T`` for ``x: (M, K)`` with M ≤ 16, ``weight: (N, K)``; returns ``(M, N)`` in x's dtype."""
+    require(weight.dtype == x.dtype, "weight and x must share a dtype")
+    return gemv(x, weight, None, 16, out, config)

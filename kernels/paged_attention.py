@@ -1,0 +1,198 @@
+"""GQA-aware split-KV paged decode attention: one new query token per sequence over its paged KV context.
+
+Formula
+    For sequence b and query head h (KV head ``h // G``, ``G = Hq / Hk``):
+    ``o[b, h] = Σ_{t < L_b} softmax_t(q[b, h]·K[b, t]·scale) V[b, t]``, where token t of sequence b lives in
+    physical block ``block_tables[b, t // bs]`` at offset ``t % bs`` of the caches
+    ``(num_blocks, bs, Hk, D)``. ``q: (B, Hq, D)``, ``context_lens: (B,)`` int32 (≥ 1), ``block_tables:
+    (B, max_blocks)`` int32 padded with -1 → ``(B, Hq, D)`` (reference ``ops.paged_decode_attention``).
+
+Program mapping
+    Grid ``(B, Hk, S)``. A program owns one sequence, one **KV head with all G query heads that share it**
+    (GQA: each K/V byte is read once per group, not once per query head), and one of ``S`` equal slices of
+    the context ("split-KV"). The G query rows are padded to 16 so both products run on tensor cores:
+    ``S = Q·Kᵀ`` is ``[16, D]×[D, BLOCK_N]`` and ``P·V`` is ``[16, BLOCK_N]×[BLOCK_N, D]`` (the padding
+    costs only idle tensor-core lanes: the kernel is bandwidth-bound). The program walks its slice in
+    ``BLOCK_N``-token tiles; each tile gathers token addresses through the block table (one int32 per token,
+    L1-resident), so any block size works, tiles may straddle blocks, and a sequence's blocks can be anywhere.
+    Online softmax in the base-2 domain, as in ``attention.py``.
+
+    ``S`` is chosen on the host from B, Hk and an upper bound on the context (``max_context_len`` if given,
+    else ``block_tables.shape[1] · bs``: shape-only, so the choice is fixed under CUDA-graph capture): enough
+    slices for ~2 programs per SM. Batch 64 × 8 KV heads already gives 512 programs → ``S = 1`` and the kernel
+    writes the output directly. Batch 1 × 8 KV heads needs ``S ≈ 32``: each slice writes its unnormalised
+    ``acc`` plus ``(m, l)`` to an fp32 workspace and a second small kernel merges the slices
+    (``o = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s``). Slices past a sequence's length exit at once, so
+    batches of mixed lengths cost what their real tokens cost.
+
+Coalescing
+    A token's K row for one KV head is D contiguous elements (256 B at D = 128 bf16): every 32-byte sector
+    fetched is used. Bytes: read ``2·Σ_b L_b·Hk·D·2`` (K and V) + q, write ``B·Hq·D·2`` (+ workspace at S > 1).
+
+Precision
+    ``Q·Kᵀ`` with bf16 operands and fp32 accumulation; softmax statistics and ``acc`` in fp32; ``P`` rounded
+    to the cache dtype for the ``P·V`` dot (as FlashAttention/vLLM do); one rounding of the output. The
+    reference does the whole thing in fp32, so bf16 outputs agree to ~1e-2 absolute.
+
+Trade-offs tried
+    ``BLOCK_N`` 32/64/128 and 4/8 warps are swept in ``benchmarks/kernels/bench_paged_attention.py``. One
+    program per query head (no GQA grouping) reads K/V G times. A single launch where the last slice merges
+    (semaphore, as in ``gemv.py``) would save the merge launch at batch 1; left as the next step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import cdiv, next_pow2, num_sms, require
+
+__all__ = ["num_splits", "paged_decode_attention"]
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, acc_ws_ptr, ml_ws_ptr,
+    qk_scale, block_size, tokens_per_split, n_splits, n_q_heads, head_dim,
+    stride_qb, stride_qh, stride_cb, stride_co, stride_ch, stride_bt, stride_ob, stride_oh,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + b)
+    start = split * tokens_per_split
+    end = tl.minimum(ctx, start + tokens_per_split)
+
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    g_mask = g < GROUP
+    d_mask = d < head_dim
+    heads = hk * GROUP + g
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([G_PAD], -float("inf"), dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+    table = block_tables_ptr + b.to(tl.int64) * stride_bt
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        t_mask = t < end
+        block = tl.load(table + t // block_size, mask=t_mask, other=0).to(tl.int64)
+        row = block * stride_cb + (t % block_size) * stride_co + hk * stride_ch
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(t_mask[None, :], s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if SPLIT:
+        # workspace rows are (b, query head, split); an empty slice leaves m = -inf, l = 0, acc = 0
+        ws_row = (b.to(tl.int64) * n_q_heads + heads) * n_splits + split
+        tl.store(acc_ws_ptr + ws_row[:, None] * D_PAD + d[None, :], acc, mask=out_mask)
+        tl.store(ml_ws_ptr + ws_row * 2, m_i, mask=g_mask)
+        tl.store(ml_ws_ptr + ws_row * 2 + 1, l_i, mask=g_mask)
+    else:
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    acc_ws_ptr, ml_ws_ptr, out_ptr, n_splits, head_dim, stride_ob, stride_oh,
+    S_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    s_mask = s < n_splits
+    ws_row = (b * tl.num_programs(1) + h) * n_splits + s
+    m = tl.load(ml_ws_ptr + ws_row * 2, mask=s_mask, other=-float("inf"))
+    l_s = tl.load(ml_ws_ptr + ws_row * 2 + 1, mask=s_mask, other=0.0)
+    m_max = tl.max(m, axis=0)  # finite: slice 0 always holds token 0
+    w = tl.exp2(m - m_max)
+    acc = tl.load(acc_ws_ptr + ws_row[:, None] * D_PAD + d[None, :], mask=s_mask[:, None] & (d < head_dim)[None, :],
+                  other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+
+
+def num_splits(batch: int, kv_heads: int, max_context: int, block_n: int, device: torch.device) -> int:
+    """Slices per sequence: enough programs for ~2 per SM, never a slice shorter than one tile."""
+    programs = batch * kv_heads
+    target = 2 * num_sms(device)
+    if programs >= target:
+        return 1
+    return max(1, min(cdiv(target, programs), cdiv(max_context, block_n)))
+
+
+def paged_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
+    max_context_len: int | None = None, splits: int | None = None, block_n: int = 64, num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Decode attention of ``q: (B, Hq, D)`` over the paged caches; returns ``(B, Hq, D)`` in q's dtype.
+
+    ``max_context_len`` (a host int, optional) only sizes the split; it must be ≥ every context length.
+    """
+    B, Hq, D = q.shape
+    _, block_size, Hk, Dc = k_cache.shape
+    require(Dc == D and v_cache.shape == k_cache.shape, "caches must be (num_blocks, block_size, Hk, D)")
+    require(Hq % Hk == 0, "Hq must be a multiple of Hk")
+    require(k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "caches must share a dense layout")
+    require(q.stride(2) == 1, "q needs a unit stride along head_dim")
+    require(k_cache.dtype == q.dtype, "cache dtype must match q")
+    require(block_tables.dim() == 2 and block_tables.shape[0] == B, "block_tables must be (B, max_blocks)")
+    require(block_tables.stride(1) == 1, "block_tables rows must be contiguous")
+    require(context_lens.shape == (B,), "context_lens must be (B,)")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    require(out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "bad out")
+    if B == 0:
+        return out
+    group = Hq // Hk
+    bound = max_context_len if max_context_len is not None else block_tables.shape[1] * block_size
+    bound = max(bound, 1)
+    n_split = splits or num_splits(B, Hk, bound, block_n, q.device)
+    tokens_per_split = cdiv(cdiv(bound, n_split), block_n) * block_n
+    n_split = cdiv(bound, tokens_per_split)
+    d_pad = max(16, next_pow2(D))
+    if n_split > 1:
+        acc_ws = torch.empty((B, Hq, n_split, d_pad), dtype=torch.float32, device=q.device)
+        ml_ws = torch.empty((B, Hq, n_split, 2), dtype=torch.float32, device=q.device)
+    else:
+        acc_ws = ml_ws = out  # unused (SPLIT=False)
+    _paged_decode_kernel[(B, Hk, n_split)](
+        q, k_cache, v_cache, block_tables, context_lens, out, acc_ws, ml_ws,
+        scale * _LOG2E, block_size, tokens_per_split, n_split, Hq, D,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, G_PAD=max(16, next_pow2(group)), D_PAD=d_pad, BLOCK_N=block_n, SPLIT=n_split > 1,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+    )
+    if n_split > 1:
+        _merge_splits_kernel[(B, Hq)](
+            acc_ws, ml_ws, out, n_split, D, out.stride(0), out.stride(1),
+            S_PAD=next_pow2(n_split), D_PAD=d_pad, num_warps=4,
+        )
+    return out

@@ -1,0 +1,210 @@
+"""RoPE on Q and K together; for Qwen3 fused with the per-head QK-norm and the paged KV-cache write.
+
+Formula (NeoX / HF ``rotate_half`` convention: pairs are ``(i, i + D/2)``)
+    ``out[:D/2] = x1·cos − x2·sin`` and ``out[D/2:] = x2·cos + x1·sin`` with ``cos, sin`` read from the
+    ``(max_position, D)`` fp32 table at each token's position (``[:, :D/2]`` cos, ``[:, D/2:]`` sin).
+    Shapes: ``positions: (T,)``, ``q: (T, Hq, D)``, ``k, v: (T, Hk, D)``. Three public entry points share one
+    kernel through compile-time switches:
+    - ``rotary_embedding`` (reference ``ops.rotary_embedding``);
+    - ``qk_norm_rope`` — Qwen3's RMSNorm over D of every q and k head, then RoPE (reference
+      ``ops.qk_norm_rope``);
+    - ``qk_norm_rope_store_kv`` — the same plus writing the rotated k and the untouched v into the paged
+      caches at ``slot_mapping`` (reference: ``ops.qk_norm_rope`` followed by ``ops.store_kv``).
+
+Program mapping
+    One program per token. It loads the token's cos/sin row once and applies it to all ``Hq + Hk`` heads,
+    held as ``[H_PAD, D/2]`` tiles of the two halves (that is where "Q and K together" pays: the position
+    lookup, the table row and the launch are shared). The norm is a per-head reduction along axis 1 of both
+    halves. q/k/v may be strided views into the fused QKV projection output (any token and head stride, unit
+    stride along D), so no ``.contiguous()`` copy is needed in the model.
+
+Coalescing
+    A head's two halves are two contiguous runs of ``D/2`` elements; consecutive heads are adjacent in the
+    fused layout, so a program's loads cover its token's whole q (then k) row. The cache write lands each
+    ``(Hk, D)`` token row contiguously at its slot (layout ``(num_blocks, block_size, Hk, D)``).
+
+Precision (HF's order, reproduced)
+    Norm: fp32 sum of squares over D, ``rsqrt`` in fp32, normalised value rounded to the activation dtype,
+    multiplied by the weight and rounded again (as ``ops.rms_norm``). RoPE: cos/sin are rounded to the
+    activation dtype first (HF casts the table), then every product and the sum are rounded to the activation
+    dtype as the eager reference does op by op, so bf16 results match bit for bit.
+
+Trade-offs tried
+    Fusing the norm saves a full read+write of q and k; fusing the cache write saves re-reading k and v. The
+    fused kernel still returns the rotated k (``k_out``) because prefill attention may read it directly; a
+    caller that only needs the cache can pass ``k_out`` as a scratch buffer. A per-(token, head) grid was the
+    first version: 24 tiny programs per token each re-reading the table row and position; per-token programs
+    move the same bytes with a 24× smaller grid.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import next_pow2, require
+
+__all__ = ["qk_norm_rope", "qk_norm_rope_store_kv", "rotary_embedding"]
+
+
+@triton.jit
+def _norm_rope_heads(
+    x_ptr, stride_h, n_heads, w_ptr, cos, sin, eps,
+    H_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr,
+):
+    """Load ``n_heads`` heads of one token, optionally RMS-normalise each over D, rotate; return both halves."""
+    h = tl.arange(0, H_PAD)
+    d = tl.arange(0, HALF_PAD)
+    mask = (h < n_heads)[:, None] & (d < HALF)[None, :]
+    ptrs = x_ptr + h[:, None] * stride_h + d[None, :]
+    x1 = tl.load(ptrs, mask=mask, other=0.0)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0)
+    act_ty = x_ptr.dtype.element_ty
+    if NORM:
+        x1f = x1.to(tl.float32)
+        x2f = x2.to(tl.float32)
+        var = (tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)) / (2 * HALF)
+        rstd = tl.math.rsqrt(var + eps)[:, None]
+        w1 = tl.load(w_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+        x1 = ((x1f * rstd).to(act_ty).to(tl.float32) * w1).to(act_ty)
+        x2 = ((x2f * rstd).to(act_ty).to(tl.float32) * w2).to(act_ty)
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    # each product and the sum rounded to the activation dtype, as the eager reference computes them
+    o1 = ((x1f * cos).to(act_ty).to(tl.float32) - (x2f * sin).to(act_ty).to(tl.float32)).to(act_ty)
+    o2 = ((x2f * cos).to(act_ty).to(tl.float32) + (x1f * sin).to(act_ty).to(tl.float32)).to(act_ty)
+    return o1, o2, mask
+
+
+@triton.jit
+def _qk_rope_kernel(
+    pos_ptr, cs_ptr, q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr,
+    k_cache_ptr, v_cache_ptr, slot_ptr, eps, block_size,
+    n_q_heads, n_kv_heads,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_qot, stride_qoh, stride_kot, stride_koh,
+    stride_cb, stride_co, stride_ch,
+    stride_cs,
+    HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    NORM: tl.constexpr, STORE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, HALF_PAD)
+    act_ty = q_ptr.dtype.element_ty
+    cos = tl.load(cs_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0).to(act_ty).to(tl.float32)[None, :]
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=d < HALF, other=0.0).to(act_ty).to(tl.float32)[None, :]
+
+    q1, q2, qmask = _norm_rope_heads(q_ptr + t * stride_qt, stride_qh, n_q_heads, qw_ptr, cos, sin, eps,
+                                     HQ_PAD, HALF, HALF_PAD, NORM)
+    hq = tl.arange(0, HQ_PAD)
+    qo = q_out_ptr + t * stride_qot + hq[:, None] * stride_qoh + d[None, :]
+    tl.store(qo, q1, mask=qmask)
+    tl.store(qo + HALF, q2, mask=qmask)
+
+    k1, k2, kmask = _norm_rope_heads(k_ptr + t * stride_kt, stride_kh, n_kv_heads, kw_ptr, cos, sin, eps,
+                                     HK_PAD, HALF, HALF_PAD, NORM)
+    hk = tl.arange(0, HK_PAD)
+    ko = k_out_ptr + t * stride_kot + hk[:, None] * stride_koh + d[None, :]
+    tl.store(ko, k1, mask=kmask)
+    tl.store(ko + HALF, k2, mask=kmask)
+
+    if STORE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            row = (slot // block_size) * stride_cb + (slot % block_size) * stride_co
+            kc = k_cache_ptr + row + hk[:, None] * stride_ch + d[None, :]
+            tl.store(kc, k1, mask=kmask)
+            tl.store(kc + HALF, k2, mask=kmask)
+            vp = v_ptr + t * stride_vt + hk[:, None] * stride_vh + d[None, :]
+            vc = v_cache_ptr + row + hk[:, None] * stride_ch + d[None, :]
+            tl.store(vc, tl.load(vp, mask=kmask), mask=kmask)
+            tl.store(vc + HALF, tl.load(vp + HALF, mask=kmask), mask=kmask)
+
+
+def _check_heads(name: str, t: torch.Tensor, T: int, D: int) -> None:
+    require(t.dim() == 3 and t.shape[0] == T and t.shape[2] == D, f"{name} must be (T, H, {D})")
+    require(t.stride(2) == 1, f"{name} needs a unit stride along head_dim")
+
+
+def _launch(positions, q, k, v, q_w, k_w, eps, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out, k_out):
+    T, Hq, D = q.shape
+    Hk = k.shape[1]
+    require(D % 2 == 0, "head_dim must be even")
+    _check_heads("q", q, T, D)
+    _check_heads("k", k, T, D)
+    require(k.dtype == q.dtype, "q and k must share a dtype")
+    require(positions.shape == (T,), "positions must be (T,)")
+    require(cos_sin_cache.shape[-1] == D and cos_sin_cache.stride(-1) == 1, "cos_sin_cache must be (P, head_dim)")
+    norm = q_w is not None
+    if norm:
+        require(q_w.shape == (D,) and k_w.shape == (D,), "norm weights must be (head_dim,)")
+        require(q_w.dtype == q.dtype and k_w.dtype == q.dtype, "norm weights must share q's dtype")
+    if q_out is None:
+        q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if k_out is None:
+        k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+    _check_heads("q_out", q_out, T, D)
+    _check_heads("k_out", k_out, T, D)
+    store = k_cache is not None
+    if store:
+        _check_heads("v", v, T, D)
+        require(k_cache.shape == v_cache.shape and k_cache.shape[2:] == (Hk, D), "caches must be (N, bs, Hk, D)")
+        require(k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "caches must share a dense layout")
+        require(k_cache.dtype == q.dtype, "cache dtype must match the activations")
+        require(slot_mapping.shape == (T,), "slot_mapping must be (T,)")
+        cache_strides = k_cache.stride()[:3]
+        block_size = k_cache.shape[1]
+    else:
+        v, k_cache, v_cache, slot_mapping = k, k, k, positions  # unused (STORE=False)
+        cache_strides, block_size = (0, 0, 0), 1
+    if T == 0:
+        return q_out, k_out
+    half = D // 2
+    _qk_rope_kernel[(T,)](
+        positions, cos_sin_cache, q, k, v, q_w if norm else q, k_w if norm else k, q_out, k_out,
+        k_cache, v_cache, slot_mapping, eps, block_size, Hq, Hk,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        *cache_strides, cos_sin_cache.stride(0),
+        HQ_PAD=next_pow2(Hq), HK_PAD=next_pow2(Hk), HALF=half, HALF_PAD=next_pow2(half),
+        NORM=norm, STORE=store, num_warps=4,
+    )
+    return q_out, k_out
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, *,
+    q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on ``q: (T, Hq, D)`` and ``k: (T, Hk, D)`` at ``positions: (T,)``; returns ``(q_rot, k_rot)``.
+
+    ``q_out=q, k_out=k`` rotates in place (each element is read before it is written by the same program).
+    """
+    return _launch(positions, q, k, None, None, None, 0.0, cos_sin_cache, None, None, None, q_out, k_out)
+
+
+def qk_norm_rope(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor, *,
+    q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3: per-head RMSNorm of q and k over D, then RoPE, in one pass."""
+    return _launch(positions, q, k, None, q_norm_weight, k_norm_weight, eps, cos_sin_cache,
+                   None, None, None, q_out, k_out)
+
+
+def qk_norm_rope_store_kv(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+    q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qk_norm_rope`` and then ``store_kv(k_rot, v, k_cache, v_cache, slot_mapping)``, in one pass.
+
+    Slots < 0 are skipped (padding tokens). Returns ``(q_rot, k_rot)``.
+    """
+    return _launch(positions, q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache,
+                   k_cache, v_cache, slot_mapping, q_out, k_out)

@@ -1,0 +1,70 @@
+"""Tiled causal prefill attention and the split-KV paged decode attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernellab.kernels.attention import causal_attention
+from kernellab.kernels.paged_attention import paged_decode_attention
+from kernellab.kernels.testing import assert_close, poisoned
+from kernellab.runtime import ops
+
+# bf16 probabilities feed the P·V tensor-core dot (FlashAttention's choice): ~1e-2 absolute on O(1) outputs.
+ATTN_DTYPES = [(torch.float32, 1e-5, 1e-5), (torch.float16, 2e-3, 2e-3), (torch.bfloat16, 2e-2, 2e-2)]
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", ATTN_DTYPES)
+@pytest.mark.parametrize("Tq, Tk, Hq, Hk, D", [(1, 1, 2, 1, 32), (37, 37, 4, 2, 32), (5, 40, 2, 2, 16), (20, 33, 3, 1, 24)])
+def test_causal_attention(Tq, Tk, Hq, Hk, D, dtype, atol, rtol, gen):
+    q = torch.randn(Tq, Hq, D, generator=gen).to(dtype)
+    k = torch.randn(Tk, Hk, D, generator=gen).to(dtype)
+    v = torch.randn(Tk, Hk, D, generator=gen).to(dtype)
+    out = poisoned(q.shape, dtype, "cpu")
+    y = causal_attention(q, k, v, D**-0.5, Hq // Hk, out=out, block_m=16, block_n=16)
+    ref = ops.causal_attention(q.float(), k.float(), v.float(), D**-0.5, Hq // Hk).to(dtype)
+    assert_close(y, ref, atol, rtol, "attention")
+
+
+def _paged_case(lens, Hq, Hk, D, block_size, dtype, gen, extra_blocks=3):
+    """Caches with shuffled physical blocks, -1 padded block tables and poisoned unused slots."""
+    B = len(lens)
+    per_seq = [-(-n // block_size) for n in lens]
+    max_blocks = max(per_seq) + 1
+    num_blocks = sum(per_seq) + extra_blocks
+    k_cache = torch.randn(num_blocks, block_size, Hk, D, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, Hk, D, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.full((B, max_blocks), -1, dtype=torch.int32)
+    used = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    i = 0
+    for b, n in enumerate(per_seq):
+        tables[b, :n] = perm[i : i + n].to(torch.int32)
+        for j in range(n):
+            used[perm[i + j], : min(block_size, lens[b] - j * block_size)] = True
+        i += n
+    k_cache[~used] = float("nan")  # a read past a context or into a foreign block poisons the output
+    v_cache[~used] = float("nan")
+    q = torch.randn(B, Hq, D, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", ATTN_DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32, 5])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_paged_decode_attention(block_size, splits, dtype, atol, rtol, gen):
+    lens, Hq, Hk, D = [1, 17, 50], 4, 2, 32
+    q, kc, vc, tables, ctx = _paged_case(lens, Hq, Hk, D, block_size, dtype, gen)
+    out = poisoned(q.shape, dtype, "cpu")
+    y = paged_decode_attention(q, kc, vc, tables, ctx, D**-0.5, out=out, splits=splits, block_n=16)
+    ref = ops.paged_decode_attention(q.float(), kc.float().nan_to_num(), vc.float().nan_to_num(), tables, ctx,
+                                     D**-0.5).to(dtype)
+    assert_close(y, ref, atol, rtol, "paged decode")
+
+
+@pytest.mark.parametrize("Hq, Hk, D", [(8, 1, 64), (3, 3, 24)])
+def test_paged_decode_attention_group_and_odd_head_dim(Hq, Hk, D, gen):
+    q, kc, vc, tables, ctx = _paged_case([9, 33], Hq, Hk, D, 16, torch.float32, gen)
+    out = poisoned(q.shape, torch.float32, "cpu")
+    y = paged_decode_attention(q, kc, vc, tables, ctx, 0.1, out=out, max_context_len=33, block_n=16)
+    ref = ops.paged_decode_attention(q, kc.nan_to_num(), vc.nan_to_num(), tables, ctx, 0.1)
+    assert_close(y, ref, 1e-5, 1e-5, "paged decode")

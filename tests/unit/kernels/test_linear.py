@@ -1,0 +1,87 @@
+"""Decode GEMV (dense, W8A16, W4A16, split-K), the bucketed GEMM and the linear dispatcher."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernellab.kernels import gemm, gemv, linear, quant_gemv
+from kernellab.kernels.gemv import GemvConfig
+from kernellab.kernels.testing import assert_close, poisoned
+from kernellab.runtime import ops
+
+# bf16 outputs of a K-long fp32 dot: one final rounding (2⁻⁸ relative) plus fp32 summation-order noise.
+LINEAR_DTYPES = [(torch.float32, 1e-4, 1e-4), (torch.float16, 2e-3, 2e-3), (torch.bfloat16, 2e-2, 1.6e-2)]
+
+
+def _xw(M, N, K, dtype, gen):
+    return (torch.randn(M, K, generator=gen).to(dtype), (torch.randn(N, K, generator=gen) / K**0.5).to(dtype))
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", LINEAR_DTYPES)
+@pytest.mark.parametrize("M, N, K", [(1, 1, 64), (1, 37, 100), (3, 50, 257), (16, 33, 96)])
+def test_gemv(M, N, K, dtype, atol, rtol, gen):
+    x, w = _xw(M, N, K, dtype, gen)
+    out = poisoned((M, N), dtype, "cpu")
+    assert_close(gemv.linear(x, w, out=out), ops.linear(x.float(), w.float()).to(dtype), atol, rtol, "gemv")
+
+
+@pytest.mark.parametrize("M", [1, 5])
+@pytest.mark.parametrize("config", [GemvConfig(8, 32, 3), GemvConfig(16, 64, 2, num_warps=2)])
+def test_gemv_split_k_repeated_calls(M, config, gen):
+    """Split-K: the semaphore must finish every column block and reset itself for the next call."""
+    x, w = _xw(M, 45, 200, torch.float32, gen)
+    for _ in range(3):
+        out = poisoned((M, 45), torch.float32, "cpu")
+        x = torch.randn(M, 200, generator=gen)
+        assert_close(gemv.linear(x, w, out=out, config=config), ops.linear(x, w), 1e-4, 1e-4, "split-K")
+
+
+def test_gemv_rejects_many_rows():
+    with pytest.raises(ValueError):
+        gemv.linear(torch.zeros(17, 8), torch.zeros(4, 8))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("M, N, K, config", [(1, 37, 100, None), (4, 20, 64, None), (1, 45, 200, GemvConfig(8, 64, 2))])
+@pytest.mark.parametrize("dtype, atol, rtol", [(torch.float32, 1e-4, 1e-4), (torch.bfloat16, 2e-2, 1.6e-2)])
+def test_quantized_gemv(bits, M, N, K, config, dtype, atol, rtol, gen):
+    x, w = _xw(M, N, K, torch.float32, gen)
+    x = x.to(dtype)
+    qw = quant_gemv.quantize_weight(w, bits)
+    fn = quant_gemv.linear_w8a16 if bits == 8 else quant_gemv.linear_w4a16
+    out = poisoned((M, N), dtype, "cpu")
+    y = fn(x, qw.qweight, qw.scales, out=out, config=config)
+    ref = ops.linear(x.float(), quant_gemv.dequantize_weight(qw)).to(dtype)
+    assert_close(y, ref, atol, rtol, f"w{bits}a16")
+
+
+@pytest.mark.parametrize("bits, max_rel_err", [(8, 0.01), (4, 0.2)])
+def test_quantize_saves_memory_and_approximates(bits, max_rel_err, gen):
+    w = torch.randn(64, 128, generator=gen).to(torch.bfloat16)
+    qw = quant_gemv.quantize_weight(w, bits)
+    assert qw.qweight.nbytes == w.numel() * bits // 8
+    assert qw.nbytes < w.nbytes * (0.55 if bits == 8 else 0.3)
+    deq = quant_gemv.dequantize_weight(qw)
+    rel = (deq - w.float()).norm() / w.float().norm()
+    assert rel < max_rel_err
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", LINEAR_DTYPES)
+@pytest.mark.parametrize("M, N, K", [(33, 50, 70), (70, 17, 129)])
+def test_gemm(M, N, K, dtype, atol, rtol, gen):
+    x, w = _xw(M, N, K, dtype, gen)
+    cfg = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "num_warps": 4, "num_stages": 2}
+    out = poisoned((M, N), dtype, "cpu")
+    y = gemm.linear(x, w, out=out, config=cfg)
+    assert_close(y, ops.linear(x.float(), w.float()).to(dtype), atol, rtol, "gemm")
+
+
+def test_gemm_bucket_configs_cover_all_m():
+    assert [gemm.bucket_config(m)["BLOCK_M"] for m in (1, 64, 65, 512, 513)] == [64, 64, 128, 128, 128]
+
+
+@pytest.mark.parametrize("M", [1, 16, 17])
+def test_linear_dispatch(M, gen):
+    x, w = _xw(M, 24, 40, torch.float32, gen)
+    out = poisoned((M, 24), torch.float32, "cpu")
+    assert_close(linear.linear(x, w, out=out), ops.linear(x, w), 1e-4, 1e-4, "linear")
