@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import uuid
 from pathlib import Path
 
 from pydantic import Field, field_validator
@@ -61,7 +62,7 @@ class GatewaySettings(StackSettings):
 
 
 class WorkerSettings(StackSettings):
-    worker_id: str = ""  # "" → host-pid; must be unique among live workers (it is the consumer name)
+    worker_id: str = ""  # "" → host-pid-random; must be unique among live workers (it is the consumer name)
     metrics_port: int = Field(9200, ge=0, le=65535)  # also serves /health; 0: none
     engine: str = "kernellab.runtime.engine:LLMEngine"  # "module:callable" taking an EngineConfig
     device: str = "auto"
@@ -76,4 +77,4 @@ class WorkerSettings(StackSettings):
     batch_share: float = Field(0.75, gt=0, le=1)  # at most this share of max_num_seqs goes to batch requests
 
     def resolved_worker_id(self) -> str:
-        return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        return self.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"

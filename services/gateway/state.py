@@ -136,6 +136,8 @@ class Gateway:
     async def submit(self, p: Prepared, started: float) -> ResultStream:
         if self.draining:
             raise ServiceUnavailable("the gateway is shutting down", code="draining")
+        if not self.live_workers:
+            raise ServiceUnavailable(f"no worker is serving {self.model} right now", code="no_worker")
         if self.waiting >= self.settings.max_waiting:
             self.metrics.rejected.inc()
             raise RateLimited(f"too many requests waiting ({self.waiting}); retry shortly")

@@ -72,12 +72,11 @@ class WorkerQueue:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
-    def read(self, counts: dict[str, int], block_ms: int | None) -> list[Delivery]:
-        """New entries: up to ``counts[priority]`` from each stream (those with a positive count)."""
-        streams = {self.keys.requests(p): ">" for p in PRIORITIES if counts.get(p, 0) > 0}
-        if not streams:
+    def read(self, priorities: tuple[str, ...] | list[str], count: int, block_ms: int | None) -> list[Delivery]:
+        """New entries: up to ``count`` from each of the ``priorities``' streams (one XREADGROUP)."""
+        streams = {self.keys.requests(p): ">" for p in PRIORITIES if p in priorities}
+        if not streams or count <= 0:
             return []
-        count = max(counts.values())
         try:
             reply = self.r.xreadgroup(GROUP, self.consumer, streams, count=count, block=block_ms)
         except redis.ResponseError as exc:

@@ -173,11 +173,11 @@ class RedisIO:
                     self.holdings.wait_for_room(self.max_num_seqs, 0.5)
                     continue
                 batch_room = max(0, min(room, int(self.max_num_seqs * self.batch_share) - self.holdings.count("batch")))
-                got = q.read({"interactive": room}, None)
+                got = q.read(["interactive"], room, None)
                 if len(got) < room and batch_room:
-                    got += q.read({"batch": min(batch_room, room - len(got))}, None)
-                if not got:
-                    got = q.read({"interactive": 1, "batch": 1 if batch_room else 0}, 1000)
+                    got += q.read(["batch"], min(batch_room, room - len(got)), None)
+                if not got:  # idle: wait for the next entry of either stream, then read greedily again
+                    got = q.read(["interactive", "batch"] if batch_room else ["interactive"], 1, 1000)
                 self.redis_ok.set()
                 self._deliver(got)
             except _REDIS_DOWN as exc:

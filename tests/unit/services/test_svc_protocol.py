@@ -1,6 +1,5 @@
 import msgpack
 import pytest
-
 from kernellab.services.queue.keys import Keys
 from kernellab.services.queue.protocol import (
     PROTOCOL_VERSION,

@@ -1,8 +1,12 @@
 """Gateway request validation: every bad input is a 4xx KernellabError with the right param."""
 
 import pytest
-
-from kernellab.runtime.errors import ContextLengthError, InvalidRequestError, KernellabError, UnknownModelError
+from kernellab.runtime.errors import (
+    ContextLengthError,
+    InvalidRequestError,
+    KernellabError,
+    UnknownModelError,
+)
 from kernellab.services.gateway.requests import prepare
 
 MODEL = "smollm2-135m"

@@ -1,0 +1,183 @@
+"""The gateway app in-process (TestClient) against a real Redis and a worker thread with a fake engine."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import redis
+from fake_engine import FakeEngine
+from fastapi.testclient import TestClient
+from kernellab.services.config import GatewaySettings, WorkerSettings
+from kernellab.services.gateway.app import create_app
+from kernellab.services.queue.keys import Keys
+from kernellab.services.queue.protocol import CancelMessage, from_entry
+from kernellab.services.worker.loop import Worker
+
+KEY = "sk-unit"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MODEL = "smollm2-135m"
+
+
+def gateway_settings(redis_url, prefix, **kw):
+    base = dict(redis_url=redis_url, key_prefix=prefix, model=MODEL, api_keys=f"other,{KEY}", metrics_port=0,
+                max_body_bytes=4096, worker_dead_after_s=2.0)
+    return GatewaySettings(**{**base, **kw})
+
+
+@pytest.fixture
+def worker(redis_url, prefix):
+    w = Worker(WorkerSettings(redis_url=redis_url, key_prefix=prefix, model=MODEL, heartbeat_interval_s=0.05,
+                              metrics_port=0), engine=FakeEngine(step_s=0.003))
+    t = threading.Thread(target=w.run, daemon=True)
+    t.start()
+    yield w
+    w.drain()
+    t.join(10)
+
+
+def wait_ready(c):
+    deadline = time.monotonic() + 5
+    while c.get("/ready").status_code != 200:
+        assert time.monotonic() < deadline, c.get("/ready").json()
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def client(redis_url, prefix, tokenizer, worker):
+    with TestClient(create_app(gateway_settings(redis_url, prefix), tokenizer=tokenizer)) as c:
+        wait_ready(c)
+        yield c
+
+
+def is_openai_error(resp, status, code=None):
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+def test_health_needs_no_key_and_v1_routes_do(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    is_openai_error(client.get("/v1/models"), 401, "invalid_api_key")
+    is_openai_error(client.get("/v1/models", headers={"Authorization": "Bearer nope"}), 401, "invalid_api_key")
+    is_openai_error(client.post("/v1/chat/completions", json={}), 401)
+    assert client.get("/v1/models", headers=AUTH).json()["data"][0]["id"] == MODEL
+
+
+def test_http_level_errors(client):
+    is_openai_error(client.post("/v1/completions", content=b"{not json", headers=AUTH), 400)
+    is_openai_error(client.post("/v1/completions", content=b"\xff\xfe", headers=AUTH), 400)
+    body = {"model": MODEL, "prompt": "x" * 5000}
+    is_openai_error(client.post("/v1/completions", json=body, headers=AUTH), 413, "payload_too_large")
+    is_openai_error(client.get("/v1/nothing-here", headers=AUTH), 404)
+    is_openai_error(client.get("/v1/completions", headers=AUTH), 405)
+    err = is_openai_error(client.post("/v1/chat/completions", json={"model": MODEL, "messages": []}, headers=AUTH),
+                          400)
+    assert err["param"] == "messages" and err["type"] == "invalid_request_error"
+    is_openai_error(client.post("/v1/chat/completions", json={"model": "gpt-9", "messages": [{"role": "user",
+                    "content": "x"}]}, headers=AUTH), 404, "model_not_found")
+
+
+def test_chat_and_completion(client, tokenizer):
+    resp = client.post("/v1/chat/completions", headers=AUTH, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+    body = resp.json()
+    assert resp.status_code == 200 and body["object"] == "chat.completion"
+    assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 3
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert body["choices"][0]["message"]["content"] == tokenizer.decode(prompt[:3])
+    body = client.post("/v1/completions", headers=AUTH, json={
+        "model": MODEL, "prompt": "Hello there my friend", "max_tokens": 4, "n": 2, "echo": True}).json()
+    assert [c["text"] for c in body["choices"]] == ["Hello there my friend" + "Hello there my friend"] * 2
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def sse_events(resp):
+    events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_streaming_stop_string_cancels_on_the_worker(client, redis_url, prefix):
+    body = {"model": MODEL, "prompt": "Hello there my friend", "max_tokens": 50, "stream": True, "stop": [" my"],
+            "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/completions", headers=AUTH, json=body) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp)
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == "Hello there"
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "stop"
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] >= 3
+    r = redis.Redis.from_url(redis_url)
+    cancels = [from_entry(f) for _i, f in r.xrange(Keys(prefix, MODEL).cancel)]
+    assert cancels and isinstance(cancels[0], CancelMessage) and cancels[0].reason == "stop_string"
+
+
+def test_chat_stream_shape_and_logprobs(client):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True,
+            "logprobs": True, "top_logprobs": 1}
+    with client.stream("POST", "/v1/chat/completions", headers=AUTH, json=body) as resp:
+        events = sse_events(resp)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(e["object"] == "chat.completion.chunk" and "usage" not in e for e in events)
+    lps = [c for e in events for c in e["choices"][0]["logprobs"]["content"]]
+    assert len(lps) == 3 and all(len(x["top_logprobs"]) == 1 and x["logprob"] == -0.5 for x in lps)
+
+
+def test_cancel_endpoint(client):
+    is_openai_error(client.post("/v1/requests/cmpl-unknown/cancel", headers=AUTH), 404)
+    result = {}
+
+    def long_request():
+        result["body"] = client.post("/v1/completions", headers=AUTH, json={
+            "model": MODEL, "prompt": "Hello there", "max_tokens": 200}).json()
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    gw = client.app.state.gateway
+    deadline = time.monotonic() + 5
+    while not gw.router._subs:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    rid = next(iter(gw.router._subs)).split(":out:")[1].rsplit("-", 1)[0]
+    assert client.post(f"/v1/requests/{rid}/cancel", headers=AUTH).json()["cancelled"] is True
+    t.join(10)
+    assert result["body"]["choices"][0]["finish_reason"] == "abort"
+
+
+def test_backpressure_is_429_with_retry_after(redis_url, prefix, tokenizer, worker):
+    with TestClient(create_app(gateway_settings(redis_url, prefix, max_waiting=0), tokenizer=tokenizer)) as c:
+        wait_ready(c)
+        resp = c.post("/v1/completions", headers=AUTH, json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+        is_openai_error(resp, 429, "rate_limit_exceeded")
+        assert resp.headers["retry-after"] == "1"
+
+
+def test_not_ready_without_workers(redis_url, prefix, tokenizer):
+    with TestClient(create_app(gateway_settings(redis_url, prefix), tokenizer=tokenizer)) as c:
+        resp = c.get("/ready")
+        assert resp.status_code == 503 and "no live worker" in resp.json()["status"]
+        resp = c.post("/v1/completions", headers=AUTH, json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+        is_openai_error(resp, 503, "no_worker")
+
+
+def test_gateway_never_imports_torch(redis_url, prefix):
+    code = (
+        "import sys\n"
+        "from fastapi.testclient import TestClient\n"
+        "from kernellab.services.config import GatewaySettings\n"
+        "from kernellab.services.gateway.app import create_app\n"
+        f"s = GatewaySettings(redis_url={redis_url!r}, key_prefix={prefix!r}, metrics_port=0)\n"
+        "with TestClient(create_app(s)) as c:\n"
+        "    assert c.get('/health').status_code == 200\n"
+        "    c.post('/v1/completions', json={'model': 'smollm2-135m', 'prompt': [1, 2], 'max_tokens': 1})\n"
+        "print('torch' in sys.modules, 'transformers' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False False"

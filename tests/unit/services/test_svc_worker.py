@@ -1,0 +1,181 @@
+"""The worker loop with a fake engine and a real Redis: outputs, cancels, resume after reclaim, drain."""
+
+import threading
+import time
+
+import pytest
+import redis
+from fake_engine import FakeEngine
+from kernellab.services.config import WorkerSettings
+from kernellab.services.queue.broker import WorkerQueue
+from kernellab.services.queue.keys import GROUP, Keys
+from kernellab.services.queue.protocol import (
+    CancelMessage,
+    ErrorMessage,
+    OutputChunk,
+    RequestMessage,
+    entry,
+    from_entry,
+)
+from kernellab.services.worker.loop import Worker
+
+PROMPT = [101, 102, 103, 104, 105]
+
+
+def settings(redis_url, prefix, **kw):
+    base = dict(redis_url=redis_url, key_prefix=prefix, model="smollm2-135m", heartbeat_interval_s=0.05,
+                worker_dead_after_s=0.3, metrics_port=0, drain_timeout_s=5.0)
+    return WorkerSettings(**{**base, **kw})
+
+
+class Running:
+    def __init__(self, s, step_s=0.005):
+        self.worker = Worker(s, engine=FakeEngine(step_s=step_s))
+        self.thread = threading.Thread(target=self.worker.run, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.worker.drain()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture
+def ctx(redis_url, prefix):
+    r = redis.Redis.from_url(redis_url)
+    workers = []
+
+    def start(step_s=0.005, **kw):
+        w = Running(settings(redis_url, prefix, **kw), step_s)
+        workers.append(w)
+        return w
+
+    yield r, Keys(prefix, "smollm2-135m"), start
+    for w in workers:
+        if w.thread.is_alive():
+            w.stop()
+
+
+def send(r, keys, rid, max_tokens=6, index=0, **kw):
+    params = {"max_tokens": max_tokens, "logprobs": kw.pop("logprobs", None)}
+    msg = RequestMessage(rid, index, "smollm2-135m", kw.pop("prompt", PROMPT), params, **kw)
+    r.xadd(keys.requests(msg.priority), entry(msg))
+    return msg
+
+
+def collect(r, keys, eid, timeout=10.0):
+    """Tokens of one choice, deduplicated by seq as the gateway does, and its last message."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        tokens, last = [], None
+        for _id, fields in r.xrange(keys.output(eid)):
+            last = from_entry(fields)
+            if isinstance(last, OutputChunk):
+                assert last.seq <= len(tokens), "a gap in the stream"
+                tokens.extend(last.token_ids[len(tokens) - last.seq:])
+        if isinstance(last, ErrorMessage) or (last is not None and last.finished):
+            return tokens, last
+        time.sleep(0.01)
+    raise AssertionError(f"{eid} did not finish")
+
+
+def expected(n, prompt=PROMPT):
+    return [prompt[i % len(prompt)] for i in range(n)]
+
+
+def wait_for(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_request_runs_and_is_acked(ctx):
+    r, keys, start = ctx
+    w = start()
+    send(r, keys, "a", logprobs=1)
+    tokens, last = collect(r, keys, "a-0")
+    assert tokens == expected(6) and last.finish_reason == "length" and last.completion_tokens == 6
+    assert last.prompt_tokens == len(PROMPT) and last.worker == w.worker.worker_id
+    first = from_entry(r.xrange(keys.output("a-0"))[0][1])
+    assert first.logprobs == [[PROMPT[0], -0.5, [[PROMPT[0], -0.5]]]]
+    wait_for(lambda: r.xpending(keys.requests("interactive"), GROUP)["pending"] == 0)
+    assert 0 < r.pttl(keys.output("a-0")) <= 600_000
+    wait_for(lambda: r.zscore(keys.workers, w.worker.worker_id) is not None)
+
+
+def test_cancel_frees_the_request_and_acks(ctx):
+    r, keys, start = ctx
+    w = start(step_s=0.01)
+    send(r, keys, "long", max_tokens=200)
+    wait_for(lambda: r.xlen(keys.output("long-0")) >= 3)
+    r.xadd(keys.cancel, entry(CancelMessage("long")))
+    tokens, last = collect(r, keys, "long-0")
+    assert last.finish_reason == "abort" and len(tokens) < 200
+    wait_for(lambda: w.worker.metrics.kv_usage._value.get() == 0.0)
+    assert not w.worker.engine.seqs
+    assert r.xpending(keys.requests("interactive"), GROUP)["pending"] == 0
+
+
+def test_cancel_before_pickup_never_reaches_the_engine(ctx):
+    r, keys, start = ctx
+    r.xadd(keys.cancel, entry(CancelMessage("early")))
+    w = start()
+    time.sleep(0.2)
+    send(r, keys, "early")
+    tokens, last = collect(r, keys, "early-0")
+    assert tokens == [] and last.finish_reason == "abort"
+    assert w.worker.engine.added == []
+
+
+def test_bad_request_gets_an_error_and_is_acked(ctx):
+    r, keys, start = ctx
+    start()
+    send(r, keys, "big", prompt=list(range(1, 300)))
+    _tokens, last = collect(r, keys, "big-0")
+    assert isinstance(last, ErrorMessage) and last.status == 400 and last.code == "context_length_exceeded"
+    send(r, keys, "late", deadline=time.time() - 1)
+    _tokens, last = collect(r, keys, "late-0")
+    assert last.finish_reason == "deadline"
+
+
+def test_dead_workers_request_is_resumed_seamlessly(ctx):
+    r, keys, start = ctx
+    send(r, keys, "a", max_tokens=12)
+    dead = WorkerQueue(r, keys, "dead-worker")
+    dead.ensure_groups()
+    [held] = dead.read(["interactive"], 1, None)
+    r.xadd(keys.output("a-0"), entry(OutputChunk("a", 0, 0, expected(4))))  # it emitted 4 tokens, then died
+    w = start()
+    tokens, last = collect(r, keys, "a-0")
+    assert tokens == expected(12) and last.finish_reason == "length"
+    [(rid, _prompt, emitted)] = w.worker.engine.added
+    assert rid == "a-0" and emitted == expected(4)
+    assert w.worker.metrics.reclaimed._value.get() == 1
+    assert r.xpending(held.stream, GROUP)["pending"] == 0
+
+
+def test_drain_hands_unfinished_work_to_another_worker(ctx):
+    r, keys, start = ctx
+    first = start(step_s=0.01, drain_timeout_s=0.1)
+    send(r, keys, "a", max_tokens=60)
+    wait_for(lambda: r.xlen(keys.output("a-0")) >= 3)
+    first.stop()
+    assert first.worker.engine.seqs == {}
+    second = start()
+    tokens, last = collect(r, keys, "a-0")
+    assert tokens == expected(60) and last.finish_reason == "length"
+    [(_rid, _p, emitted)] = second.worker.engine.added
+    assert 3 <= len(emitted) < 60
+    assert r.zscore(keys.workers, first.worker.worker_id) is None
+
+
+def test_n_choices_and_priorities(ctx):
+    r, keys, start = ctx
+    start(worker_id="w-prio")
+    send(r, keys, "b", priority="batch")
+    for i in range(2):
+        send(r, keys, "c", index=i)
+    for eid in ("b-0", "c-0", "c-1"):
+        tokens, last = collect(r, keys, eid)
+        assert tokens == expected(6)
