@@ -84,7 +84,7 @@ class FakeEngine:
         time.sleep(self.step_s)
         outs = []
         now = time.time()
-        for rid, s in list(self.seqs.items()):
+        for _rid, s in list(self.seqs.items()):
             if s.deadline is not None and s.deadline <= now:
                 outs.append(self._out(s, [], True, "deadline"))
                 continue

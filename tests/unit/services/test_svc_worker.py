@@ -177,5 +177,5 @@ def test_n_choices_and_priorities(ctx):
     for i in range(2):
         send(r, keys, "c", index=i)
     for eid in ("b-0", "c-0", "c-1"):
-        tokens, last = collect(r, keys, eid)
+        tokens, _last = collect(r, keys, eid)
         assert tokens == expected(6)
