@@ -85,7 +85,10 @@ class Prometheus:
         self.workdir = workdir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        (workdir / "prometheus.yml").write_text(config)
+        # The config may name the server's own address before the port is known.
+        (workdir / "prometheus.yml").write_text(
+            config.replace("__PROMETHEUS_ADDRESS__", f"127.0.0.1:{self.port}")
+        )
         self.log_path = workdir / "prometheus.log"
         self.process: subprocess.Popen | None = None
 
