@@ -42,7 +42,7 @@ class StackSettings(BaseSettings):
 class GatewaySettings(StackSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    metrics_port: int = Field(9100, ge=0, le=65535)  # 0: no metrics server
+    gateway_metrics_port: int = Field(9100, ge=0, le=65535)  # KERNELLAB_GATEWAY_METRICS_PORT; 0: none
     api_keys: str = ""  # comma-separated; empty (and no file): no authentication
     api_key_file: str = ""  # one key per line; '#' starts a comment
     max_body_bytes: int = Field(1 << 20, ge=1024)
@@ -63,7 +63,7 @@ class GatewaySettings(StackSettings):
 
 class WorkerSettings(StackSettings):
     worker_id: str = ""  # "" → host-pid-random; must be unique among live workers (it is the consumer name)
-    metrics_port: int = Field(9200, ge=0, le=65535)  # also serves /health; 0: none
+    worker_metrics_port: int = Field(9200, ge=0, le=65535)  # KERNELLAB_WORKER_METRICS_PORT (+ /health); 0: none
     engine: str = "kernellab.runtime.engine:LLMEngine"  # "module:callable" taking an EngineConfig
     device: str = "auto"
     dtype: str = "auto"

@@ -74,10 +74,10 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
         app.state.gateway = state["gw"] = gw
         await gw.start()
         metrics_server = None
-        if settings.metrics_port:
+        if settings.gateway_metrics_port:
             from kernellab.services.worker.metrics import MetricsServer
 
-            metrics_server = MetricsServer(settings.metrics_host, settings.metrics_port, metrics.registry,
+            metrics_server = MetricsServer(settings.metrics_host, settings.gateway_metrics_port, metrics.registry,
                                            lambda: {"status": "ok", "in_flight": gw.in_flight}).start()
         log.info("gateway %s serving %s (redis %s, auth %s)", gw.id, spec.name, settings.redis_url,
                  f"{len(gw.api_keys)} key(s)" if gw.api_keys else "off")

@@ -1,5 +1,9 @@
 """Gateway metrics (their own registry, served on their own port), and the ASGI middleware that counts HTTP
-requests by route template and status, timing each until its last byte (streams included)."""
+requests by route template and status, timing each until its last byte (streams included).
+
+Names: ``kernellab_gateway_*`` (what grafana/ dashboards and alerts query); the worker's engine metrics use
+vLLM's ``kernellab:`` names.
+"""
 
 from __future__ import annotations
 
@@ -14,25 +18,25 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 class GatewayMetrics:
     def __init__(self, model_name: str):
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("kernellab:gateway_http_requests", "HTTP requests by route and status",
+        self.requests = Counter("kernellab_gateway_http_requests", "HTTP requests by route and status",
                                 ["route", "method", "status"], registry=r)
-        self.latency = Histogram("kernellab:gateway_http_request_duration_seconds",
+        self.latency = Histogram("kernellab_gateway_http_request_duration_seconds",
                                  "HTTP request duration until the last byte", ["route"], buckets=LATENCY_BUCKETS,
                                  registry=r)
-        self.queue_depth = Gauge("kernellab:gateway_queue_depth", "Admitted requests waiting for their first token",
+        self.queue_depth = Gauge("kernellab_gateway_queue_depth", "Admitted requests waiting for their first token",
                                  ["model_name"], registry=r).labels(model_name)
-        self.redis_lag = Gauge("kernellab:gateway_redis_queue_lag", "Request entries no worker has read yet",
+        self.redis_lag = Gauge("kernellab_gateway_redis_queue_lag", "Request entries no worker has read yet",
                                ["model_name"], registry=r).labels(model_name)
-        self.in_flight = Gauge("kernellab:gateway_requests_in_flight", "Requests being served", ["model_name"],
+        self.in_flight = Gauge("kernellab_gateway_requests_in_flight", "Requests being served", ["model_name"],
                                registry=r).labels(model_name)
-        self.rejected = Counter("kernellab:gateway_requests_rejected", "Requests refused by backpressure (429)",
+        self.rejected = Counter("kernellab_gateway_rejected", "Requests refused by backpressure (429)",
                                 ["model_name"], registry=r).labels(model_name)
-        self.disconnects = Counter("kernellab:gateway_client_disconnects", "Clients gone before their answer ended",
+        self.disconnects = Counter("kernellab_gateway_client_disconnects", "Clients gone before their answer ended",
                                    ["model_name"], registry=r).labels(model_name)
-        self.ttft = Histogram("kernellab:gateway_time_to_first_token_seconds",
+        self.ttft = Histogram("kernellab_gateway_time_to_first_token_seconds",
                               "Request received to first token sent, as the client sees it", ["model_name"],
                               buckets=TTFT_BUCKETS, registry=r).labels(model_name)
-        self.cancels = Counter("kernellab:gateway_cancels", "Cancel messages sent to workers, by reason",
+        self.cancels = Counter("kernellab_gateway_cancels", "Cancel messages sent to workers, by reason",
                                ["reason"], registry=r)
 
 

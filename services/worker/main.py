@@ -18,8 +18,8 @@ def serve(settings: WorkerSettings) -> None:
 
     worker = Worker(settings)
     server = None
-    if settings.metrics_port:
-        server = MetricsServer(settings.metrics_host, settings.metrics_port, worker.metrics.registry,
+    if settings.worker_metrics_port:
+        server = MetricsServer(settings.metrics_host, settings.worker_metrics_port, worker.metrics.registry,
                                worker.health).start()
         worker.metrics_url = f"http://{settings.metrics_host}:{server.port}/metrics"
 

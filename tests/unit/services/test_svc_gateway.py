@@ -22,7 +22,7 @@ MODEL = "smollm2-135m"
 
 
 def gateway_settings(redis_url, prefix, **kw):
-    base = dict(redis_url=redis_url, key_prefix=prefix, model=MODEL, api_keys=f"other,{KEY}", metrics_port=0,
+    base = dict(redis_url=redis_url, key_prefix=prefix, model=MODEL, api_keys=f"other,{KEY}", gateway_metrics_port=0,
                 max_body_bytes=4096, worker_dead_after_s=2.0)
     return GatewaySettings(**{**base, **kw})
 
@@ -30,7 +30,7 @@ def gateway_settings(redis_url, prefix, **kw):
 @pytest.fixture
 def worker(redis_url, prefix):
     w = Worker(WorkerSettings(redis_url=redis_url, key_prefix=prefix, model=MODEL, heartbeat_interval_s=0.05,
-                              metrics_port=0), engine=FakeEngine(step_s=0.003))
+                              worker_metrics_port=0), engine=FakeEngine(step_s=0.003))
     t = threading.Thread(target=w.run, daemon=True)
     t.start()
     yield w
@@ -172,7 +172,7 @@ def test_gateway_never_imports_torch(redis_url, prefix):
         "from fastapi.testclient import TestClient\n"
         "from kernellab.services.config import GatewaySettings\n"
         "from kernellab.services.gateway.app import create_app\n"
-        f"s = GatewaySettings(redis_url={redis_url!r}, key_prefix={prefix!r}, metrics_port=0)\n"
+        f"s = GatewaySettings(redis_url={redis_url!r}, key_prefix={prefix!r}, gateway_metrics_port=0)\n"
         "with TestClient(create_app(s)) as c:\n"
         "    assert c.get('/health').status_code == 200\n"
         "    c.post('/v1/completions', json={'model': 'smollm2-135m', 'prompt': [1, 2], 'max_tokens': 1})\n"

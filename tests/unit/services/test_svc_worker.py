@@ -24,7 +24,7 @@ PROMPT = [101, 102, 103, 104, 105]
 
 def settings(redis_url, prefix, **kw):
     base = dict(redis_url=redis_url, key_prefix=prefix, model="smollm2-135m", heartbeat_interval_s=0.05,
-                worker_dead_after_s=0.3, metrics_port=0, drain_timeout_s=5.0)
+                worker_dead_after_s=0.3, worker_metrics_port=0, drain_timeout_s=5.0)
     return WorkerSettings(**{**base, **kw})
 
 
