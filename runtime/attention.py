@@ -26,24 +26,27 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor | None  # (Bp,) int32
     logits_indices: torch.Tensor  # rows whose next-token logits are needed
     max_decode_context: int = 0
+    # Host copies so the prefill path can slice without a device sync. ``prefill_fresh``: no prefill chunk has
+    # cached context before it, so attention can use the step's own K/V instead of gathering from the cache.
+    prefill_cu_seqlens_host: list[int] | None = None
+    prefill_fresh: bool = False
 
 
 def paged_attention(
-    ops, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float,
 ) -> torch.Tensor:
-    """``q: (T, Hq, D)`` → ``(T, Hq, D)``; the step's K/V must already be stored in the caches."""
+    """``q: (T, Hq, D)`` → ``(T, Hq, D)``; the step's K/V (``k, v``) must already be stored in the caches."""
     nd = meta.num_decode_tokens
     if nd == q.shape[0]:
         return ops.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    if meta.prefill_fresh:
+        prefill = ops.varlen_causal_attention(q[nd:], k[nd:], v[nd:], meta.prefill_cu_seqlens_host, scale)
+    else:
+        prefill = ops.paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
+                                              meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale)
     if nd == 0:
-        return ops.paged_prefill_attention(
-            q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale
-        )
-    out = torch.empty_like(q)
-    out[:nd] = ops.paged_decode_attention(
-        q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
-    )
-    out[nd:] = ops.paged_prefill_attention(
-        q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale
-    )
-    return out
+        return prefill
+    decode = ops.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                        scale)
+    return torch.cat([decode, prefill])

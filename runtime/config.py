@@ -117,8 +117,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    backend: str = "torch"  # "torch" | "triton"
+    backend: str = "auto"  # "auto" (Triton dispatcher on GPU, torch on CPU) | "torch" | "triton"
     kernels: str = "accepted"  # "accepted" | "experimental" | "none": which Triton ops the dispatcher enables
+    disabled_kernels: tuple[str, ...] = ()  # ops kept on torch whatever their status (ablations)
     cuda_graphs: bool = True
     random_weights: bool = False  # build the model's exact shape with random weights (GPU benchmarks)
     seed: int = 0
@@ -131,5 +132,9 @@ class EngineConfig:
             raise InvalidRequestError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}")
+        if self.backend not in ("auto", "torch", "triton"):
+            raise InvalidRequestError(f"unknown backend {self.backend!r}")
+        if self.kernels not in ("accepted", "experimental", "none"):
+            raise InvalidRequestError(f"kernels must be accepted, experimental or none, got {self.kernels!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise InvalidRequestError(f"unknown device {self.device!r}")

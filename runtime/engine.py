@@ -188,13 +188,14 @@ class LLMEngine:
 
 
 def _select_ops(cfg: EngineConfig, device):
-    if cfg.backend == "torch":
-        from kernellab.runtime import ops
-
-        return ops
+    """``backend="auto"``: the acceptance dispatcher on a GPU, the torch references on a CPU (where Triton
+    would only run under its interpreter); ``"triton"`` forces the dispatcher (tests under the interpreter)."""
     from kernellab.runtime.dispatch import build_ops
 
-    return build_ops(cfg, device)
+    use_triton = cfg.backend == "triton" or (cfg.backend == "auto" and device.type == "cuda")
+    ops = build_ops(cfg.kernels if use_triton else "none", device, disabled=cfg.disabled_kernels)
+    log.info("Triton ops enabled: %s", ", ".join(ops.enabled) or "none")
+    return ops
 
 
 @dataclass

@@ -87,7 +87,9 @@ class CausalLM(nn.Module):
         self.scale = cfg.head_dim**-0.5
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list,
+                collect: list | None = None) -> torch.Tensor:
+        """``collect``, when given, receives the residual stream after each layer (numerics checks)."""
         cfg, ops = self.cfg, self.ops
         eps = cfg.rms_norm_eps
         hidden = self.model.embed_tokens(input_ids)
@@ -105,16 +107,17 @@ class CausalLM(nn.Module):
             k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
             if cfg.qk_norm:
-                q, k = ops.qk_norm_rope(
-                    meta.positions, q, k, attn.q_norm.weight, attn.k_norm.weight, eps, self.cos_sin_cache
-                )
+                q, k = ops.qk_norm_rope_store_kv(meta.positions, q, k, v, attn.q_norm.weight, attn.k_norm.weight, eps,
+                                                 self.cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
             else:
                 q, k = ops.rotary_embedding(meta.positions, q, k, self.cos_sin_cache)
-            ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            o = paged_attention(ops, q, k_cache, v_cache, meta, self.scale)
+                ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            o = paged_attention(ops, q, k, v, k_cache, v_cache, meta, self.scale)
             hidden = ops.linear(o.reshape(-1, cfg.q_size), attn.o_proj.weight)
             x, residual = ops.add_rms_norm(hidden, residual, layer.post_attention_layernorm.weight, eps)
             hidden = ops.linear(ops.silu_and_mul(ops.linear(x, layer.mlp.gate_up_proj.weight)), layer.mlp.down_proj.weight)
+            if collect is not None:
+                collect.append(hidden + residual)
         hidden, _ = ops.add_rms_norm(hidden, residual, self.model.norm.weight, eps)
         return hidden
 

@@ -10,6 +10,8 @@ import torch
 from kernellab.runtime import ops as torch_ops
 from kernellab.runtime.attention import AttentionMetadata
 from kernellab.runtime.config import EngineConfig, ModelConfig
+from kernellab.runtime.dispatch import graph_safe
+from kernellab.runtime.graphs import GraphRunner
 from kernellab.runtime.model import CausalLM
 from kernellab.runtime.sampler import Sampler, TokenLogprob
 from kernellab.runtime.scheduler import SchedulerOutput
@@ -63,7 +65,12 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(model_cfg.num_layers)
         ]
-        self.sampler = Sampler(device)
+        self.sampler = Sampler(device, argmax=ops.argmax)
+        self.graphs = None
+        if device.type == "cuda" and cfg.cuda_graphs and graph_safe(ops, model_cfg.qk_norm):
+            self.graphs = GraphRunner(self.model, self.kv_caches, device, self.block_size, max_model_len,
+                                      cfg.max_num_seqs)
+            self.graphs.capture()
 
     @torch.inference_mode()
     def _init_random(self) -> None:
@@ -101,6 +108,7 @@ class ModelRunner:
         sampling: list[Sequence] = []
         dec_tables, dec_lens, pre_tables, pre_lens, cu = [], [], [], [], [0]
         num_decode = 0
+        fresh = True
         for i in order:
             seq, n = out.scheduled[i]
             start = seq.num_computed_tokens
@@ -117,6 +125,7 @@ class ModelRunner:
                 pre_tables.append(table)
                 pre_lens.append(start + n)
                 cu.append(cu[-1] + n)
+                fresh = fresh and start == 0
             if out.samples(seq, n):
                 logits_rows.append(len(ids) - 1)
                 sampling.append(seq)
@@ -139,6 +148,8 @@ class ModelRunner:
             prefill_context_lens=torch.tensor(pre_lens, dtype=torch.int32, device=dev) if pre_lens else None,
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
             max_decode_context=max(dec_lens, default=0),
+            prefill_cu_seqlens_host=cu,
+            prefill_fresh=fresh,
         )
         return torch.tensor(ids, dtype=torch.long, device=dev), meta, order, sampling
 
@@ -146,14 +157,39 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> tuple[list[int | None], dict[str, TokenLogprob]]:
         """Run one step; returns the sampled token of each scheduled entry (None for a non-final prefill
         chunk), in ``out.scheduled`` order, and logprobs by request id where asked for."""
-        input_ids, meta, _, sampling = self.prepare(out)
-        hidden = self.model(input_ids, meta, self.kv_caches)
+        logits_and_seqs = self._execute_graph(out) if self.graphs is not None else None
+        if logits_and_seqs is None:
+            input_ids, meta, _, sampling = self.prepare(out)
+            hidden = self.model(input_ids, meta, self.kv_caches)
+            logits = self.model.compute_logits(hidden[meta.logits_indices]) if sampling else None
+        else:
+            logits, sampling = logits_and_seqs
         tokens: list[int] = []
         logprobs: list[TokenLogprob] | None = None
         if sampling:
-            logits = self.model.compute_logits(hidden[meta.logits_indices])
             tokens, logprobs = self.sampler(logits, sampling)
         by_seq = {id(s): t for s, t in zip(sampling, tokens, strict=True)}
         sampled = [by_seq.get(id(seq)) for seq, _ in out.scheduled]
         lp = {s.request_id: l for s, l in zip(sampling, logprobs, strict=True)} if logprobs else {}
         return sampled, lp
+
+    def _execute_graph(self, out: SchedulerOutput):
+        """Replay a captured graph when the step has a captured shape: all decodes within a batch bucket, or
+        one fresh prompt within a prefill bucket. Returns (logits of the sampling rows, their sequences)."""
+        sched, bs, graphs = out.scheduled, self.block_size, self.graphs
+        if all(n == 1 for _, n in sched) and graphs.decode_bucket(len(sched)):
+            pos = [s.num_computed_tokens for s, _ in sched]
+            ids = [s.token_ids[p] for (s, _), p in zip(sched, pos, strict=True)]
+            slots = [s.block_table[p // bs] * bs + p % bs for (s, _), p in zip(sched, pos, strict=True)]
+            logits = graphs.decode(ids, pos, slots, [p + 1 for p in pos], [s.block_table for s, _ in sched])
+            rows = [i for i, (s, n) in enumerate(sched) if out.samples(s, n)]
+            if len(rows) != len(sched):
+                logits = logits[rows]
+            return logits, [sched[i][0] for i in rows]
+        if len(sched) == 1:
+            seq, n = sched[0]
+            if n > 1 and seq.num_computed_tokens == 0 and out.samples(seq, n) and graphs.prefill_bucket(n):
+                table = seq.block_table
+                slots = [table[p // bs] * bs + p % bs for p in range(n)]
+                return graphs.prefill(seq.token_ids[:n], slots), [seq]
+        return None

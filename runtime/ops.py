@@ -211,3 +211,36 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         allowed = torch.arange(tk, device=q.device)[None, :] <= (torch.arange(tq, device=q.device)[:, None] + tk - tq)
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale)
     return o.transpose(0, 1)
+
+
+def qk_norm_rope_store_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's attention prologue in one op: ``qk_norm_rope`` then ``store_kv`` of the rotated k and v."""
+    q, k = qk_norm_rope(positions, q, k, q_norm_weight, k_norm_weight, eps, cos_sin_cache)
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
+def varlen_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int], scale: float
+) -> torch.Tensor:
+    """Causal attention of packed fresh prompts (no cached prefix): sequence b is rows
+    ``cu_seqlens[b]:cu_seqlens[b+1]`` of ``q: (T, Hq, D)`` and ``k, v: (T, Hk, D)``. ``cu_seqlens`` is a host
+    list so no device sync is needed to slice."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
+        if e > s:
+            out[s:e] = causal_attention(q[s:e], k[s:e], v[s:e], scale, group)
+    return out

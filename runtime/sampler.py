@@ -31,8 +31,9 @@ def _row_generator(seed: int, index: int, device: torch.device) -> torch.Generat
 
 
 class Sampler:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, argmax=torch.argmax):
         self.device = device
+        self.argmax = argmax  # the dispatcher's (Triton on a GPU where accepted)
         self.generator = torch.Generator(device=device)
         self.generator.seed()
 
@@ -42,7 +43,7 @@ class Sampler:
         want_logprobs = any(s.params.logprobs is not None for s in seqs)
         raw = logits
         if all(s.params.greedy and not s.params.has_penalties for s in seqs):
-            tokens = torch.argmax(logits, dim=-1)
+            tokens = self.argmax(logits)
         else:
             tokens = self._sample(logits.clone(), seqs)
         token_list = tokens.tolist()

@@ -8,11 +8,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.table import Table
-
 from kernellab.runtime.errors import KernellabError
 from kernellab.services.cli import app
+from rich.console import Console
+from rich.table import Table
 
 err = Console(stderr=True, soft_wrap=True)  # one error = one line, whatever the terminal width
 bench_app = typer.Typer(help="Benchmarks that write JSON artifacts with provenance.", no_args_is_help=True)
@@ -170,7 +169,7 @@ def bench_offline_cmd(
     workload: Annotated[str, typer.Option(help="chat | nanovllm")] = "chat",
     peer: Annotated[list[str], typer.Option(help="hf, llama.cpp, none")] = ["hf"],  # noqa: B006
     random_weights: Annotated[bool, typer.Option("--random-weights")] = False,
-    backend: str = "torch",
+    backend: str = "auto",
     output: Annotated[Path | None, typer.Option()] = None,
 ) -> None:
     """Offline throughput of the engine and its peers, same prompts, same run; a JSON artifact."""

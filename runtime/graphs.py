@@ -1,0 +1,122 @@
+"""CUDA graphs: decode steps by batch bucket, and single-prompt prefill by length bucket.
+
+A graph replays a fixed sequence of kernels on fixed addresses, so each step copies its inputs into static
+buffers (one host→device copy for the int64 inputs, one for the block table) and replays the captured
+graph of the smallest bucket that fits; padding rows get slot -1 (no KV write) and context length 1 (a
+harmless read of block 0). The captured region ends with the LM head, so a replay yields logits.
+
+Only ops without host syncs can be captured: the dispatcher's ``graph_safe`` says whether the enabled
+kernels allow it (the Triton KV write and paged decode attention).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from kernellab.runtime.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+PREFILL_BUCKETS = (128, 256, 512, 1024, 2048, 4096)
+
+
+class GraphRunner:
+    def __init__(self, model, kv_caches, device, block_size: int, max_model_len: int, max_num_seqs: int,
+                 prefill_buckets: tuple[int, ...] = PREFILL_BUCKETS):
+        self.model, self.kv_caches, self.device = model, kv_caches, device
+        self.block_size = block_size
+        self.width = -(-max_model_len // block_size)
+        self.decode_buckets = tuple(b for b in DECODE_BUCKETS if b <= max_num_seqs) or (1,)
+        if max_num_seqs > self.decode_buckets[-1]:
+            self.decode_buckets += (max_num_seqs,)
+        self.prefill_buckets = tuple(b for b in prefill_buckets if b < max_model_len)
+        n = max(self.decode_buckets[-1], max(self.prefill_buckets, default=1))
+        # int64 inputs: rows = input_ids, positions, slot_mapping, context_lens (as int64 for one copy).
+        self.host = torch.zeros((4, n), dtype=torch.int64, pin_memory=True)
+        self.inputs = torch.zeros((4, n), dtype=torch.int64, device=device)
+        self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.host_tables = torch.zeros((self.decode_buckets[-1], self.width), dtype=torch.int32, pin_memory=True)
+        self.tables = torch.zeros((self.decode_buckets[-1], self.width), dtype=torch.int32, device=device)
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[str, int], torch.Tensor] = {}
+        self.pool = None
+
+    # ------------------------------------------------------------------ capture
+    def _decode_meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            positions=self.inputs[1, :bs], slot_mapping=self.inputs[2, :bs], num_decode_tokens=bs,
+            decode_block_tables=self.tables[:bs], decode_context_lens=self.context_lens[:bs],
+            prefill_block_tables=None, prefill_cu_seqlens_q=None, prefill_context_lens=None,
+            logits_indices=torch.arange(bs, device=self.device), max_decode_context=self.width * self.block_size)
+
+    def _prefill_meta(self, n: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            positions=self.inputs[1, :n], slot_mapping=self.inputs[2, :n], num_decode_tokens=0,
+            decode_block_tables=None, decode_context_lens=None, prefill_block_tables=None,
+            prefill_cu_seqlens_q=None, prefill_context_lens=None,
+            logits_indices=self.inputs[3, :1], prefill_cu_seqlens_host=[0, n], prefill_fresh=True)
+
+    def _capture(self, key: tuple[str, int], meta: AttentionMetadata) -> None:
+        n = key[1]
+        ids = self.inputs[0, :n]
+        for _ in range(2):  # warm up: Triton compilation and autotuning happen outside the capture
+            self.model.compute_logits(self.model(ids, meta, self.kv_caches)[meta.logits_indices])
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden = self.model(ids, meta, self.kv_caches)
+            self.logits[key] = self.model.compute_logits(hidden[meta.logits_indices])
+        self.pool = graph.pool()
+        self.graphs[key] = graph
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        self.inputs[2].fill_(-1)  # warm-up and capture must not write the KV cache
+        for bs in reversed(self.decode_buckets):  # largest first: the shared pool is sized once
+            self._capture(("decode", bs), self._decode_meta(bs))
+        for n in reversed(self.prefill_buckets):
+            self._capture(("prefill", n), self._prefill_meta(n))
+        torch.cuda.synchronize(self.device)
+        log.info("captured %d CUDA graphs", len(self.graphs))
+
+    # ------------------------------------------------------------------ replay
+    def decode_bucket(self, n: int) -> int | None:
+        return next((b for b in self.decode_buckets if b >= n), None)
+
+    def prefill_bucket(self, n: int) -> int | None:
+        return next((b for b in self.prefill_buckets if b >= n), None)
+
+    def decode(self, ids, positions, slots, context_lens, tables) -> torch.Tensor:
+        n = len(ids)
+        bs = self.decode_bucket(n)
+        host = self.host.numpy()
+        host[0, :n], host[1, :n], host[2, :n], host[3, :n] = ids, positions, slots, context_lens
+        host[:, n:bs] = 0
+        host[2, n:bs] = -1
+        host[3, n:bs] = 1
+        t = self.host_tables.numpy()
+        for i, row in enumerate(tables):
+            t[i, : len(row)] = row
+        self.inputs[:, :bs].copy_(self.host[:, :bs], non_blocking=True)
+        self.tables[:bs].copy_(self.host_tables[:bs], non_blocking=True)
+        self.context_lens[:bs].copy_(self.inputs[3, :bs])
+        self.graphs[("decode", bs)].replay()
+        return self.logits[("decode", bs)][:n]
+
+    def prefill(self, ids, slots) -> torch.Tensor:
+        n = len(ids)
+        bucket = self.prefill_bucket(n)
+        host = self.host.numpy()
+        host[0, :n] = ids
+        host[1, :bucket] = np.arange(bucket)
+        host[2, :n] = slots
+        host[0, n:bucket] = 0
+        host[2, n:bucket] = -1  # padding tokens come after the prompt: causal attention keeps them out of it
+        host[3, 0] = n - 1
+        self.inputs[:, :bucket].copy_(self.host[:, :bucket], non_blocking=True)
+        self.graphs[("prefill", bucket)].replay()
+        return self.logits[("prefill", bucket)]
