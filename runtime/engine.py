@@ -62,13 +62,16 @@ def load_model_config(spec: ModelSpec, random_weights: bool):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, **kwargs):
+    def __init__(self, config: EngineConfig | None = None, weights=None, **kwargs):
+        """``weights``: optional HF-named ``(name, tensor)`` pairs that replace the checkpoint's (for
+        comparisons against a peer holding the same random weights)."""
         from kernellab.runtime.model_runner import ModelRunner, resolve_device, resolve_dtype
 
         self.config = cfg = config or EngineConfig(**kwargs)
         self.spec = resolve_model(cfg.model)
         t0 = time.perf_counter()
-        model_cfg, weights = load_model_config(self.spec, cfg.random_weights)
+        model_cfg, checkpoint = load_model_config(self.spec, cfg.random_weights)
+        weights = checkpoint if weights is None else weights
         self.model_config = model_cfg
         limit = cfg.max_model_len or self.spec.max_model_len or model_cfg.max_position_embeddings
         self.max_model_len = min(limit, model_cfg.max_position_embeddings)

@@ -6,7 +6,6 @@ import logging
 import math
 
 import torch
-
 from kernellab.runtime import ops as torch_ops
 from kernellab.runtime.attention import AttentionMetadata
 from kernellab.runtime.config import EngineConfig, ModelConfig
@@ -170,7 +169,7 @@ class ModelRunner:
             tokens, logprobs = self.sampler(logits, sampling)
         by_seq = {id(s): t for s, t in zip(sampling, tokens, strict=True)}
         sampled = [by_seq.get(id(seq)) for seq, _ in out.scheduled]
-        lp = {s.request_id: l for s, l in zip(sampling, logprobs, strict=True)} if logprobs else {}
+        lp = {s.request_id: lp for s, lp in zip(sampling, logprobs, strict=True)} if logprobs else {}
         return sampled, lp
 
     def _execute_graph(self, out: SchedulerOutput):

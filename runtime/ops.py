@@ -10,6 +10,8 @@ KV cache layout (per layer): ``k_cache, v_cache: (num_blocks, block_size, Hk, D)
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -240,7 +242,7 @@ def varlen_causal_attention(
     list so no device sync is needed to slice."""
     out = torch.empty_like(q)
     group = q.shape[1] // k.shape[1]
-    for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
+    for s, e in itertools.pairwise(cu_seqlens):
         if e > s:
             out[s:e] = causal_attention(q[s:e], k[s:e], v[s:e], scale, group)
     return out

@@ -1,0 +1,108 @@
+"""Batch-1 latency: time to first token for a prompt of N tokens, and inter-token latency at a context C,
+through the engine's own step loop (scheduling, input preparation and sampling included)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from kernellab.results import provenance
+
+
+def _sync(device) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _random_prompt(n: int, vocab: int, gen: torch.Generator) -> list[int]:
+    return torch.randint(0, min(vocab, 10000), (n,), generator=gen).tolist()
+
+
+def engine_ttft(engine, prompt_len: int, reps: int = 10, seed: int = 0) -> list[float]:
+    """Seconds from add_request to the first token, fresh random prompts (no prefix-cache hits)."""
+    from kernellab.runtime.sampling import SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times = []
+    for i in range(reps + 2):
+        prompt = _random_prompt(prompt_len, vocab, gen)
+        _sync(engine.runner.device)
+        t0 = time.perf_counter()
+        engine.add_request(f"ttft{i}", prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        elapsed = time.perf_counter() - t0
+        if i >= 2:  # two warm-ups
+            times.append(elapsed)
+    return times
+
+
+def engine_itl(engine, context: int, new_tokens: int = 64, seed: int = 1) -> list[float]:
+    """Seconds per decode step of one sequence whose context starts at ``context`` tokens."""
+    from kernellab.runtime.sampling import SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    prompt = _random_prompt(context, engine.model_config.vocab_size, gen)
+    engine.add_request("itl", prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens + 1, ignore_eos=True))
+    engine.step()  # prefill
+    times = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+@torch.inference_mode()
+def hf_latency(hf, prompt_len: int, context: int, device: str, new_tokens: int = 32, reps: int = 5) -> dict:
+    gen = torch.Generator().manual_seed(2)
+    vocab = hf.config.vocab_size
+    ttft = []
+    for i in range(reps + 1):
+        ids = torch.tensor([_random_prompt(prompt_len, vocab, gen)], device=device)
+        _sync(device)
+        t0 = time.perf_counter()
+        hf(ids).logits[:, -1].argmax(-1).item()
+        if i:
+            ttft.append(time.perf_counter() - t0)
+    ids = torch.tensor([_random_prompt(context, vocab, gen)], device=device)
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    hf.generate(ids, max_new_tokens=2, **kwargs)
+    _sync(device)
+    t0 = time.perf_counter()
+    hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+    _sync(device)
+    prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    hf.generate(ids, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, **kwargs)
+    _sync(device)
+    itl = (time.perf_counter() - t0 - prefill) / new_tokens
+    return {"ttft_ms_p50": round(statistics.median(ttft) * 1e3, 2), "itl_ms": round(itl * 1e3, 2)}
+
+
+def bench_latency(engine, prompt_lens=(2048,), contexts=(128, 2048), hf=None) -> dict:
+    device = str(engine.runner.device)
+    rows = []
+    for n in prompt_lens:
+        t = engine_ttft(engine, n)
+        rows.append({"system": "kernellab", "metric": "ttft", "tokens": n, "ms_p50": round(statistics.median(t) * 1e3, 3),
+                     "ms_min": round(min(t) * 1e3, 3), "reps": len(t)})
+    for c in contexts:
+        t = engine_itl(engine, c)
+        rows.append({"system": "kernellab", "metric": "itl", "tokens": c, "ms_p50": round(statistics.median(t) * 1e3, 3),
+                     "ms_min": round(min(t) * 1e3, 3), "reps": len(t)})
+    if hf is not None:
+        for n, c in zip(prompt_lens, contexts, strict=False):
+            r = hf_latency(hf, n, c, device)
+            rows.append({"system": "hf-transformers", "metric": "ttft", "tokens": n, "ms_p50": r["ttft_ms_p50"]})
+        for c in contexts:
+            r = hf_latency(hf, 16, c, device)
+            rows.append({"system": "hf-transformers", "metric": "itl", "tokens": c, "ms_p50": r["itl_ms"]})
+    return {"schema": "kernellab.bench.latency/v1", "provenance": provenance(device), "model": engine.spec.name,
+            "dtype": str(engine.runner.dtype).removeprefix("torch."), "rows": rows,
+            "config": {"cuda_graphs": engine.runner.graphs is not None,
+                       "kernels": list(getattr(engine.runner.model.ops, "enabled", ()))}}

@@ -1,0 +1,57 @@
+"""Random inputs at real Qwen3-0.6B shapes for each replaceable op (the acceptance gate's numerics).
+
+``make_inputs(op, seed)`` returns ``{"a": args}``: the same arguments feed the kernel and the reference
+(ops that write into a cache get fresh copies for each side via ``"k"``)."""
+
+from __future__ import annotations
+
+import torch
+
+H, INTER, HQ, HK, D, V = 1024, 3072, 16, 8, 128, 151936
+T, BATCH, CTX, BS = 512, 64, 1024, 16
+
+
+def make_inputs(op: str, seed: int) -> dict:
+    from kernellab.runtime.ops import rope_cos_sin_cache
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*shape, dtype=torch.bfloat16, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(dtype)
+
+    cos_sin = rope_cos_sin_cache(D, 4096, 1e6, device="cuda")
+    positions = torch.randint(0, 4096, (T,), generator=g, device="cuda")
+    if op == "rms_norm":
+        return {"a": (rnd(4096, H), rnd(H, scale=0.1) + 1, 1e-6)}
+    if op == "add_rms_norm":
+        return {"a": (rnd(4096, H), rnd(4096, H), rnd(H, scale=0.1) + 1, 1e-6)}
+    if op == "silu_and_mul":
+        return {"a": (rnd(T, 2 * INTER),)}
+    if op == "linear":
+        return {"a": (rnd(1, H), rnd(3 * H, H, scale=0.02))}
+    if op == "argmax":
+        return {"a": (rnd(BATCH, V, dtype=torch.float32),)}
+    if op == "rotary_embedding":
+        return {"a": (positions, rnd(T, HQ, D), rnd(T, HK, D), cos_sin)}
+    if op == "qk_norm_rope":
+        return {"a": (positions, rnd(T, HQ, D), rnd(T, HK, D), rnd(D, scale=0.1) + 1, rnd(D, scale=0.1) + 1, 1e-6,
+                      cos_sin)}
+    num_blocks = BATCH * CTX // BS + 8
+    cache = lambda: torch.zeros(num_blocks, BS, HK, D, dtype=torch.bfloat16, device="cuda")  # noqa: E731
+    slots = torch.randperm(num_blocks * BS, generator=g, device="cuda")[:T]
+    if op == "store_kv":
+        k, v = rnd(T, HK, D), rnd(T, HK, D)
+        kc, vc = cache(), cache()
+        kc2, vc2 = cache(), cache()
+        return {"a": (k, v, kc, vc, slots), "k": (k, v, kc2, vc2, slots), "outputs": ((kc2, vc2), (kc, vc))}
+    if op == "qk_norm_rope_store_kv":
+        q, k, v = rnd(T, HQ, D), rnd(T, HK, D), rnd(T, HK, D)
+        w1, w2 = rnd(D, scale=0.1) + 1, rnd(D, scale=0.1) + 1
+        return {"a": (positions, q, k, v, w1, w2, 1e-6, cos_sin, cache(), cache(), slots),
+                "k": (positions, q, k, v, w1, w2, 1e-6, cos_sin, cache(), cache(), slots)}
+    if op == "paged_decode_attention":
+        tables = torch.randperm(num_blocks, generator=g, device="cuda")[: BATCH * CTX // BS].view(BATCH, -1).int()
+        lens = torch.randint(1, CTX + 1, (BATCH,), generator=g, device="cuda").int()
+        kc, vc = rnd(num_blocks, BS, HK, D), rnd(num_blocks, BS, HK, D)
+        return {"a": (rnd(BATCH, HQ, D), kc, vc, tables, lens, D**-0.5)}
+    raise KeyError(op)

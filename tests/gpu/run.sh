@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# On a GPU machine whose python3 has torch, triton and transformers (the lent H200): make the package
+# importable without installing it (the repo's folders are the kernellab subpackages), then run the gates.
+#   bash tests/gpu/run.sh "$OUT"            # engine gate (numerics, speed, HF peer, kernel ablation)
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+OUT_DIR=${1:-${OUT:-$ROOT/out}}
+SHIM=$(mktemp -d)
+mkdir -p "$SHIM/kernellab"
+for f in "$ROOT"/kernellab/*; do ln -s "$f" "$SHIM/kernellab/"; done
+ln -s "$ROOT/kernels" "$SHIM/kernellab/kernels"
+ln -s "$ROOT/runtime" "$SHIM/kernellab/runtime"
+ln -s "$ROOT/services" "$SHIM/kernellab/services"
+export PYTHONPATH="$SHIM:$ROOT" PYTHONUNBUFFERED=1
+mkdir -p "$OUT_DIR"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader || true
+python3 "$ROOT/tests/gpu/run_engine.py" --out "$OUT_DIR" "${@:2}" 2>&1 | tee "$OUT_DIR/engine_log.txt"

@@ -1,0 +1,304 @@
+#!/usr/bin/env python3
+"""The engine gate on a GPU, in one go: numerics, end-to-end speed, the HF transformers peer, and the
+kernel acceptance ablation. Random weights of the exact Qwen3-0.6B shape (HF's own initialisation, shared
+by every system compared). Prints a short table last; writes JSON into --out (default $OUT).
+
+    python3 tests/gpu/run_engine.py --out "$OUT"            # on the device machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+T0 = time.time()
+MODEL = "qwen3-0.6b"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def hf_model(dtype):
+    from kernellab.runtime.registry import resolve_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(**{"model_type": "qwen3", **resolve_model(MODEL).hf_config})
+    with torch.device("cuda"):
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+
+
+def engine(weights, **kw):
+    from kernellab.runtime.config import EngineConfig
+    from kernellab.runtime.engine import LLMEngine
+
+    # Explicit KV pools: several engines share the card here; the offline run alone sizes it from free memory.
+    base = dict(model=MODEL, device="cuda", dtype="bfloat16", random_weights=True, max_model_len=2048,
+                max_num_seqs=64, max_num_batched_tokens=16384, kernels="experimental", num_kv_blocks=4096)
+    base.update(kw)
+    return LLMEngine(EngineConfig(**base), weights=weights)
+
+
+def forward_prefill(eng, prompts, collect=None, all_logits=False):
+    """Prefill each prompt (one step each, no prefix cache) and return logits (all positions or last)."""
+    from kernellab.runtime.sampling import SamplingParams
+
+    eng.block_manager.enable_prefix_caching = False
+    outs = []
+    for i, p in enumerate(prompts):
+        eng.add_request(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=1))
+        sched = eng.scheduler.schedule()
+        ids, meta, _, _ = eng.runner.prepare(sched)
+        layers = [] if collect is not None else None
+        with torch.inference_mode():
+            hidden = eng.runner.model(ids, meta, eng.runner.kv_caches, collect=layers)
+            logits = eng.runner.model.compute_logits(hidden if all_logits else hidden[meta.logits_indices])
+        if collect is not None:
+            collect.append([h.float() for h in layers])
+        outs.append(logits)
+        eng.abort(f"p{i}")
+    return outs
+
+
+def numerics(hf_bf16, weights, report):
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 10000, (int(n),), generator=gen).tolist() for n in torch.randint(32, 257, (64,), generator=gen)]
+    ours, ref = engine(weights), engine(weights, dtype="float32", kernels="none", cuda_graphs=False, num_kv_blocks=64)
+    ours_layers, ref_layers = [], []
+    forward_prefill(ours, prompts, ours_layers)
+    forward_prefill(ref, prompts, ref_layers)
+    cos = []
+    for layer in range(len(ref_layers[0])):
+        per_prompt = [torch.nn.functional.cosine_similarity(o[layer], r[layer], dim=-1) for o, r in zip(ours_layers, ref_layers, strict=True)]
+        allc = torch.cat(per_prompt)
+        cos.append({"layer": layer, "mean": allc.mean().item(), "min": allc.min().item()})
+    worst = min(c["mean"] for c in cos)
+    report["numerics"]["layer_cosine"] = {"per_layer": cos, "worst_layer_mean": worst, "gate": 0.9999,
+                                          "pass": worst >= 0.9999, "prompts": len(prompts)}
+    log(f"layer cosine: worst layer mean {worst:.6f}, min token {min(c['min'] for c in cos):.6f}")
+    del ref
+
+    # Teacher-forced argmax vs HF fp32 over 256 prompts × 32 positions, next to HF bf16's own agreement.
+    seqs = torch.randint(0, 10000, (256, 96), generator=gen)
+    hf_fp32 = hf_model(torch.float32)
+    hf_fp32.load_state_dict({k: v.float() for k, v in hf_bf16.state_dict().items()})
+    agree_ours = agree_hf = 0
+    ours_logits = forward_prefill(ours, seqs.tolist(), all_logits=True)
+    with torch.inference_mode():
+        for i in range(0, 256, 32):
+            batch = seqs[i : i + 32].cuda()
+            ref_arg = hf_fp32(batch).logits[:, -32:].argmax(-1)
+            hf_arg = hf_bf16(batch).logits[:, -32:].argmax(-1)
+            our_arg = torch.stack([ours_logits[i + j][-32:].argmax(-1) for j in range(batch.shape[0])])
+            agree_ours += (our_arg == ref_arg).sum().item()
+            agree_hf += (hf_arg == ref_arg).sum().item()
+    n = 256 * 32
+    a_ours, a_hf = 100 * agree_ours / n, 100 * agree_hf / n
+    report["numerics"]["teacher_forced"] = {"positions": n, "ours_bf16_pct": a_ours, "hf_bf16_pct": a_hf,
+                                            "pass": a_ours >= a_hf - 0.5}
+    log(f"teacher-forced argmax vs HF fp32: ours {a_ours:.2f}%  HF bf16 {a_hf:.2f}%")
+    del hf_fp32
+
+    # Greedy CUDA-graph output == eager output of the same runner.
+    from kernellab.runtime.sampling import SamplingParams
+
+    eager = engine(weights, cuda_graphs=False)
+    graphs = ours
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    results = {}
+    for name, eng in (("graph", graphs), ("eager", eager)):
+        eng.block_manager.enable_prefix_caching = True
+        for i in range(16):
+            eng.add_request(f"g{i}", prompts[i], params)
+        toks: dict[str, list[int]] = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+        results[name] = toks
+    same = results["graph"] == results["eager"]
+    report["numerics"]["graph_equals_eager"] = {"pass": same, "sequences": 16, "tokens": 64,
+                                                "graphs_used": graphs.runner.graphs is not None}
+    log(f"graph == eager greedy: {same}")
+
+
+def offline(weights, report, hf=None):
+    from kernellab.bench.offline import run_engine
+    from kernellab.bench.workloads import nanovllm
+
+    prompts, outs = nanovllm()
+    torch.cuda.reset_peak_memory_stats()
+    eng = engine(weights, max_num_seqs=256, num_kv_blocks=None)
+    log(f"offline engine ready: {eng.runner.num_blocks} KV blocks, graphs={eng.runner.graphs is not None}")
+    run = run_engine(eng, prompts, outs, "nanovllm-256", "bfloat16")
+    run["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    run["kv_cache_gib"] = round(eng.runner.num_blocks * eng.config.block_size * eng.model_config.kv_bytes_per_token(2) / 2**30, 2)
+    report["offline"].append(run)
+    log(f"offline nano-vllm: {run['output_tokens']} tokens in {run['seconds']:.2f}s = {run['output_tok_per_s']:.0f} tok/s")
+    del eng
+    if hf is not None:
+        report["offline"].append(hf_continuous_batching(hf, prompts[:32], outs[:32]))
+
+
+def hf_continuous_batching(hf, prompts, outs):
+    from transformers import GenerationConfig
+
+    gen_cfg = GenerationConfig(max_new_tokens=1024, do_sample=False, eos_token_id=-1)
+    t0 = time.perf_counter()
+    produced = 0
+    with hf.continuous_batching_context_manager(generation_config=gen_cfg, block=True, timeout=10) as mgr:
+        for p, n in zip(prompts, outs, strict=True):
+            mgr.add_request(p, max_new_tokens=n, eos_token_id=-1)
+        done = 0
+        while done < len(prompts):
+            r = mgr.get_result(timeout=1)
+            if r is not None and r.is_finished():
+                done += 1
+                produced += len(r.generated_tokens)
+    seconds = time.perf_counter() - t0
+    log(f"HF continuous batching (first 32 sequences): {produced / seconds:.0f} tok/s")
+    return {"system": "hf-continuous-batching", "workload": "nanovllm-first32", "dtype": "bfloat16",
+            "num_prompts": len(prompts), "output_tokens": produced, "seconds": round(seconds, 3),
+            "output_tok_per_s": round(produced / seconds, 1)}
+
+
+def latency(weights, report, hf=None):
+    from kernellab.bench.latency import bench_latency
+
+    eng = engine(weights, max_num_seqs=8, max_model_len=4096)
+    data = bench_latency(eng, prompt_lens=(2048,), contexts=(128, 2048), hf=hf)
+    report["latency"] = data
+    for r in data["rows"]:
+        log(f"latency {r['system']} {r['metric']}@{r['tokens']}: {r['ms_p50']} ms")
+
+
+def kernel_numerics(op, kernel, reference) -> dict:
+    """The op against its torch reference at real Qwen3-0.6B shapes, fresh random inputs each seed."""
+    from tests.gpu.op_inputs import make_inputs
+
+    def as_tuple(x):
+        return x if isinstance(x, tuple) else (x,)
+
+    errs = []
+    for seed in range(3):
+        args = make_inputs(op, seed)
+        ref_args, k_args = args["a"], args.get("k", args["a"])
+        pairs = list(zip(as_tuple(kernel(*k_args)), as_tuple(reference(*ref_args)), strict=True))
+        if op == "store_kv":
+            pairs += [(k_args[2], ref_args[2]), (k_args[3], ref_args[3])]
+        if op == "qk_norm_rope_store_kv":
+            pairs += [(k_args[8], ref_args[8]), (k_args[9], ref_args[9])]
+        for a, b in pairs:
+            if a is None:
+                continue
+            if not a.is_floating_point():
+                errs.append(float((a != b).float().mean()))
+            else:
+                errs.append(float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)))
+    worst = max(errs)
+    tol = 0.0 if op == "argmax" else 2e-2
+    return {"rel_err_max": worst, "tolerance": tol, "pass": worst <= tol}
+
+
+def ablation(weights, report):
+    from kernellab.runtime import ops as reference
+    from kernellab.runtime.dispatch import REPLACEABLE
+
+    from kernellab import kernels as lib
+    from kernellab.bench.latency import engine_itl
+    from kernellab.bench.offline import run_engine
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 10000, (128,), generator=gen).tolist() for _ in range(64)]
+
+    def measure(disabled=()):
+        eng = engine(weights, disabled_kernels=tuple(disabled))
+        thr = run_engine(eng, prompts, [128] * 64, "decode-64x128", "bfloat16")["output_tok_per_s"]
+        itl = statistics.median(engine_itl(eng, 128, new_tokens=48)) * 1e3
+        enabled = list(eng.runner.model.ops.enabled)
+        del eng
+        return {"tok_per_s": thr, "itl_ms": round(itl, 3), "enabled": enabled}
+
+    all_on = measure()
+    log(f"ablation all-on: {all_on['tok_per_s']:.0f} tok/s, ITL {all_on['itl_ms']:.3f} ms ({len(all_on['enabled'])} kernels)")
+    rows = {"__all__": all_on, "__none__": measure(REPLACEABLE)}
+    log(f"ablation torch-only: {rows['__none__']['tok_per_s']:.0f} tok/s, ITL {rows['__none__']['itl_ms']:.3f} ms")
+    for op in all_on["enabled"]:
+        off = measure((op,))
+        num = kernel_numerics(op, lib.KERNELS[op], getattr(reference, op))
+        # Keep a kernel only if it is correct and the whole workload is not slower with it (2 % noise band).
+        faster = all_on["tok_per_s"] >= off["tok_per_s"] * 0.98 and all_on["itl_ms"] <= off["itl_ms"] * 1.02
+        status = "rejected" if not num["pass"] else "accepted" if faster else "experimental"
+        rows[op] = {**off, "numerics": num, "status": status,
+                    "e2e_gain_tok_per_s_pct": round(100 * (all_on["tok_per_s"] / off["tok_per_s"] - 1), 2),
+                    "e2e_gain_itl_pct": round(100 * (off["itl_ms"] / all_on["itl_ms"] - 1), 2)}
+        log(f"ablation -{op}: {off['tok_per_s']:.0f} tok/s, ITL {off['itl_ms']:.3f} ms, rel err {num['rel_err_max']:.2e} → {status}")
+        Path(report["_path"]).write_text(json.dumps(report, indent=2, default=str))
+    report["ablation"] = rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--skip", action="append", default=[], help="numerics, offline, latency, ablation, hf")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from kernellab.results import provenance
+
+    path = out / "engine_h200.json"
+    report = {"schema": "kernellab.gpu.engine/v1", "provenance": provenance("cuda"), "model": MODEL,
+              "weights": "random (HF Qwen3 initialisation, seed 0), exact Qwen3-0.6B shape", "numerics": {},
+              "offline": [], "latency": None, "ablation": None, "errors": [], "_path": str(path)}
+    hf = hf_model(torch.bfloat16)
+    weights = [(k, v) for k, v in hf.state_dict().items()]
+    log(f"{torch.cuda.get_device_name()} torch {torch.__version__}; HF model ready")
+    for name, fn in (("numerics", lambda: numerics(hf, weights, report)),
+                     ("latency", lambda: latency(weights, report, None if "hf" in args.skip else hf)),
+                     ("offline", lambda: offline(weights, report, None if "hf" in args.skip else hf)),
+                     ("ablation", lambda: ablation(weights, report))):
+        if name in args.skip:
+            continue
+        try:
+            fn()
+        except Exception as exc:  # keep going: a later section's numbers are still worth having
+            report["errors"].append({"section": name, "error": repr(exc), "trace": traceback.format_exc()[-3000:]})
+            log(f"{name} FAILED: {exc!r}")
+            traceback.print_exc()
+        path.write_text(json.dumps(report, indent=2, default=str))
+        gc.collect()
+        torch.cuda.empty_cache()
+    report.pop("_path")
+    path.write_text(json.dumps(report, indent=2, default=str))
+    print_table(report)
+    return 1 if report["errors"] else 0
+
+
+def print_table(report) -> None:
+    print("\n=== engine gate (H200, Qwen3-0.6B shape, bf16) ===")
+    n = report["numerics"]
+    for key in ("layer_cosine", "teacher_forced", "graph_equals_eager"):
+        if key in n:
+            print(f"{key:24s} pass={n[key]['pass']}")
+    for r in report["offline"]:
+        print(f"offline {r['system']:24s} {r['workload']:18s} {r['output_tok_per_s']:>10.0f} tok/s")
+    if report["latency"]:
+        for r in report["latency"]["rows"]:
+            print(f"latency {r['system']:24s} {r['metric']}@{r['tokens']:<5d} {r['ms_p50']:>9.3f} ms")
+    if report["ablation"]:
+        for op, r in report["ablation"].items():
+            print(f"ablation {op:24s} {r.get('status', ''):12s} {r['tok_per_s']:>8.0f} tok/s  ITL {r['itl_ms']:.3f} ms")
+    print(f"errors: {len(report['errors'])}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
