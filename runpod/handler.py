@@ -26,7 +26,7 @@ from engine_loop import EngineLoop
 from kernellab.runtime.config import EngineConfig
 from kernellab.runtime.detokenizer import IncrementalDetokenizer
 from kernellab.runtime.errors import KernellabError
-from openai_io import ResponseBuilder, error_output, models_output, parse_job_input
+from openai_io import ResponseBuilder, error_output, logprob_entries, models_output, parse_job_input
 
 import runpod
 
@@ -63,18 +63,18 @@ def exit_after_fault(error: BaseException, grace_s: float = 2.0) -> None:
     os._exit(FATAL_EXIT_CODE)
 
 
-def make_handler(loop: EngineLoop, tokenizer, served_model: str, served_names: tuple[str, ...]):
+def make_handler(loop: EngineLoop, tokenizer, served_model: str, max_model_len: int):
     async def handler(job):
         job_id = str(job["id"])
         try:
-            request = parse_job_input(job.get("input"), tokenizer, served_names)
+            request = parse_job_input(job.get("input"), tokenizer, served_model, max_model_len)
         except KernellabError as error:
             yield error_output(error)
             return
         if request.kind == "models":
             yield models_output(served_model)
             return
-        builder = ResponseBuilder(request, job_id, served_model)
+        builder = ResponseBuilder(request, tokenizer)
         params = request.params
         detokenizer = IncrementalDetokenizer(
             tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output
@@ -90,24 +90,25 @@ def make_handler(loop: EngineLoop, tokenizer, served_model: str, served_names: t
                 items = [await outputs.get()]
                 while not outputs.empty():
                     items.append(outputs.get_nowait())
-                text, token_ids = "", []
+                text, token_ids, logprobs = "", [], []
                 for item in items:
                     if isinstance(item, BaseException):
                         last = item
                         break
                     text += detokenizer.push(item.new_token_ids)
                     token_ids += item.new_token_ids
+                    logprobs += logprob_entries(item.new_logprobs)
                     if item.finished:
                         last = item
                 if isinstance(last, BaseException):
                     yield error_output(last)
                     return
-                piece = builder.piece(text, token_ids)
+                piece = builder.piece(text, token_ids, logprobs)
                 if piece is not None:
                     yield piece
-            for closing in builder.closing(
-                detokenizer.flush(), last.finish_reason, last.num_prompt_tokens, last.num_output_tokens
-            ):
+            tail = detokenizer.flush()
+            for closing in builder.closing(tail, last.finish_reason, last.num_prompt_tokens, last.num_output_tokens,
+                                           last.num_cached_tokens):  # fmt: skip
                 yield closing
         finally:
             if last is None:  # the caller went away (or the job was cancelled): free the KV blocks now
@@ -128,13 +129,14 @@ def main() -> None:
     config = engine_config_from_env()
     engine = LLMEngine(config)
     tokenizer = engine.tokenizer
-    served_names = tuple(dict.fromkeys(n for n in (config.model, engine.spec.name, engine.spec.hub_id) if n))
     loop = EngineLoop(engine, on_fatal=exit_after_fault)
     loop.start()
-    log.info("serving %s, MAX_CONCURRENCY=%d", config.model, concurrency)
+    # The registry name, as the gateway reports it; requests may also name the model by its hub id.
+    served_model = engine.spec.name
+    log.info("serving %s, MAX_CONCURRENCY=%d", served_model, concurrency)
     runpod.serverless.start(
         {
-            "handler": make_handler(loop, tokenizer, config.model, served_names),
+            "handler": make_handler(loop, tokenizer, served_model, engine.max_model_len),
             "return_aggregate_stream": True,
             "concurrency_modifier": lambda current: concurrency,
         }

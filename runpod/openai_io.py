@@ -4,23 +4,26 @@ Two input shapes (runpod/README.md):
 
 - OpenAI, as RunPod's OpenAI-compatible endpoint sends it:
   ``{"openai_route": "/v1/chat/completions" | "/v1/completions" | "/v1/models", "openai_input": {...}}``.
-  Streaming outputs are Server-Sent-Event strings (``"data: {chunk}\\n\\n"``, ending with ``data: [DONE]``),
-  which RunPod's proxy passes to the client unchanged; a non-streaming request yields one response object.
+  The body is validated and tokenized by the gateway's own code (services/gateway/requests.py) and answered
+  in the gateway's shapes (responses.py), so both front ends accept and return the same things. Streaming
+  outputs are Server-Sent-Event strings (``"data: {chunk}\\n\\n"``, ending with ``data: [DONE]``), which
+  RunPod's proxy passes to the client unchanged; a non-streaming request yields one response object.
 - Native: ``{"prompt": str | "messages": [...], "sampling_params": {...}, "stream": bool}``. Outputs are
   ``{"text", "token_ids"}`` pieces and a last piece with ``finish_reason`` and ``usage``.
 
 Errors come back as OpenAI error objects (``{"error": {...}}``), which the SDK turns into a failed job.
-No torch here: the handler's tests exercise this module on its own.
+One job is one engine request: ``n`` > 1 and several prompts per completion request go to the gateway.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, fields
 
-from kernellab.runtime.errors import InvalidRequestError, KernellabError, UnknownModelError
+from kernellab.runtime.errors import InvalidRequestError, KernellabError
 from kernellab.runtime.sampling import SamplingParams
+from kernellab.services.gateway import responses
+from kernellab.services.gateway.requests import Prepared, prepare
 
 CHAT_ROUTE = "/v1/chat/completions"
 COMPLETIONS_ROUTE = "/v1/completions"
@@ -29,43 +32,6 @@ ROUTES = (CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE)
 # A native request without max_tokens stops here; an OpenAI request follows OpenAI (the rest of the context).
 NATIVE_DEFAULT_MAX_TOKENS = 256
 
-# OpenAI request fields → SamplingParams fields, for fields that carry over as they are.
-_OPENAI_SAMPLING = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "include_stop_str_in_output",
-)
-# Accepted and ignored: they change nothing in what we generate.
-_OPENAI_IGNORED = (
-    "model",
-    "messages",
-    "prompt",
-    "stream",
-    "stream_options",
-    "n",
-    "user",
-    "metadata",
-    "store",
-    "max_tokens",
-    "max_completion_tokens",
-    "logprobs",
-    "top_logprobs",
-    "echo",
-    "suffix",
-    "response_format",
-    "service_tier",
-    "parallel_tool_calls",
-)
-
 
 @dataclass
 class ParsedRequest:
@@ -73,70 +39,42 @@ class ParsedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: bool
-    include_usage: bool  # OpenAI stream_options.include_usage; native outputs always carry usage
+    prepared: Prepared | None = None  # the gateway's view of an OpenAI request
 
 
-def parse_job_input(job_input, tokenizer, served_models: tuple[str, ...]) -> ParsedRequest:
+def parse_job_input(job_input, tokenizer, served_model: str, max_model_len: int) -> ParsedRequest:
     """Validate one job's input; raise KernellabError with a message meant for the caller."""
     if not isinstance(job_input, dict):
         raise InvalidRequestError("the job input must be a JSON object", param="input")
     if "openai_route" in job_input:
-        return _parse_openai(job_input, tokenizer, served_models)
+        return _parse_openai(job_input, tokenizer, served_model, max_model_len)
     return _parse_native(job_input, tokenizer)
 
 
-def _parse_openai(job_input: dict, tokenizer, served_models: tuple[str, ...]) -> ParsedRequest:
+def _parse_openai(job_input: dict, tokenizer, served_model: str, max_model_len: int) -> ParsedRequest:
     route = job_input["openai_route"]
     if route not in ROUTES:
-        raise InvalidRequestError(
-            f"openai_route must be one of {', '.join(ROUTES)}, got {route!r}", param="openai_route"
-        )
-    body = job_input.get("openai_input") or {}
-    if not isinstance(body, dict):
-        raise InvalidRequestError("openai_input must be a JSON object", param="openai_input")
+        raise InvalidRequestError(f"openai_route must be one of {', '.join(ROUTES)}, got {route!r}",
+                                  param="openai_route")  # fmt: skip
     if route == MODELS_ROUTE:
-        return ParsedRequest("models", [], SamplingParams(), False, False)
-    model = body.get("model")
-    if model is not None and model not in served_models:
-        raise UnknownModelError(
-            f"model {model!r} is not served here; this endpoint serves {served_models[0]!r}"
-        )
-    if body.get("n", 1) != 1:
-        raise InvalidRequestError("n must be 1", param="n")
-    if body.get("logprobs") or body.get("top_logprobs") or body.get("echo"):
-        raise InvalidRequestError(
-            "logprobs and echo are served by the gateway, not by the RunPod handler", param="logprobs"
-        )
-    unknown = sorted(set(body) - set(_OPENAI_SAMPLING) - set(_OPENAI_IGNORED))
-    if unknown:
-        raise InvalidRequestError(f"unsupported field(s): {', '.join(unknown)}", param=unknown[0])
-    sampling = {name: body[name] for name in _OPENAI_SAMPLING if body.get(name) is not None}
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        sampling["max_tokens"] = max_tokens
-    params = SamplingParams(**sampling)
-    stream = _flag(body, "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise InvalidRequestError("stream_options must be an object", param="stream_options")
-    include_usage = stream and bool(options.get("include_usage"))
-    if route == CHAT_ROUTE:
-        ids = tokenizer.apply_chat_template(body.get("messages"))
-        return ParsedRequest("chat", ids, params, stream, include_usage)
-    return ParsedRequest(
-        "completion", _encode_prompt(body.get("prompt"), tokenizer), params, stream, include_usage
-    )
+        return ParsedRequest("models", [], SamplingParams(), False)
+    body = job_input.get("openai_input")
+    kind = "chat" if route == CHAT_ROUTE else "completion"
+    prepared = prepare(kind, body, tokenizer, served_model=served_model, max_model_len=max_model_len, max_n=1)
+    if len(prepared.prompts) != 1:
+        raise InvalidRequestError("one prompt per job; send several prompts as several jobs", param="prompt")
+    if prepared.echo_text:
+        raise InvalidRequestError("echo is served by the gateway, not by the RunPod handler", param="echo")
+    params = prepared.choices[0].params
+    return ParsedRequest(kind, prepared.prompts[0], params, prepared.stream, prepared)
 
 
 def _parse_native(job_input: dict, tokenizer) -> ParsedRequest:
     allowed = {"prompt", "messages", "sampling_params", "stream"}
     unknown = sorted(set(job_input) - allowed)
     if unknown:
-        raise InvalidRequestError(
-            f"unsupported field(s): {', '.join(unknown)}; expected prompt or messages, "
-            "sampling_params, stream (or openai_route and openai_input)",
-            param=unknown[0],
-        )
+        raise InvalidRequestError(f"unsupported field(s): {', '.join(unknown)}; expected prompt or messages, "
+                                  "sampling_params, stream (or openai_route and openai_input)", param=unknown[0])  # fmt: skip
     if ("prompt" in job_input) == ("messages" in job_input):
         raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
     sampling = job_input.get("sampling_params") or {}
@@ -145,169 +83,121 @@ def _parse_native(job_input: dict, tokenizer) -> ParsedRequest:
     known = {f.name for f in fields(SamplingParams)}
     bad = sorted(set(sampling) - known)
     if bad:
-        raise InvalidRequestError(
-            f"unknown sampling_params field(s): {', '.join(bad)}; known: {', '.join(sorted(known))}",
-            param=f"sampling_params.{bad[0]}",
-        )
+        raise InvalidRequestError(f"unknown sampling_params field(s): {', '.join(bad)}; known: "
+                                  f"{', '.join(sorted(known))}", param=f"sampling_params.{bad[0]}")  # fmt: skip
     params = SamplingParams(**{"max_tokens": NATIVE_DEFAULT_MAX_TOKENS, **sampling})
+    stream = job_input.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequestError("stream must be true or false", param="stream")
     if "messages" in job_input:
         ids = tokenizer.apply_chat_template(job_input["messages"])
     else:
-        ids = _encode_prompt(job_input["prompt"], tokenizer)
-    return ParsedRequest("native", ids, params, _flag(job_input, "stream"), True)
-
-
-def _flag(body: dict, name: str) -> bool:
-    value = body.get(name, False)
-    if not isinstance(value, bool):
-        raise InvalidRequestError(f"{name} must be true or false", param=name)
-    return value
-
-
-def _encode_prompt(prompt, tokenizer) -> list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        return tokenizer.encode(prompt)
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        return list(prompt)
-    raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
+        prompt = job_input["prompt"]
+        if not isinstance(prompt, str) or not prompt:
+            raise InvalidRequestError("prompt must be a non-empty string", param="prompt")
+        ids = tokenizer.encode(prompt)
+    return ParsedRequest("native", ids, params, stream)
 
 
 def error_output(error: BaseException) -> dict:
     """An OpenAI error object; the RunPod SDK fails the job with it."""
     if isinstance(error, KernellabError):
         return error.to_openai()
-    return {
-        "error": {
-            "message": f"{type(error).__name__}: {error}",
-            "type": "server_error",
-            "param": None,
-            "code": None,
-        }
-    }
+    return {"error": {"message": f"{type(error).__name__}: {error}", "type": "server_error", "param": None,
+                      "code": None}}  # fmt: skip
 
 
 def models_output(served_model: str) -> dict:
-    return {
-        "object": "list",
-        "data": [{"id": served_model, "object": "model", "created": 0, "owned_by": "kernellab"}],
-    }
+    return {"object": "list",
+            "data": [{"id": served_model, "object": "model", "created": 0, "owned_by": "kernellab"}]}  # fmt: skip
 
 
-def _sse(payload) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+def logprob_entries(new_logprobs) -> list:
+    """The engine's TokenLogprob objects in the gateway's wire format: [token_id, logprob, [[id, lp], ...]]."""
+    return [[lp.token_id, lp.logprob, [[t, v] for t, v in lp.top]] for lp in new_logprobs or ()]
 
 
 class ResponseBuilder:
-    """Turns text deltas of one request into that request's outputs, in its shape."""
+    """Turns the text deltas of one request into that request's outputs, in its shape."""
 
-    def __init__(self, request: ParsedRequest, request_id: str, served_model: str):
+    def __init__(self, request: ParsedRequest, tokenizer):
         self.request = request
-        self.served_model = served_model
         self.created = int(time.time())
-        prefix = {"chat": "chatcmpl", "completion": "cmpl"}.get(request.kind, "kl")
-        self.id = f"{prefix}-{request_id}"
-        self._object = "chat.completion" if request.kind == "chat" else "text_completion"
+        self.token_text = responses.TokenText(tokenizer)
         self.text: list[str] = []
         self.token_ids: list[int] = []
+        self.logprobs: list = []  # every entry so far (non-streaming answers)
+        self._unsent_logprobs: list = []  # entries not yet in a chunk
+        self._text_offset = 0  # completion logprobs' text_offset
 
     # ---- streaming pieces
     def opening(self) -> str | None:
         """The first chunk of an OpenAI chat stream announces the role."""
         if self.request.kind == "chat" and self.request.stream:
-            return _sse(self._chunk({"role": "assistant", "content": ""}, None))
+            return self._sse(responses.chat_chunk(self.request.prepared, self.created, 0,
+                                                  {"role": "assistant", "content": ""}, None, None))  # fmt: skip
         return None
 
-    def piece(self, text: str, token_ids: list[int]):
-        """Output for newly generated tokens, or None when nothing goes out yet (non-streaming)."""
+    def piece(self, text: str, token_ids: list[int], logprobs: list | None = None):
+        """Output for newly generated tokens, or None when nothing goes out yet."""
         self.text.append(text)
         self.token_ids.extend(token_ids)
+        self.logprobs.extend(logprobs or ())
+        self._unsent_logprobs.extend(logprobs or ())
         if not self.request.stream or not (text or token_ids):
             return None
         if self.request.kind == "native":
             return {"text": text, "token_ids": list(token_ids)}
-        if not text:  # OpenAI chunks carry text; token ids without text yet (a split character) wait
+        if not text:  # tokens of a character that is not complete yet: they go out with the next text
             return None
-        delta = {"content": text} if self.request.kind == "chat" else text
-        return _sse(self._chunk(delta, None))
+        return self._sse(self._chunk(text, None))
 
-    def closing(self, tail: str, finish_reason: str | None, num_prompt: int, num_output: int) -> list:
+    def closing(self, tail: str, finish_reason: str | None, num_prompt: int, num_output: int,
+                num_cached: int = 0) -> list:  # fmt: skip
         """What ends the request: the last pieces of a stream, or the whole non-streaming response."""
         self.text.append(tail)
         reason = finish_reason or "stop"  # the engine's "stop" | "length" | "deadline" | "abort"
-        usage = {
-            "prompt_tokens": num_prompt,
-            "completion_tokens": num_output,
-            "total_tokens": num_prompt + num_output,
-        }
         kind, stream = self.request.kind, self.request.stream
         if kind == "native":
+            usage = {"prompt_tokens": num_prompt, "completion_tokens": num_output,
+                     "total_tokens": num_prompt + num_output}  # fmt: skip
             out = {"text": tail if stream else "".join(self.text), "finish_reason": reason, "usage": usage}
             if not stream:
                 out["token_ids"] = self.token_ids
             return [out]
+        usage = responses.usage(num_prompt, num_output, num_cached)
+        prepared = self.request.prepared
         if not stream:
-            return [self._full(reason, usage)]
-        delta = ({"content": tail} if tail else {}) if kind == "chat" else tail
-        outputs = [_sse(self._chunk(delta, reason))]
-        if self.request.include_usage:
-            outputs.append(
-                _sse(
-                    {
-                        "id": self.id,
-                        "object": self._object + ("" if kind == "completion" else ".chunk"),
-                        "created": self.created,
-                        "model": self.served_model,
-                        "choices": [],
-                        "usage": usage,
-                    }
-                )
-            )
-        outputs.append("data: [DONE]\n\n")
+            text = "".join(self.text)
+            logprobs = self._format_logprobs(self.logprobs, offset=0)
+            choice = (responses.chat_choice if kind == "chat" else responses.completion_choice)(0, text, logprobs,
+                                                                                                reason)  # fmt: skip
+            return [responses.final_response(prepared, self.created, [choice], usage)]
+        outputs = [self._sse(self._chunk(tail, reason))]
+        if prepared.include_usage:
+            outputs.append(self._sse(responses.usage_chunk(prepared, self.created, usage)))
+        outputs.append(responses.SSE_DONE.decode())
         return outputs
 
-    def _chunk(self, delta, finish_reason: str | None) -> dict:
+    def _chunk(self, text: str, finish_reason: str | None) -> dict:
+        logprobs = self._format_logprobs(self._unsent_logprobs, self._text_offset)
+        self._unsent_logprobs = []
+        self._text_offset += len(text)
+        with_usage = self.request.prepared.include_usage
         if self.request.kind == "chat":
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return {
-                "id": self.id,
-                "object": "chat.completion.chunk",
-                "created": self.created,
-                "model": self.served_model,
-                "choices": [choice],
-            }
-        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.served_model,
-            "choices": [choice],
-        }
+            delta = {"content": text} if text else {}
+            return responses.chat_chunk(self.request.prepared, self.created, 0, delta, logprobs, finish_reason,
+                                        with_usage_field=with_usage)  # fmt: skip
+        return responses.completion_chunk(self.request.prepared, self.created, 0, text, logprobs, finish_reason,
+                                          with_usage_field=with_usage)  # fmt: skip
 
-    def _full(self, reason: str, usage: dict) -> dict:
-        text = "".join(self.text)
+    def _format_logprobs(self, entries: list, offset: int):
+        if self.request.prepared.logprobs is None:
+            return None
         if self.request.kind == "chat":
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": reason,
-            }
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        return {
-            "id": self.id,
-            "object": self._object,
-            "created": self.created,
-            "model": self.served_model,
-            "choices": [choice],
-            "usage": usage,
-        }
+            return responses.chat_logprobs(entries, self.token_text)
+        return responses.completion_logprobs(entries, self.token_text, offset)
+
+    @staticmethod
+    def _sse(chunk: dict) -> str:
+        return responses.sse(chunk).decode()

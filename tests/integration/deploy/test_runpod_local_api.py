@@ -75,6 +75,17 @@ def test_openai_chat_streaming_and_not_agree(handler_api):
 
 
 @pytest.mark.timeout(600)
+def test_openai_chat_logprobs(handler_api):
+    [whole] = runsync(handler_api, _openai("/v1/chat/completions", messages=MESSAGES, max_tokens=6, logprobs=True,
+                                           top_logprobs=2))["output"]  # fmt: skip
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert len(content) == whole["usage"]["completion_tokens"] == 6
+    assert all(c["logprob"] <= 0 and len(c["top_logprobs"]) == 2 for c in content)
+    # Greedy: the chosen token is the most likely one.
+    assert all(c["top_logprobs"][0]["logprob"] == pytest.approx(c["logprob"], abs=1e-4) for c in content)
+
+
+@pytest.mark.timeout(600)
 def test_openai_completions_with_a_stop_string(handler_api):
     [out] = runsync(
         handler_api, _openai("/v1/completions", prompt="1, 2, 3, 4,", max_tokens=24, stop=[" 7"])

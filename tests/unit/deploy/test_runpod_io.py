@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 import pytest
-from kernellab.runtime.errors import InvalidRequestError, UnknownModelError
+from kernellab.runtime.errors import ContextLengthError, InvalidRequestError, UnknownModelError
 
 from tests.unit.deploy.support import REPO
 
@@ -17,7 +17,8 @@ sys.path.insert(0, str(REPO / "runpod"))  # the handler's modules sit beside han
 from engine_loop import is_cuda_fault
 from openai_io import ParsedRequest, ResponseBuilder, error_output, models_output, parse_job_input
 
-SERVED = ("smollm2-135m",)
+SERVED = "smollm2-135m"
+MAX_LEN = 2048
 
 
 @pytest.fixture(scope="module")
@@ -28,32 +29,36 @@ def tokenizer():
 
 
 def _chat(**body) -> dict:
-    return {
-        "openai_route": "/v1/chat/completions",
-        "openai_input": {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}], **body},
-    }
+    return {"openai_route": "/v1/chat/completions",
+            "openai_input": {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}], **body}}  # fmt: skip
 
 
-def test_openai_chat_input(tokenizer):
-    request = parse_job_input(_chat(max_tokens=7, temperature=0.2, stop="\n", stream=True,
-                                    stream_options={"include_usage": True}), tokenizer, SERVED)  # fmt: skip
-    assert request.kind == "chat" and request.stream and request.include_usage
+def _parse(job_input, tokenizer):
+    return parse_job_input(job_input, tokenizer, SERVED, MAX_LEN)
+
+
+def test_openai_chat_input_goes_through_the_gateway_parser(tokenizer):
+    request = _parse(_chat(max_tokens=7, temperature=0.2, stop="\n", stream=True,
+                           stream_options={"include_usage": True}), tokenizer)  # fmt: skip
+    assert request.kind == "chat" and request.stream and request.prepared.include_usage
     assert request.prompt_token_ids == tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert (request.params.max_tokens, request.params.temperature, request.params.stop) == (7, 0.2, ["\n"])
+    assert request.prepared.model == SERVED
 
 
-def test_openai_completions_input_and_max_completion_tokens(tokenizer):
-    request = parse_job_input({"openai_route": "/v1/completions",
-                               "openai_input": {"prompt": "Once", "max_completion_tokens": 3}}, tokenizer, SERVED)  # fmt: skip
+def test_openai_completions_input(tokenizer):
+    request = _parse({"openai_route": "/v1/completions",
+                      "openai_input": {"model": SERVED, "prompt": "Once", "max_tokens": 3}}, tokenizer)  # fmt: skip
     assert request.kind == "completion" and not request.stream
     assert request.prompt_token_ids == tokenizer.encode("Once") and request.params.max_tokens == 3
 
 
 def test_native_inputs(tokenizer):
-    by_prompt = parse_job_input({"prompt": "Once", "sampling_params": {"max_tokens": 4, "seed": 1}, "stream": True},
-                                tokenizer, SERVED)  # fmt: skip
+    by_prompt = _parse(
+        {"prompt": "Once", "sampling_params": {"max_tokens": 4, "seed": 1}, "stream": True}, tokenizer
+    )
     assert by_prompt.kind == "native" and by_prompt.stream and by_prompt.params.seed == 1
-    by_messages = parse_job_input({"messages": [{"role": "user", "content": "Hi"}]}, tokenizer, SERVED)
+    by_messages = _parse({"messages": [{"role": "user", "content": "Hi"}]}, tokenizer)
     assert by_messages.params.max_tokens == 256 and not by_messages.stream
 
 
@@ -64,31 +69,31 @@ def test_native_inputs(tokenizer):
         ({"openai_route": "/v1/embeddings", "openai_input": {}}, InvalidRequestError, "openai_route"),
         (_chat(model="gpt-4"), UnknownModelError, "model"),
         (_chat(n=2), InvalidRequestError, "n"),
-        (_chat(logprobs=True), InvalidRequestError, "logprobs"),
-        (_chat(tools=[]), InvalidRequestError, "tools"),
         (_chat(temperature=-1), InvalidRequestError, "temperature"),
         (_chat(stream="yes"), InvalidRequestError, "stream"),
+        (_chat(max_tokens=MAX_LEN), ContextLengthError, "max_tokens"),
+        ({"openai_route": "/v1/completions", "openai_input": {"model": SERVED, "prompt": ["a", "b"]}},
+         InvalidRequestError, "prompt"),
+        ({"openai_route": "/v1/completions", "openai_input": {"model": SERVED, "prompt": "a", "echo": True}},
+         InvalidRequestError, "echo"),
         ({"prompt": "x", "messages": []}, InvalidRequestError, "prompt"),
-        (
-            {"prompt": "x", "sampling_params": {"max_tokenz": 3}},
-            InvalidRequestError,
-            "sampling_params.max_tokenz",
-        ),
+        ({"prompt": "x", "sampling_params": {"max_tokenz": 3}}, InvalidRequestError, "sampling_params.max_tokenz"),
         ({"prompt": "x", "extra": 1}, InvalidRequestError, "extra"),
         ({"prompt": ""}, InvalidRequestError, "prompt"),
+        ({"prompt": "x", "stream": "yes"}, InvalidRequestError, "stream"),
     ],
-)
+)  # fmt: skip
 def test_bad_inputs_are_clean_errors(tokenizer, job_input, error, param):
     with pytest.raises(error) as caught:
-        parse_job_input(job_input, tokenizer, SERVED)
+        _parse(job_input, tokenizer)
     assert caught.value.param == param
     out = error_output(caught.value)
     assert out["error"]["type"] == "invalid_request_error" and out["error"]["message"]
 
 
 def test_models_route():
-    assert parse_job_input({"openai_route": "/v1/models"}, None, SERVED).kind == "models"
-    assert models_output("smollm2-135m")["data"][0]["id"] == "smollm2-135m"
+    assert parse_job_input({"openai_route": "/v1/models"}, None, SERVED, MAX_LEN).kind == "models"
+    assert models_output(SERVED)["data"][0]["id"] == SERVED
 
 
 def _sse_payloads(outputs: list[str]) -> list:
@@ -96,9 +101,9 @@ def _sse_payloads(outputs: list[str]) -> list:
     return [o[len("data: ") : -2] for o in outputs]
 
 
-def test_openai_chat_stream_shape():
-    request = ParsedRequest("chat", [1, 2], None, stream=True, include_usage=True)
-    builder = ResponseBuilder(request, "job-1", "smollm2-135m")
+def test_openai_chat_stream_shape(tokenizer):
+    request = _parse(_chat(stream=True, stream_options={"include_usage": True}), tokenizer)
+    builder = ResponseBuilder(request, tokenizer)
     outputs = [builder.opening(), builder.piece("Hel", [5]), builder.piece("", [6]), builder.piece("lo", [7])]
     outputs = [o for o in outputs if o is not None]
     outputs += builder.closing("!", "stop", num_prompt=2, num_output=4)
@@ -109,33 +114,45 @@ def test_openai_chat_stream_shape():
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == "Hello!"
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 4,
-                                                                   "total_tokens": 6}  # fmt: skip
-    assert {c["id"] for c in chunks} == {"chatcmpl-job-1"} and {c["object"] for c in chunks} == {
-        "chat.completion.chunk"
-    }
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 6
+    assert len({c["id"] for c in chunks}) == 1 and {c["object"] for c in chunks} == {"chat.completion.chunk"}
 
 
-def test_openai_non_stream_shapes():
-    chat = ResponseBuilder(ParsedRequest("chat", [1], None, False, False), "j", "m")
+def test_openai_non_stream_shapes(tokenizer):
+    chat = ResponseBuilder(_parse(_chat(), tokenizer), tokenizer)
     assert chat.piece("Hi", [1]) is None
     [full] = chat.closing(" there", "length", 1, 2)
     assert full["object"] == "chat.completion"
-    assert full["choices"][0]["message"] == {"role": "assistant", "content": "Hi there"}
+    assert full["choices"][0]["message"]["content"] == "Hi there"
     assert full["choices"][0]["finish_reason"] == "length" and full["usage"]["total_tokens"] == 3
-    completion = ResponseBuilder(ParsedRequest("completion", [1], None, False, False), "j", "m")
+    request = _parse(
+        {"openai_route": "/v1/completions", "openai_input": {"model": SERVED, "prompt": "a"}}, tokenizer
+    )
+    completion = ResponseBuilder(request, tokenizer)
     completion.piece("abc", [1])
     [full] = completion.closing("", "stop", 1, 1)
     assert full["object"] == "text_completion" and full["choices"][0]["text"] == "abc"
 
 
-def test_native_shapes():
-    streamed = ResponseBuilder(ParsedRequest("native", [1], None, True, True), "j", "m")
+def test_chat_logprobs_follow_their_tokens(tokenizer):
+    request = _parse(_chat(logprobs=True, top_logprobs=1, stream=True), tokenizer)
+    builder = ResponseBuilder(request, tokenizer)
+    ids = tokenizer.encode("Hello world", add_special_tokens=False)
+    entries = [[t, -0.5, [[t, -0.5]]] for t in ids]
+    assert builder.piece("", ids[:1], entries[:1]) is None  # no text yet: the entry waits
+    chunk = json.loads(_sse_payloads([builder.piece("Hello world", ids[1:], entries[1:])])[0])
+    content = chunk["choices"][0]["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == [-0.5] * len(ids)
+    assert "".join(c["token"] for c in content).strip() == "Hello world"
+
+
+def test_native_shapes(tokenizer):
+    streamed = ResponseBuilder(ParsedRequest("native", [1], None, True), tokenizer)
     assert streamed.piece("a", [4]) == {"text": "a", "token_ids": [4]}
     [last] = streamed.closing("b", "stop", 1, 2)
-    assert last == {"text": "b", "finish_reason": "stop", "usage": {"prompt_tokens": 1, "completion_tokens": 2,
-                                                                       "total_tokens": 3}}  # fmt: skip
-    whole = ResponseBuilder(ParsedRequest("native", [1], None, False, True), "j", "m")
+    assert last == {"text": "b", "finish_reason": "stop",
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}  # fmt: skip
+    whole = ResponseBuilder(ParsedRequest("native", [1], None, False), tokenizer)
     assert whole.piece("a", [4]) is None
     [out] = whole.closing("b", "length", 1, 2)
     assert out["text"] == "ab" and out["token_ids"] == [4] and out["finish_reason"] == "length"
