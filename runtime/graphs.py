@@ -42,6 +42,8 @@ class GraphRunner:
         self.tables = torch.zeros((self.decode_buckets[-1], self.width), dtype=torch.int32, device=device)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[str, int], torch.Tensor] = {}
+        # A graph records addresses only: every tensor it reads (the metadata's too) must outlive it.
+        self.metas: dict[tuple[str, int], AttentionMetadata] = {}
         self.pool = None
 
     # ------------------------------------------------------------------ capture
@@ -71,6 +73,7 @@ class GraphRunner:
             self.logits[key] = self.model.compute_logits(hidden[meta.logits_indices])
         self.pool = graph.pool()
         self.graphs[key] = graph
+        self.metas[key] = meta
 
     @torch.inference_mode()
     def capture(self) -> None:
