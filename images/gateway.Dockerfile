@@ -32,7 +32,7 @@ RUN pip install --no-deps /src
 
 FROM nvidia/cuda:13.0.2-base-ubuntu24.04
 ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH \
-    HF_HOME=/var/cache/kernellab/hf KERNELLAB_HOST=0.0.0.0 KERNELLAB_PORT=8000 \
+    HF_HOME=/var/cache/kernellab/hf KERNELLAB_MODEL=Qwen/Qwen3-0.6B KERNELLAB_HOST=0.0.0.0 KERNELLAB_PORT=8000 \
     KERNELLAB_GATEWAY_METRICS_PORT=9100 KERNELLAB_METRICS_HOST=0.0.0.0
 # Apt versions unpinned on purpose (DL3008): see the build stage of gateway.Dockerfile.
 # hadolint ignore=DL3008

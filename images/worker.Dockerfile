@@ -37,7 +37,8 @@ RUN pip install --no-deps /src
 FROM nvidia/cuda:13.0.2-cudnn-runtime-ubuntu24.04
 ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH \
     HF_HOME=/var/cache/kernellab/hf TRITON_CACHE_DIR=/var/cache/kernellab/triton \
-    KERNELLAB_DEVICE=cuda KERNELLAB_METRICS_HOST=0.0.0.0 KERNELLAB_WORKER_METRICS_PORT=9200 \
+    KERNELLAB_MODEL=Qwen/Qwen3-0.6B KERNELLAB_DEVICE=cuda KERNELLAB_METRICS_HOST=0.0.0.0 \
+    KERNELLAB_WORKER_METRICS_PORT=9200 \
     KERNELLAB_GPU_LOCK_DIR=/var/lib/kernellab/gpu-locks
 # gcc and the Python headers: Triton compiles its small C launcher for each kernel at run time.
 # util-linux gives flock, with which each compose replica claims its own GPU (worker-entrypoint.sh).
