@@ -145,6 +145,8 @@ class _StackUp:
         import sys
 
         env = dict(os.environ, KERNELLAB_MODEL=self.model, PYTHONUNBUFFERED="1")
+        # Workers share this machine's cores: more torch threads than cores slows every step down.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.workers)))
         if not _redis_answers(self.redis_url):
             binary = shutil.which("redis-server")
             if binary is None:
