@@ -12,7 +12,6 @@ import hmac
 import json
 import logging
 import time
-from collections import defaultdict
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -29,6 +28,7 @@ from kernellab.services.gateway.errors import (
     Unauthorized,
     error_headers,
 )
+from kernellab.services.gateway.generation import collect
 from kernellab.services.gateway.metrics import GatewayMetrics, HTTPMetricsMiddleware
 from kernellab.services.gateway.requests import prepare
 from kernellab.services.gateway.state import Gateway
@@ -219,7 +219,7 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
                 handed_over = True
                 return _Stream(stream_body(p, rs, first, done), on_close, media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return JSONResponse(await race(collect(p, rs, first), watcher))
+            return JSONResponse(await race(collect(p, rs, first, g_text()), watcher))
         except ClientGone:
             metrics.disconnects.inc()
             return Response(status_code=499)
@@ -263,29 +263,5 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
         done["ok"] = True
         rs.close()
         yield R.SSE_DONE
-
-    async def collect(p, rs, first) -> dict:
-        texts, reasons = defaultdict(list), {}
-        update = first
-        while update is not None:
-            texts[update.index].append(update.text)
-            if update.finish_reason is not None:
-                reasons[update.index] = update.finish_reason
-            update = await rs.next()
-        choices = []
-        per_prompt = p.n_choices // len(p.prompts)
-        for c in p.choices:
-            text = "".join(texts[c.index])
-            if p.echo_text:
-                text = p.echo_text[c.index // per_prompt] + text
-            entries = rs.choices[c.index].logprobs
-            if p.kind == "chat":
-                lp = R.chat_logprobs(entries, g_text()) if p.logprobs is not None else None
-                choices.append(R.chat_choice(c.index, text, lp, reasons.get(c.index)))
-            else:
-                lp = R.completion_logprobs(entries, g_text(), 0) if p.logprobs is not None else None
-                choices.append(R.completion_choice(c.index, text, lp, reasons.get(c.index)))
-        usage = R.usage(sum(len(x) for x in p.prompts), rs.completion_tokens, rs.cached_tokens)
-        return R.final_response(p, int(time.time()), choices, usage)
 
     return app

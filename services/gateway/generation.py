@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from kernellab.runtime.detokenizer import IncrementalDetokenizer
+from kernellab.services.gateway import responses as R
 from kernellab.services.gateway.errors import DeadlineExceeded, ServiceUnavailable, UpstreamError
 from kernellab.services.gateway.requests import Prepared
 from kernellab.services.gateway.router import RouterFailure, Subscription
@@ -143,3 +145,30 @@ class ResultStream:
                 for i in index:
                     self.g.cancel(self.p.request_id, i, "closed")
         self.g.forget_streams([engine_request_id(self.p.request_id, i) for i in self.choices])
+
+
+async def collect(p: Prepared, rs: ResultStream, first: Update | None, token_text: R.TokenText) -> dict:
+    """The whole (non-streaming) response body of a request, from its first update to its last. Shared by the
+    HTTP route and the batch jobs (queue and offline), so a batch line's body is what the API would answer."""
+    texts, reasons = defaultdict(list), {}
+    update = first
+    while update is not None:
+        texts[update.index].append(update.text)
+        if update.finish_reason is not None:
+            reasons[update.index] = update.finish_reason
+        update = await rs.next()
+    choices = []
+    per_prompt = p.n_choices // len(p.prompts)
+    for c in p.choices:
+        text = "".join(texts[c.index])
+        if p.echo_text:
+            text = p.echo_text[c.index // per_prompt] + text
+        entries = rs.choices[c.index].logprobs
+        if p.kind == "chat":
+            lp = R.chat_logprobs(entries, token_text) if p.logprobs is not None else None
+            choices.append(R.chat_choice(c.index, text, lp, reasons.get(c.index)))
+        else:
+            lp = R.completion_logprobs(entries, token_text, 0) if p.logprobs is not None else None
+            choices.append(R.completion_choice(c.index, text, lp, reasons.get(c.index)))
+    usage = R.usage(sum(len(x) for x in p.prompts), rs.completion_tokens, rs.cached_tokens)
+    return R.final_response(p, int(time.time()), choices, usage)
