@@ -35,6 +35,13 @@ Precision
     Products and the K reduction in fp32 (for the dot path: bf16 operands, fp32 accumulation, like cuBLAS);
     per-channel scales applied to the fp32 sums; one rounding to x's dtype at the end.
 
+Programmatic dependent launch (``GemvConfig(pdl=True)``, opt-in)
+    Launched with Hopper's PDL attribute, a GEMV may start while the previous kernel is still draining: it
+    signals ``griddepcontrol.launch_dependents`` at once, loads its first weight tile (weights never depend
+    on the previous kernel), and only then waits (``griddepcontrol.wait``) before reading x or writing
+    anything. Back to back, the weight stream of one GEMV overlaps the tail of the one before. Every kernel
+    launched with the attribute after it must likewise wait before touching its inputs.
+
 Trade-offs tried
     ``BLOCK_N`` 8/16/32 × ``BLOCK_K`` 256/512 × 4/8 warps × split-K on/off at the four Qwen3-0.6B shapes: the
     sweep in ``benchmarks/kernels/bench_gemv.py`` records each (docs/kernels.md). Split-K by atomically adding
@@ -48,10 +55,11 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import cached_empty, cached_zeros, cdiv, next_pow2, num_sms, require, rows_2d
 
-__all__ = ["GemvConfig", "default_config", "linear"]
+__all__ = ["GemvConfig", "default_config", "linear", "split_for"]
 
 MAX_M = 16
 
@@ -63,6 +71,7 @@ class GemvConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 1
+    pdl: bool = False  # programmatic dependent launch (Hopper); dense M = 1 only, see below
 
 
 @triton.jit
@@ -71,7 +80,7 @@ def _gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_om, k_per_split, split_k,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     W_BITS: tl.constexpr, USE_DOT: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -90,7 +99,18 @@ def _gemv_kernel(
     else:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
 
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+    loop_start = k_lo
+    if PDL:  # dense, M = 1: fetch the first weight tile before waiting for the producer of x
+        gdc_launch_dependents()
+        k = k_lo + tl.arange(0, BLOCK_K)
+        km = k < k_hi
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & km[None, :], other=0)
+        gdc_wait()
+        xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+        acc2 += w.to(tl.float32) * xv[None, :]
+        loop_start = k_lo + BLOCK_K
+
+    for k0 in tl.range(loop_start, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         if W_BITS == 4:
             # byte j of a row packs columns 2j (low nibble) and 2j+1 (high nibble), each stored as q + 8
             j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -156,11 +176,14 @@ def default_config(M: int, N: int, K: int, w_bits: int, device: torch.device) ->
     else:  # 8 KB of packed weight per tile
         block_n, block_k, warps, stages = 8, (1024 if w_bits == 8 else 2048), 4, 1
     block_k = min(block_k, max(32, next_pow2(K)))
+    return GemvConfig(block_n, block_k, split_for(N, K, block_n, block_k, device), warps, stages)
+
+
+def split_for(N: int, K: int, block_n: int, block_k: int, device: torch.device) -> int:
+    """Split K until there are ≥ 2 programs per SM (never more slices than K tiles)."""
     n_blocks = cdiv(N, block_n)
-    k_iters = cdiv(K, block_k)
     target = 2 * num_sms(device)
-    split = 1 if n_blocks >= target else min(k_iters, cdiv(target, n_blocks))
-    return GemvConfig(block_n, block_k, split, warps, stages)
+    return 1 if n_blocks >= target else min(cdiv(K, block_k), cdiv(target, n_blocks))
 
 
 def gemv(
@@ -187,6 +210,7 @@ def gemv(
     split = cdiv(K, k_per_split)
     n_blocks = cdiv(N, cfg.block_n)
     use_dot = M > 1
+    pdl = cfg.pdl and not use_dot and w_bits == 16 and x.is_cuda
     if split > 1:
         ws = cached_empty("gemv.partials", split * M * N, torch.float32, x.device)
         cnt = cached_zeros("gemv.counters", n_blocks, torch.int32, x.device)
@@ -196,7 +220,8 @@ def gemv(
         x2, weight, scales if scales is not None else weight, out2, ws, cnt,
         M, N, K, x2.stride(0), weight.stride(0), out2.stride(0), k_per_split, split,
         BLOCK_M=16 if use_dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, W_BITS=w_bits, USE_DOT=use_dot,
-        SPLIT=split > 1, IEEE=x.dtype == torch.float32, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        SPLIT=split > 1, IEEE=x.dtype == torch.float32, NUM_STAGES=cfg.num_stages, PDL=pdl,
+        num_warps=cfg.num_warps, launch_pdl=pdl,
     )
     return out
 

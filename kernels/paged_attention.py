@@ -19,8 +19,9 @@ Program mapping
 
     ``S`` is chosen on the host from B, Hk and an upper bound on the context (``max_context_len`` if given,
     else ``block_tables.shape[1] · bs``: shape-only, so the choice is fixed under CUDA-graph capture): enough
-    slices for ~2 programs per SM. Batch 64 × 8 KV heads already gives 512 programs → ``S = 1`` and the kernel
-    writes the output directly. Batch 1 × 8 KV heads needs ``S ≈ 32``: each slice writes its unnormalised
+    slices for ~4 programs per SM (a few waves, so the partial last wave costs little). Batch 64 × 8 KV heads
+    gives 512 programs → ``S = 2``; batch 1 × 8 KV heads gets ``S = 64`` (one 64-token tile per program).
+    With ``S = 1`` the kernel writes the output directly; otherwise each slice writes its unnormalised
     ``acc`` plus ``(m, l)`` to an fp32 workspace and a second small kernel merges the slices
     (``o = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s``). Slices past a sequence's length exit at once, so
     batches of mixed lengths cost what their real tokens cost.
@@ -138,9 +139,10 @@ def _merge_splits_kernel(
 
 
 def num_splits(batch: int, kv_heads: int, max_context: int, block_n: int, device: torch.device) -> int:
-    """Slices per sequence: enough programs for ~2 per SM, never a slice shorter than one tile."""
+    """Slices per sequence: enough programs for ~4 per SM (several waves, so the last one is short), never a
+    slice shorter than one tile."""
     programs = batch * kv_heads
-    target = 2 * num_sms(device)
+    target = 4 * num_sms(device)
     if programs >= target:
         return 1
     return max(1, min(cdiv(target, programs), cdiv(max_context, block_n)))

@@ -109,8 +109,8 @@ def _config(H: int, n_rows: int, rows_per_program, num_warps, max_single_pass):
     single = next_pow2(H) <= max_single_pass
     block_h = next_pow2(H) if single else min(4096, next_pow2(max_single_pass) // 2 or 1)
     if rows_per_program is None:
-        # Aim for ~2K elements (4 KB bf16) per program so short rows still give each thread 16-byte loads.
-        rows_per_program = max(1, min(16, 2048 // block_h))
+        # ~1K elements (2 KB bf16) per program: one row at H = 1024, eight per-head rows at H = 128.
+        rows_per_program = max(1, min(16, 1024 // block_h))
     if num_warps is None:
         num_warps = max(1, min(8, rows_per_program * block_h // 256))
     return single, block_h, rows_per_program, num_warps
