@@ -335,14 +335,23 @@ class Runner:
         doc = {"schema": SCHEMA, "provenance": self.provenance, "ceilings": self.ceilings,
                "results": self.results}
         tmp = self.out_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc, indent=1, default=_json_default))
+        tmp.write_text(dumps(doc))
         tmp.replace(self.out_path)
 
 
-def _json_default(o):
+def _finite(o):
+    """NaN/inf → null, recursively: the artifact must be strict JSON."""
     if isinstance(o, float) and not math.isfinite(o):
         return None
-    return str(o)
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
+
+
+def dumps(doc) -> str:
+    return json.dumps(_finite(doc), indent=1, default=str, allow_nan=False)
 
 
 def _commit() -> str:

@@ -66,7 +66,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     import torch
-    from harness import ensure_kernellab_importable, table
+    from harness import dumps, ensure_kernellab_importable, table
 
     ensure_kernellab_importable()
     tests = {"skipped_by_flag": True}
@@ -88,7 +88,7 @@ def main() -> None:
     doc = json.loads(path.read_text())
     doc["gpu_tests"] = tests
     doc["run_seconds"] = round(time.monotonic() - t0, 1)
-    path.write_text(json.dumps(doc, indent=1))
+    path.write_text(dumps(doc))
 
     print()
     print(_sweep_summary(runner.results))
