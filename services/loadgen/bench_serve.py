@@ -19,7 +19,6 @@ import os
 import platform
 import random
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -31,6 +30,7 @@ from kernellab.services.loadgen.stats import PERCENTILES, SLO, RequestRecord, fo
 from kernellab.services.loadgen.workload import RequestSpec, Workload
 
 DEFAULT_MIX = "128:128:1"
+SCHEMA = "kernellab.bench.serve/v1"  # artifact convention of kernellab.results
 
 
 def run_bench_serve(
@@ -70,7 +70,7 @@ def run_bench_serve(
         _run(url, model, concurrency, specs, api_key, endpoint, temperature, ignore_eos, request_rate, seed,
              timeout_s)
     )  # fmt: skip
-    report = summarize(records, duration, slo)
+    report = {"schema": SCHEMA, **summarize(records, duration, slo)}
     report["config"] = {
         "url": url,
         "model": served_model,
@@ -169,23 +169,21 @@ async def _stream_one(client: httpx.AsyncClient, model: str, spec: RequestSpec, 
 
 
 def _provenance(started_at: dt.datetime) -> dict:
+    """The keys of kernellab.results.provenance that a torch-free client can fill in."""
+    from kernellab.results import git_commit
+
     try:
         version = importlib.metadata.version("kernellab")
     except importlib.metadata.PackageNotFoundError:
         version = None
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                                cwd=Path(__file__).parent, check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        commit = None
     return {
-        "tool": "kernellab bench serve",
-        "kernellab_version": version,
-        "git_commit": commit,
-        "started_at": started_at.isoformat(),
-        "client_host": socket.gethostname(),
+        "date": started_at.isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "host": socket.gethostname(),
         "python": platform.python_version(),
+        "kernellab": version,
         "httpx": httpx.__version__,
+        "tool": "kernellab bench serve",
     }
 
 
