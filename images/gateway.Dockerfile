@@ -33,7 +33,8 @@ RUN pip install --no-deps /src
 FROM nvidia/cuda:13.0.2-base-ubuntu24.04
 ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH \
     HF_HOME=/var/cache/kernellab/hf KERNELLAB_MODEL=Qwen/Qwen3-0.6B KERNELLAB_HOST=0.0.0.0 KERNELLAB_PORT=8000 \
-    KERNELLAB_GATEWAY_METRICS_PORT=9100 KERNELLAB_METRICS_HOST=0.0.0.0
+    KERNELLAB_GATEWAY_METRICS_PORT=9100 KERNELLAB_METRICS_HOST=0.0.0.0 \
+    KERNELLAB_FILES_DIR=/var/lib/kernellab/files
 # Apt versions unpinned on purpose (DL3008): see the build stage of gateway.Dockerfile.
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -41,8 +42,8 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --system --gid 10001 kernellab \
     && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/kernellab kernellab \
-    && mkdir -p /var/cache/kernellab/hf \
-    && chown -R kernellab:kernellab /var/cache/kernellab
+    && mkdir -p /var/cache/kernellab/hf /var/lib/kernellab/files \
+    && chown -R kernellab:kernellab /var/cache/kernellab /var/lib/kernellab
 COPY --from=build /opt/venv /opt/venv
 COPY images/healthcheck.py /usr/local/bin/kl-healthcheck
 USER 10001:10001

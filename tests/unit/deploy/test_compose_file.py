@@ -163,6 +163,13 @@ def test_services_share_one_redis_url_with_the_password(resolved):
     assert urls == {f"redis://:{SECRETS['REDIS_PASSWORD']}@redis:6379/0"}
 
 
+def test_gateway_and_batch_worker_share_the_batch_files_volume(resolved):
+    for name in ("gateway", "batch"):
+        service = resolved["services"][name]
+        mounts = {v["source"]: v["target"] for v in _volumes(service) if v["type"] == "volume"}
+        assert mounts["batch-files"] == service["environment"]["KERNELLAB_FILES_DIR"], name
+
+
 def test_grafana_admin_password_from_env_and_no_anonymous_access(resolved):
     env = resolved["services"]["grafana"]["environment"]
     assert env["GF_SECURITY_ADMIN_PASSWORD"] == SECRETS["GRAFANA_ADMIN_PASSWORD"]
