@@ -26,6 +26,8 @@ def _version(dist: str) -> str | None:
 
 
 def git_commit() -> str:
+    if os.environ.get("KERNELLAB_COMMIT"):  # the device machine's copy of the tree has no git history
+        return os.environ["KERNELLAB_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=Path(__file__).resolve().parent.parent)

@@ -121,6 +121,9 @@ class EngineConfig:
     kernels: str = "accepted"  # "accepted" | "experimental" | "none": which Triton ops the dispatcher enables
     disabled_kernels: tuple[str, ...] = ()  # ops kept on torch whatever their status (ablations)
     cuda_graphs: bool = True
+    # Greedy decode steps run back to back on the GPU between host syncs (vLLM's multi-step scheduling): the
+    # host's per-step Python cost is paid once per window. 0 = auto: 8 with CUDA graphs, else 1.
+    num_scheduler_steps: int = 0
     random_weights: bool = False  # build the model's exact shape with random weights (GPU benchmarks)
     seed: int = 0
     extra: dict = field(default_factory=dict)

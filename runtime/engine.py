@@ -14,7 +14,7 @@ from kernellab.runtime.errors import ContextLengthError, InvalidRequestError, Mo
 from kernellab.runtime.registry import ModelSpec, resolve_model
 from kernellab.runtime.sampler import TokenLogprob
 from kernellab.runtime.sampling import SamplingParams
-from kernellab.runtime.scheduler import Scheduler
+from kernellab.runtime.scheduler import Scheduler, SchedulerOutput
 from kernellab.runtime.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -157,6 +157,9 @@ class LLMEngine:
         results = [self._output(seq, [], None) for seq in out.finished]
         if not out.scheduled:
             return results
+        steps = self._multi_step_width(out)
+        if steps > 1:
+            return results + self._step_multi(out, steps)
         sampled, logprobs = self.runner.execute(out)
         self.prompt_tokens += sum(n for (s, n), t in zip(out.scheduled, sampled, strict=True)
                                   if s.num_computed_tokens < s.num_prompt_tokens)
@@ -173,6 +176,50 @@ class LLMEngine:
             lp = logprobs.get(seq.request_id)
             results.append(self._output(seq, [token], [lp] if lp else None))
         return results
+
+    def _multi_step_width(self, out) -> int:
+        """How many greedy decode steps to run in one go: only for all-decode, all-greedy steps without
+        logprobs, on captured graphs, and only as far as every sequence's blocks can be reserved now."""
+        runner, cfg = self.runner, self.config
+        steps = cfg.num_scheduler_steps or (8 if runner.graphs is not None else 1)
+        if steps <= 1 or runner.graphs is None or not runner.graphs.decode_bucket(len(out.scheduled)):
+            return 1
+        for seq, n in out.scheduled:
+            p = seq.params
+            if n != 1 or not out.samples(seq, n) or not p.greedy or p.has_penalties or p.logprobs is not None:
+                return 1
+        steps = min(steps, runner.graphs.max_steps)
+        for seq, _ in out.scheduled:
+            ahead = min(steps, seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+            if not self.block_manager.allocate_slots(seq, max(ahead, 1)):
+                return 1  # blocks reserved so far stay with their sequences and are used by later steps
+        return steps
+
+    def _step_multi(self, out, steps: int) -> list[RequestOutput]:
+        seqs = [s for s, _ in out.scheduled]
+        # Tokens each sequence may still emit (it stops on length exactly there); later steps are discarded.
+        allowed = [max(1, min(steps, s.max_tokens - s.num_output_tokens, self.max_model_len - s.num_tokens))
+                   for s in seqs]
+        tokens = self.runner.execute_multi(seqs, steps, allowed)
+        new: dict[int, list[int]] = {i: [] for i in range(len(seqs))}
+        alive = list(range(len(seqs)))
+        for k in range(steps):
+            rows = [i for i in alive if k < allowed[i]]
+            if not rows:
+                break
+            sub = SchedulerOutput(scheduled=[(seqs[i], 1) for i in rows])
+            self.scheduler.postprocess(sub, [tokens[k][i] for i in rows])
+            for i in rows:
+                seq, token = seqs[i], tokens[k][i]
+                new[i].append(token)
+                self.generation_tokens += 1
+                detok = self._detokenizers.get(seq.request_id)
+                if detok is not None and not seq.is_finished:
+                    detok.push([token])
+                    if detok.stopped:
+                        self.scheduler.finish_by_stop_string(seq, detok.stop_reason)
+            alive = [i for i in rows if not seqs[i].is_finished]
+        return [self._output(seqs[i], new[i], None) for i in range(len(seqs))]
 
     def _output(self, seq: Sequence, tokens: list[int], logprobs) -> RequestOutput:
         if seq.is_finished:

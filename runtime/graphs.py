@@ -40,6 +40,11 @@ class GraphRunner:
         self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.host_tables = torch.zeros((self.decode_buckets[-1], self.width), dtype=torch.int32, pin_memory=True)
         self.tables = torch.zeros((self.decode_buckets[-1], self.width), dtype=torch.int32, device=device)
+        # Multi-step decode: per step k, rows (positions, slots, context_lens) planned on the host up front.
+        self.max_steps = 16
+        self.host_plan = torch.zeros((self.max_steps, 3, self.decode_buckets[-1]), dtype=torch.int64, pin_memory=True)
+        self.plan = torch.zeros_like(self.host_plan, device=device)
+        self.step_tokens = torch.zeros((self.max_steps, self.decode_buckets[-1]), dtype=torch.int64, device=device)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[str, int], torch.Tensor] = {}
         # A graph records addresses only: every tensor it reads (the metadata's too) must outlive it.
@@ -108,6 +113,44 @@ class GraphRunner:
         self.context_lens[:bs].copy_(self.inputs[3, :bs])
         self.graphs[("decode", bs)].replay()
         return self.logits[("decode", bs)][:n]
+
+    def decode_multi(self, ids, positions, tables, allowed: list[int], steps: int, argmax) -> list[list[int]]:
+        """``steps`` greedy decode steps back to back on the device, each step's argmax feeding the next, one
+        host sync at the end. Row i runs ``allowed[i]`` real steps; later steps of that row write no KV
+        (slot -1) and their tokens are discarded by the caller. Returns tokens[step][row]."""
+        n = len(ids)
+        bs = self.decode_bucket(n)
+        t = self.host_tables.numpy()
+        for i, row in enumerate(tables):
+            t[i, : len(row)] = row
+        t[n:bs] = 0
+        pos0 = np.asarray(positions, dtype=np.int64)
+        k = np.arange(steps, dtype=np.int64)[:, None]
+        pos = pos0[None, :] + k  # (steps, n)
+        live = k < np.asarray(allowed, dtype=np.int64)[None, :]
+        pos = np.where(live, pos, pos0[None, :])
+        slots = t[np.arange(n)[None, :], pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
+        plan = self.host_plan.numpy()
+        plan[:steps, :, :bs] = 0
+        plan[:steps, 0, :n] = pos
+        plan[:steps, 1, :n] = np.where(live, slots, -1)
+        plan[:steps, 1, n:bs] = -1
+        plan[:steps, 2, :n] = np.where(live, pos + 1, pos0[None, :] + 1)
+        plan[:steps, 2, n:bs] = 1
+        host = self.host.numpy()
+        host[0, :n] = ids
+        host[0, n:bs] = 0
+        self.tables[:bs].copy_(self.host_tables[:bs], non_blocking=True)
+        self.plan[:steps, :, :bs].copy_(self.host_plan[:steps, :, :bs], non_blocking=True)
+        self.inputs[0, :bs].copy_(self.host[0, :bs], non_blocking=True)
+        graph, logits = self.graphs[("decode", bs)], self.logits[("decode", bs)]
+        for step in range(steps):
+            self.inputs[1:4, :bs].copy_(self.plan[step, :, :bs])
+            self.context_lens[:bs].copy_(self.plan[step, 2, :bs])
+            graph.replay()
+            self.step_tokens[step, :bs].copy_(argmax(logits))
+            self.inputs[0, :bs].copy_(self.step_tokens[step, :bs])
+        return self.step_tokens[:steps, :n].tolist()
 
     def prefill(self, ids, slots) -> torch.Tensor:
         n = len(ids)

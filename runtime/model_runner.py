@@ -130,17 +130,18 @@ class ModelRunner:
                 sampling.append(seq)
         dev = self.device
 
-        def table_tensor(tables):
+        def table_tensor(tables, graph_width=False):
             if not tables:
                 return None
-            width = max(len(t) for t in tables)
+            # Decode tables as wide as the graphs' so eager and replayed steps split attention identically.
+            width = self.graphs.width if graph_width and self.graphs is not None else max(len(t) for t in tables)
             return torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
 
         meta = AttentionMetadata(
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decode_tokens=num_decode,
-            decode_block_tables=table_tensor(dec_tables),
+            decode_block_tables=table_tensor(dec_tables, graph_width=True),
             decode_context_lens=torch.tensor(dec_lens, dtype=torch.int32, device=dev) if dec_lens else None,
             prefill_block_tables=table_tensor(pre_tables),
             prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev) if pre_tables else None,
@@ -171,6 +172,13 @@ class ModelRunner:
         sampled = [by_seq.get(id(seq)) for seq, _ in out.scheduled]
         lp = {s.request_id: lp for s, lp in zip(sampling, logprobs, strict=True)} if logprobs else {}
         return sampled, lp
+
+    @torch.inference_mode()
+    def execute_multi(self, seqs: list[Sequence], steps: int, allowed: list[int]) -> list[list[int]]:
+        """Greedy multi-step decode of ``seqs`` (each scheduled for one token whose K/V is not computed yet)."""
+        pos = [s.num_computed_tokens for s in seqs]
+        ids = [s.token_ids[p] for s, p in zip(seqs, pos, strict=True)]
+        return self.graphs.decode_multi(ids, pos, [s.block_table for s in seqs], allowed, steps, self.sampler.argmax)
 
     def _execute_graph(self, out: SchedulerOutput):
         """Replay a captured graph when the step has a captured shape: all decodes within a batch bucket, or

@@ -181,6 +181,29 @@ def latency(weights, report, hf=None):
         log(f"latency {r['system']} {r['metric']}@{r['tokens']}: {r['ms_p50']} ms")
 
 
+def profile(weights, report):
+    """Where a 2,048-token prefill and a batch-1 decode window spend their time (CUDA kernels and host)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from kernellab.bench.latency import engine_itl, engine_ttft
+
+    eng = engine(weights, max_num_seqs=8, max_model_len=4096)
+    engine_ttft(eng, 2048, reps=1)
+    summary = {}
+    for name, fn in (("ttft2048", lambda: engine_ttft(eng, 2048, reps=1, seed=9)),
+                     ("decode_b1", lambda: engine_itl(eng, 128, new_tokens=32))):
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+        rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:12]
+        summary[name] = [{"name": e.key[:80], "cuda_ms": round(e.device_time_total / 1e3, 3), "calls": e.count,
+                          "cpu_ms": round(e.cpu_time_total / 1e3, 3)} for e in rows]
+        log(f"profile {name}:")
+        for r in summary[name]:
+            log(f"   {r['cuda_ms']:9.3f} ms cuda  {r['calls']:5d}x  {r['name']}")
+    report["profile"] = summary
+
+
 def kernel_numerics(op, kernel, reference) -> dict:
     """The op against its torch reference at real Qwen3-0.6B shapes, fresh random inputs each seed."""
     from tests.gpu.op_inputs import make_inputs
@@ -249,7 +272,7 @@ def ablation(weights, report):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
-    ap.add_argument("--skip", action="append", default=[], help="numerics, offline, latency, ablation, hf")
+    ap.add_argument("--skip", action="append", default=[], help="profile, numerics, offline, latency, ablation, hf")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -262,7 +285,8 @@ def main() -> int:
     hf = hf_model(torch.bfloat16)
     weights = [(k, v) for k, v in hf.state_dict().items()]
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__}; HF model ready")
-    for name, fn in (("numerics", lambda: numerics(hf, weights, report)),
+    for name, fn in (("profile", lambda: profile(weights, report)),
+                     ("numerics", lambda: numerics(hf, weights, report)),
                      ("latency", lambda: latency(weights, report, None if "hf" in args.skip else hf)),
                      ("offline", lambda: offline(weights, report, None if "hf" in args.skip else hf)),
                      ("ablation", lambda: ablation(weights, report))):
