@@ -42,18 +42,20 @@ def engine_ttft(engine, prompt_len: int, reps: int = 10, seed: int = 0) -> list[
 
 
 def engine_itl(engine, context: int, new_tokens: int = 64, seed: int = 1) -> list[float]:
-    """Seconds per decode step of one sequence whose context starts at ``context`` tokens."""
+    """Seconds per output token of one sequence whose context starts at ``context`` tokens: each step's
+    time divided among the tokens it produced (a multi-step window yields several)."""
     from kernellab.runtime.sampling import SamplingParams
 
     gen = torch.Generator().manual_seed(seed)
     prompt = _random_prompt(context, engine.model_config.vocab_size, gen)
     engine.add_request("itl", prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens + 1, ignore_eos=True))
     engine.step()  # prefill
-    times = []
+    times: list[float] = []
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
+        produced = sum(len(o.new_token_ids) for o in engine.step())
+        elapsed = time.perf_counter() - t0
+        times += [elapsed / max(produced, 1)] * max(produced, 1)
     return times
 
 

@@ -251,20 +251,26 @@ def ablation(weights, report):
         del eng
         return {"tok_per_s": thr, "itl_ms": round(itl, 3), "enabled": enabled}
 
-    all_on = measure()
-    log(f"ablation all-on: {all_on['tok_per_s']:.0f} tok/s, ITL {all_on['itl_ms']:.3f} ms ({len(all_on['enabled'])} kernels)")
-    rows = {"__all__": all_on, "__none__": measure(REPLACEABLE)}
+    runs = [measure(), measure()]  # the all-on baseline twice: its spread is the noise band
+    all_on = {**max(runs, key=lambda r: r["tok_per_s"]), "itl_ms": min(r["itl_ms"] for r in runs),
+              "spread_tok_per_s_pct": round(100 * abs(runs[0]["tok_per_s"] / runs[1]["tok_per_s"] - 1), 2)}
+    noise = max(3.0, 2 * all_on["spread_tok_per_s_pct"])
+    log(f"ablation all-on: {all_on['tok_per_s']:.0f} tok/s, ITL {all_on['itl_ms']:.3f} ms, noise band {noise:.1f}%")
+    rows = {"__all__": all_on, "__none__": measure(REPLACEABLE), "__noise_pct__": noise}
     log(f"ablation torch-only: {rows['__none__']['tok_per_s']:.0f} tok/s, ITL {rows['__none__']['itl_ms']:.3f} ms")
     for op in all_on["enabled"]:
         off = measure((op,))
         num = kernel_numerics(op, lib.KERNELS[op], getattr(reference, op))
-        # Keep a kernel only if it is correct and the whole workload is not slower with it (2 % noise band).
-        faster = all_on["tok_per_s"] >= off["tok_per_s"] * 0.98 and all_on["itl_ms"] <= off["itl_ms"] * 1.02
-        status = "rejected" if not num["pass"] else "accepted" if faster else "experimental"
-        rows[op] = {**off, "numerics": num, "status": status,
-                    "e2e_gain_tok_per_s_pct": round(100 * (all_on["tok_per_s"] / off["tok_per_s"] - 1), 2),
-                    "e2e_gain_itl_pct": round(100 * (off["itl_ms"] / all_on["itl_ms"] - 1), 2)}
-        log(f"ablation -{op}: {off['tok_per_s']:.0f} tok/s, ITL {off['itl_ms']:.3f} ms, rel err {num['rel_err_max']:.2e} → {status}")
+        gain_thr = 100 * (all_on["tok_per_s"] / off["tok_per_s"] - 1)
+        gain_itl = 100 * (off["itl_ms"] / all_on["itl_ms"] - 1)
+        # The kernel-lab rule: keep a kernel only if it is correct AND the complete workload is measurably
+        # faster with it (beyond the noise band) and no slower on the other figure.
+        helps = (gain_thr > noise or gain_itl > noise) and gain_thr > -noise and gain_itl > -noise
+        status = "rejected" if not num["pass"] else "accepted" if helps else "experimental"
+        rows[op] = {**off, "numerics": num, "status": status, "e2e_gain_tok_per_s_pct": round(gain_thr, 2),
+                    "e2e_gain_itl_pct": round(gain_itl, 2)}
+        log(f"ablation -{op}: {off['tok_per_s']:.0f} tok/s ({gain_thr:+.1f}%), ITL {off['itl_ms']:.3f} ms "
+            f"({gain_itl:+.1f}%), rel err {num['rel_err_max']:.2e} → {status}")
         Path(report["_path"]).write_text(json.dumps(report, indent=2, default=str))
     report["ablation"] = rows
 
@@ -320,6 +326,8 @@ def print_table(report) -> None:
             print(f"latency {r['system']:24s} {r['metric']}@{r['tokens']:<5d} {r['ms_p50']:>9.3f} ms")
     if report["ablation"]:
         for op, r in report["ablation"].items():
+            if not isinstance(r, dict):
+                continue
             print(f"ablation {op:24s} {r.get('status', ''):12s} {r['tok_per_s']:>8.0f} tok/s  ITL {r['itl_ms']:.3f} ms")
     print(f"errors: {len(report['errors'])}")
 
