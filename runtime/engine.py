@@ -182,7 +182,7 @@ class LLMEngine:
         logprobs, on captured graphs, and only as far as every sequence's blocks can be reserved now."""
         runner, cfg = self.runner, self.config
         steps = cfg.num_scheduler_steps or (8 if runner.graphs is not None else 1)
-        if steps <= 1 or runner.graphs is None or not runner.graphs.decode_bucket(len(out.scheduled)):
+        if steps <= 1 or not runner.use_graphs or not runner.graphs.decode_bucket(len(out.scheduled)):
             return 1
         for seq, n in out.scheduled:
             p = seq.params

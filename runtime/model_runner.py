@@ -66,10 +66,12 @@ class ModelRunner:
         ]
         self.sampler = Sampler(device, argmax=ops.argmax)
         self.graphs = None
+        self.use_graphs = False  # False replays nothing: the same runner, eager (graph == eager checks)
         if device.type == "cuda" and cfg.cuda_graphs and graph_safe(ops, model_cfg.qk_norm):
             self.graphs = GraphRunner(self.model, self.kv_caches, device, self.block_size, max_model_len,
                                       cfg.max_num_seqs)
             self.graphs.capture()
+            self.use_graphs = True
 
     @torch.inference_mode()
     def _init_random(self) -> None:
@@ -157,7 +159,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> tuple[list[int | None], dict[str, TokenLogprob]]:
         """Run one step; returns the sampled token of each scheduled entry (None for a non-final prefill
         chunk), in ``out.scheduled`` order, and logprobs by request id where asked for."""
-        logits_and_seqs = self._execute_graph(out) if self.graphs is not None else None
+        logits_and_seqs = self._execute_graph(out) if self.use_graphs else None
         if logits_and_seqs is None:
             input_ids, meta, _, sampling = self.prepare(out)
             hidden = self.model(input_ids, meta, self.kv_caches)

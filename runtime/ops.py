@@ -204,15 +204,17 @@ def paged_prefill_attention(
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, group: int) -> torch.Tensor:
     """Causal GQA attention of ``q: (Tq, Hq, D)`` over ``k, v: (Tk, Hk, D)``, Tk ≥ Tq, queries at the end."""
     tq, tk = q.shape[0], k.shape[0]
-    qh = q.transpose(0, 1)
-    kh = k.transpose(0, 1).repeat_interleave(group, dim=0)
-    vh = v.transpose(0, 1).repeat_interleave(group, dim=0)
+    # (1, H, T, D): SDPA's flash/memory-efficient kernels need a batch dimension; 3-D input falls back to the
+    # fp32 math path (measured on the H200: ~45 ms instead of < 1 ms for a 2,048-token prompt).
+    qh = q.transpose(0, 1).unsqueeze(0)
+    kh = k.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
+    vh = v.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
     if tq == tk:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     else:
         allowed = torch.arange(tk, device=q.device)[None, :] <= (torch.arange(tq, device=q.device)[:, None] + tk - tq)
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale)
-    return o.transpose(0, 1)
+    return o[0].transpose(0, 1)
 
 
 def qk_norm_rope_store_kv(
