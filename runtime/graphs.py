@@ -15,6 +15,7 @@ import logging
 
 import numpy as np
 import torch
+
 from kernellab.runtime.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from kernellab.runtime.config import ModelConfig
 from kernellab.runtime.errors import ModelNotAvailableError
 from kernellab.runtime.registry import ModelSpec, local_snapshot, wheel_file_path

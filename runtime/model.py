@@ -4,9 +4,10 @@ the ops backend (``runtime/ops.py`` or the Triton kernels) and weight fusion is 
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from kernellab.runtime.attention import AttentionMetadata, paged_attention
 from kernellab.runtime.config import ModelConfig
-from torch import nn
 
 # HF checkpoint module → (our fused module, shard index). Shard sizes come from the config.
 PACKED_MODULES = {

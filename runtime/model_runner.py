@@ -6,6 +6,7 @@ import logging
 import math
 
 import torch
+
 from kernellab.runtime import ops as torch_ops
 from kernellab.runtime.attention import AttentionMetadata
 from kernellab.runtime.config import EngineConfig, ModelConfig

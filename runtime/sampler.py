@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from kernellab.runtime.sequence import Sequence
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier to spread (seed, index) pairs

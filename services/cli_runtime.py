@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from kernellab.runtime.errors import KernellabError
-from kernellab.services.cli import app
 from rich.console import Console
 from rich.table import Table
+
+from kernellab.runtime.errors import KernellabError
+from kernellab.services.cli import app
 
 err = Console(stderr=True, soft_wrap=True)  # one error = one line, whatever the terminal width
 bench_app = typer.Typer(help="Benchmarks that write JSON artifacts with provenance.", no_args_is_help=True)
@@ -191,6 +192,76 @@ def bench_offline_cmd(
     if output:
         results.write(output, data)
         err.print(f"wrote {output}")
+
+
+@bench_app.command("serve")
+def bench_serve_cmd(
+    url: Annotated[str, typer.Option(help="gateway base URL")] = "http://127.0.0.1:8000",
+    model: Annotated[str | None, typer.Option(help="default: the first of /v1/models")] = None,
+    concurrency: Annotated[int, typer.Option(min=1)] = 8,
+    num_requests: Annotated[int, typer.Option("--num-requests", min=1)] = 64,
+    api_key: Annotated[str | None, typer.Option(envvar="KERNELLAB_API_KEY")] = None,
+    mix: Annotated[str, typer.Option(help="prompt_words:max_tokens:weight, comma-separated")] = "128:128:1",
+    endpoint: Annotated[str, typer.Option(help="chat | completions")] = "chat",
+    temperature: float = 0.0,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos")] = False,
+    request_rate: Annotated[float | None, typer.Option("--request-rate", help="Poisson arrivals, req/s")] = None,
+    seed: int = 0,
+    slo_ttft_ms: Annotated[float | None, typer.Option("--slo-ttft-ms")] = None,
+    slo_tpot_ms: Annotated[float | None, typer.Option("--slo-tpot-ms")] = None,
+    slo_e2e_ms: Annotated[float | None, typer.Option("--slo-e2e-ms")] = None,
+    timeout_s: Annotated[float, typer.Option("--timeout-s")] = 300.0,
+    output: Annotated[Path, typer.Option()] = Path("results/bench_serve.json"),
+    plot: Annotated[Path | None, typer.Option()] = Path("results/bench_serve.png"),
+) -> None:
+    """Streaming requests at a fixed concurrency against a gateway: TTFT/ITL/TPOT/E2E percentiles, goodput."""
+    from kernellab.services.loadgen.bench_serve import run_bench_serve
+    from kernellab.services.loadgen.stats import format_table
+
+    report = run_bench_serve(url, model, concurrency, num_requests, api_key=api_key, mix=mix, endpoint=endpoint,
+                             temperature=temperature, ignore_eos=ignore_eos, request_rate=request_rate, seed=seed,
+                             slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, slo_e2e_ms=slo_e2e_ms,
+                             timeout_s=timeout_s, output=output, plot=plot)
+    Console().print(format_table(report))
+    err.print(f"wrote {output}" + (f" and {plot}" if plot else ""))
+    if report["requests"]["failed"]:
+        raise typer.Exit(1)
+
+
+@bench_app.command("latency")
+def bench_latency_cmd(
+    model: Annotated[str, typer.Option()] = "qwen3-0.6b",
+    prompt_len: Annotated[list[int], typer.Option("--prompt-len", help="TTFT prompt lengths")] = [2048],  # noqa: B006
+    context: Annotated[list[int], typer.Option("--context", help="ITL contexts")] = [128, 2048],  # noqa: B006
+    random_weights: Annotated[bool, typer.Option("--random-weights")] = False,
+    peer: Annotated[bool, typer.Option("--peer/--no-peer", help="HF transformers on the same device")] = True,
+    device: str = "auto",
+    dtype: str = "auto",
+    output: Annotated[Path | None, typer.Option()] = None,
+) -> None:
+    """Batch-1 TTFT and inter-token latency through the engine's step loop (and the HF peer)."""
+    from kernellab import results
+    from kernellab.bench.latency import bench_latency
+    from kernellab.bench.offline import load_hf
+    from kernellab.runtime.config import EngineConfig
+    from kernellab.runtime.engine import LLMEngine
+
+    try:
+        longest = max([*prompt_len, *context]) + 128
+        engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, random_weights=random_weights,
+                                        max_model_len=longest, max_num_seqs=8))
+        hf = load_hf(model, str(engine.runner.device), engine.runner.dtype, random_weights) if peer else None
+        data = bench_latency(engine, tuple(prompt_len), tuple(context), hf)
+    except KernellabError as exc:
+        fail(exc)
+    table = Table(title=f"latency: {model}")
+    for col in ("system", "metric", "tokens", "ms p50"):
+        table.add_column(col)
+    for r in data["rows"]:
+        table.add_row(r["system"], r["metric"], str(r["tokens"]), f"{r['ms_p50']:.3f}")
+    Console().print(table)
+    if output:
+        results.write(output, data)
 
 
 @app.command("validate-result")

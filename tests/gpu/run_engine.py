@@ -29,8 +29,9 @@ def log(msg: str) -> None:
 
 
 def hf_model(dtype):
-    from kernellab.runtime.registry import resolve_model
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kernellab.runtime.registry import resolve_model
 
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(**{"model_type": "qwen3", **resolve_model(MODEL).hf_config})
@@ -235,12 +236,11 @@ def kernel_numerics(op, kernel, reference) -> dict:
 
 
 def ablation(weights, report):
-    from kernellab.runtime import ops as reference
-    from kernellab.runtime.dispatch import REPLACEABLE
-
     from kernellab import kernels as lib
     from kernellab.bench.latency import engine_itl
     from kernellab.bench.offline import run_engine
+    from kernellab.runtime import ops as reference
+    from kernellab.runtime.dispatch import REPLACEABLE
 
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 10000, (128,), generator=gen).tolist() for _ in range(64)]

@@ -49,10 +49,10 @@ def test_all_or_nothing():
 def test_prefix_hit_shares_full_blocks_and_counts_tokens():
     bm = BlockManager(16, BS)
     shared = list(range(12))  # three full blocks
-    a = seq("a", shared + [90, 91])
+    a = seq("a", [*shared, 90, 91])
     assert admit(bm, a)
     compute(bm, a)
-    b = seq("b", shared + [70])
+    b = seq("b", [*shared, 70])
     hits = bm.get_computed_blocks(b)
     assert hits == a.block_table[:3]
     assert bm.allocate_slots(b, b.num_tokens - 12, hits)
