@@ -88,13 +88,11 @@ def rope_cos_sin_cache(
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # NeoX / HF "rotate_half" convention: pairs are (i, i + D/2).
+    # NeoX / HF "rotate_half" convention: pairs are (i, i + D/2). Written on the halves (no duplicated cos/sin,
+    # no negated copy); each element is the same product-and-sum HF computes, so the rounding is identical.
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    cos = torch.cat([cos, cos], dim=-1)
-    sin = torch.cat([sin, sin], dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return x * cos + rotated * sin
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def rotary_embedding(
@@ -160,16 +158,13 @@ def paged_decode_attention(
     max_len = int(context_lens.max())
     n_blocks = -(-max_len // k_cache.shape[1])
     table = block_tables[:, :n_blocks].clamp(min=0).long()
-    k = k_cache[table].flatten(1, 2)[:, :max_len]  # (B, L, Hk, D)
-    v = v_cache[table].flatten(1, 2)[:, :max_len]
-    group = Hq // Hk
-    qg = q.view(B, Hk, group, D).float()
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, k.float()) * scale
-    mask = torch.arange(max_len, device=q.device)[None, :] >= context_lens[:, None].to(q.device)
-    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
-    return out.reshape(B, Hq, D).to(q.dtype)
+    k = k_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)  # (B, Hk, L, D)
+    v = v_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    # GQA without repeating K/V: the group's query heads play the role of SDPA's query length.
+    qg = q.view(B, Hk, Hq // Hk, D)
+    valid = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None].to(q.device)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    return out.reshape(B, Hq, D)
 
 
 def paged_prefill_attention(
