@@ -19,7 +19,11 @@ Program mapping
       reduction along K (warp shuffles, then shared memory between warps) happens once, after the loop.
     - M = 2…16: x is padded to 16 rows and each tile goes through ``tl.dot`` (tensor cores), reading every
       weight byte once for all M rows; the arithmetic is free at this intensity.
-    - Split-K: when ``N / BLOCK_N`` programs are too few to cover the SMs (o_proj, down_proj: N = 1024), K is
+    - At Qwen3-0.6B's M = 1 shapes one tile covers the whole K range (``BLOCK_N·BLOCK_K ≤ 16K`` elements:
+      q/k/v and gate/up take 16 rows × 1024, o_proj 4 × 2048, down_proj 4 × 4096 with the last quarter
+      masked), so a program issues all of its loads at once; ``BLOCK_N`` shrinks until there are ~2 programs
+      per SM (N = 1024 → 4 rows → 256 programs).
+    - Split-K (opt-in via ``GemvConfig.split_k``; default only when even 1-row programs leave SMs idle): K is
       cut into ``SPLIT_K`` slices. Each program stores its fp32 partial, then increments a per-column-block
       counter with an acquire-release atomic; the program that brings the counter to ``SPLIT_K`` sums the
       partials in slice order (deterministic), writes y and resets the counter to 0 for the next call. One
@@ -27,29 +31,36 @@ Program mapping
       CUDA-graph capture and do not run two GEMVs concurrently on different streams.)
 
 Coalescing
-    A tile row is ``BLOCK_K`` contiguous weight elements; with ``BLOCK_K = 512`` bf16 a warp reads whole 1 KB
-    runs and each thread issues 16-byte loads. x (a few KB) is re-read by every column block from L2.
+    A tile row is ``BLOCK_K`` contiguous weight elements (1–4 K elements): each warp reads whole 512-byte runs
+    and each thread issues 16-byte loads (8 of them per thread for a 32 KB tile over 8 warps). x (a few KB) is re-read by every column block from L2.
     Bytes: read ``N·K·w_bytes + M·K·2`` (+ ``4·N`` scales), write ``M·N·2``.
 
 Precision
     Products and the K reduction in fp32 (for the dot path: bf16 operands, fp32 accumulation, like cuBLAS);
     per-channel scales applied to the fp32 sums; one rounding to x's dtype at the end.
 
-Programmatic dependent launch (``GemvConfig(pdl=True)``, opt-in)
-    Launched with Hopper's PDL attribute, a GEMV may start while the previous kernel is still draining: it
-    signals ``griddepcontrol.launch_dependents`` at once, loads its first weight tile (weights never depend
-    on the previous kernel), and only then waits (``griddepcontrol.wait``) before reading x or writing
-    anything. Back to back, the weight stream of one GEMV overlaps the tail of the one before. Every kernel
-    launched with the attribute after it must likewise wait before touching its inputs.
+Programmatic dependent launch (PDL; the M = 1 default on Hopper)
+    A decode GEMV moves 2–12 MB, i.e. 0.5–3 µs of HBM time, while a kernel launch inside a CUDA graph costs
+    ~1.5 µs before and after its bytes (launch gap, first-byte latency, tail: an RMSNorm over 64 rows takes
+    1.6 µs for 0.26 MB). Launched with Hopper's PDL attribute, the GEMV may start while the previous kernel
+    is still draining: it signals ``griddepcontrol.launch_dependents`` at once, issues its weight loads
+    (weights never depend on the previous kernel), and only then waits (``griddepcontrol.wait``, which
+    returns once the previous grid has completed and its writes are visible) before reading x or writing
+    anything. So it is correct after any kernel; the overlap is largest after a kernel that triggers early
+    (another GEMV). ``GemvConfig(pdl=False)`` turns it off.
 
 Trade-offs tried
-    ``BLOCK_N`` 8/16/32 × ``BLOCK_K`` 256/512 × 4/8 warps × split-K on/off at the four Qwen3-0.6B shapes: the
-    sweep in ``benchmarks/kernels/bench_gemv.py`` records each (docs/kernels.md). Split-K by atomically adding
-    into an fp32 output was rejected: it needs a memset and a cast kernel (three launches for a ~2 µs op).
+    The first version looped over K in 512-wide tiles with split-K to fill the SMs: on the H200 the split-K
+    handshake (fence, atomic, re-read of the partials: three dependent L2 round trips) cost ~2 µs, more than
+    it saved, and a K loop serialises one memory latency per tile. The default now has no loop and no split
+    at Qwen3 shapes (o_proj: 4 rows × 2048 per program, 256 programs). The sweep in
+    ``benchmarks/kernels/bench_gemv.py`` keeps the alternatives measured (docs/kernels.md). Split-K by
+    atomically adding into an fp32 output was rejected: it needs a memset and a cast kernel (three launches).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +70,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import cached_empty, cached_zeros, cdiv, next_pow2, num_sms, require, rows_2d
 
-__all__ = ["GemvConfig", "default_config", "linear", "split_for"]
+__all__ = ["GemvConfig", "default_config", "linear", "split_for", "supports_pdl"]
 
 MAX_M = 16
 
@@ -71,7 +82,7 @@ class GemvConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 1
-    pdl: bool = False  # programmatic dependent launch (Hopper); dense M = 1 only, see below
+    pdl: bool = False  # programmatic dependent launch (Hopper); dense M = 1 only, see the module docstring
 
 
 @triton.jit
@@ -168,15 +179,36 @@ def _gemv_kernel(
 
 
 def default_config(M: int, N: int, K: int, w_bits: int, device: torch.device) -> GemvConfig:
-    """The shape heuristic: 8–16 KB weight tiles, and split-K until there are ≥ 2 programs per SM."""
+    """The shape heuristic (from the H200 sweep in docs/kernels.md).
+
+    M = 1: as many output rows per program as still leave ~2 programs per SM, and the whole K range in one
+    tile of ≤ 16K elements, so each program issues all its weight loads at once (no loop-carried latency);
+    split-K only when even one row per program leaves SMs idle. Hopper launches it with PDL.
+    M > 1: 32-column tensor-core tiles, K pipelined 3 deep, split-K up to 2 programs per SM.
+    """
     if M > 1:
-        block_n, block_k, warps, stages = 32, 128, 4, 3
-    elif w_bits == 16:
-        block_n, block_k, warps, stages = 16, 512, 4, 1
-    else:  # 8 KB of packed weight per tile
-        block_n, block_k, warps, stages = 8, (1024 if w_bits == 8 else 2048), 4, 1
-    block_k = min(block_k, max(32, next_pow2(K)))
-    return GemvConfig(block_n, block_k, split_for(N, K, block_n, block_k, device), warps, stages)
+        block_n, block_k = 32, min(128, max(32, next_pow2(K)))
+        return GemvConfig(block_n, block_k, split_for(N, K, block_n, block_k, device), 4, 3)
+    sms = num_sms(device)
+    block_n = 16
+    while block_n > 1 and cdiv(N, block_n) < 1.8 * sms:
+        block_n //= 2
+    block_k = min(max(32, next_pow2(K)), max(32, 16384 // block_n))
+    warps = 8 if block_n * block_k >= 8192 else 4
+    split = 1 if cdiv(N, block_n) >= sms else split_for(N, K, block_n, block_k, device)
+    return GemvConfig(block_n, block_k, split, warps, 1, pdl=w_bits == 16 and supports_pdl(device))
+
+
+@functools.lru_cache(maxsize=8)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def supports_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch needs Hopper (sm_90) or newer."""
+    if device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
 
 
 def split_for(N: int, K: int, block_n: int, block_k: int, device: torch.device) -> int:

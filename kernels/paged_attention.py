@@ -19,12 +19,13 @@ Program mapping
 
     ``S`` is chosen on the host from B, Hk and an upper bound on the context (``max_context_len`` if given,
     else ``block_tables.shape[1] · bs``: shape-only, so the choice is fixed under CUDA-graph capture): enough
-    slices for ~4 programs per SM (a few waves, so the partial last wave costs little). Batch 64 × 8 KV heads
-    gives 512 programs → ``S = 2``; batch 1 × 8 KV heads gets ``S = 64`` (one 64-token tile per program).
-    With ``S = 1`` the kernel writes the output directly; otherwise each slice writes its unnormalised
-    ``acc`` plus ``(m, l)`` to an fp32 workspace and a second small kernel merges the slices
-    (``o = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s``). Slices past a sequence's length exit at once, so
-    batches of mixed lengths cost what their real tokens cost.
+    slices for ~2 programs per SM. Batch 64 × 8 KV heads already gives 512 programs → ``S = 1`` and the kernel
+    writes the output directly; batch 1 × 8 KV heads gets ``S = 32`` (128 tokens per program). With
+    ``S > 1`` each slice writes its unnormalised ``acc`` plus ``(m, l)`` to an fp32 workspace and bumps a
+    per-(sequence, KV head) counter; the slice that arrives last merges them
+    (``o = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s``) and resets the counter — one launch, no merge
+    kernel. Slices past a sequence's length do no loads, so batches of mixed lengths cost what their real
+    tokens cost.
 
 Coalescing
     A token's K row for one KV head is D contiguous elements (256 B at D = 128 bf16): every 32-byte sector
@@ -36,9 +37,12 @@ Precision
     reference does the whole thing in fp32, so bf16 outputs agree to ~1e-2 absolute.
 
 Trade-offs tried
-    ``BLOCK_N`` 32/64/128 and 4/8 warps are swept in ``benchmarks/kernels/bench_paged_attention.py``. One
-    program per query head (no GQA grouping) reads K/V G times. A single launch where the last slice merges
-    (semaphore, as in ``gemv.py``) would save the merge launch at batch 1; left as the next step.
+    (H200 sweep in ``benchmarks/kernels/bench_attention.py``, figures in docs/kernels.md.) At batch 64 × 1,024
+    one slice per sequence (66 µs) beat 2 and 4 slices (74, 77 µs): extra waves were worth less than the
+    merge traffic. At batch 1 × 4,096 the first version (V loaded after the softmax, a separate merge
+    kernel) took 11.5 µs whatever the split (16–64 slices); loading K and V together and merging in the last
+    slice remove one dependent memory round trip and one launch. One program per query head (no GQA
+    grouping) would read K/V G times.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, next_pow2, num_sms, require
+from ._common import cached_empty, cached_zeros, cdiv, next_pow2, num_sms, require
 
 __all__ = ["num_splits", "paged_decode_attention"]
 
@@ -56,11 +60,11 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, acc_ws_ptr, ml_ws_ptr,
-    qk_scale, block_size, tokens_per_split, n_splits, n_q_heads, head_dim,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, acc_ws_ptr, ml_ws_ptr, cnt_ptr,
+    qk_scale, block_size, tokens_per_split, n_splits, n_q_heads, n_kv_heads, head_dim,
     stride_qb, stride_qh, stride_cb, stride_co, stride_ch, stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    IEEE: tl.constexpr,
+    S_PAD: tl.constexpr, IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -87,7 +91,9 @@ def _paged_decode_kernel(
         block = tl.load(table + t // block_size, mask=t_mask, other=0).to(tl.int64)
         row = block * stride_cb + (t % block_size) * stride_co + hk * stride_ch
         kv_mask = t_mask[:, None] & d_mask[None, :]
+        # K and V are both issued before any arithmetic: their latencies overlap instead of adding up
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         else:
@@ -97,7 +103,6 @@ def _paged_decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
@@ -105,44 +110,40 @@ def _paged_decode_kernel(
         m_i = m_new
 
     out_mask = g_mask[:, None] & d_mask[None, :]
+    out_rows = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
     if SPLIT:
-        # workspace rows are (b, query head, split); an empty slice leaves m = -inf, l = 0, acc = 0
+        # Publish this slice's (acc, m, l); an empty slice publishes m = -inf, l = 0, acc = 0. The last slice of
+        # (b, hk) to arrive merges all of them (same semaphore pattern as gemv.py's split-K).
         ws_row = (b.to(tl.int64) * n_q_heads + heads) * n_splits + split
         tl.store(acc_ws_ptr + ws_row[:, None] * D_PAD + d[None, :], acc, mask=out_mask)
         tl.store(ml_ws_ptr + ws_row * 2, m_i, mask=g_mask)
         tl.store(ml_ws_ptr + ws_row * 2 + 1, l_i, mask=g_mask)
+        tl.debug_barrier()
+        counter = cnt_ptr + b * n_kv_heads + hk
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_splits - 1:
+            sl = tl.arange(0, S_PAD)
+            s_mask = sl < n_splits
+            for gi in tl.static_range(GROUP):
+                rows = (b.to(tl.int64) * n_q_heads + hk * GROUP + gi) * n_splits + sl
+                m_s = tl.load(ml_ws_ptr + rows * 2, mask=s_mask, other=-float("inf"), cache_modifier=".cg")
+                l_s = tl.load(ml_ws_ptr + rows * 2 + 1, mask=s_mask, other=0.0, cache_modifier=".cg")
+                a_s = tl.load(acc_ws_ptr + rows[:, None] * D_PAD + d[None, :], mask=s_mask[:, None] & d_mask[None, :],
+                              other=0.0, cache_modifier=".cg")
+                w = tl.exp2(m_s - tl.max(m_s, axis=0))  # the max is finite: slice 0 always holds token 0
+                o = tl.sum(a_s * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+                tl.store(out_ptr + b.to(tl.int64) * stride_ob + (hk * GROUP + gi) * stride_oh + d,
+                         o.to(out_ptr.dtype.element_ty), mask=d_mask)
+            tl.atomic_xchg(counter, 0)
     else:
         o = acc / l_i[:, None]
-        tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _merge_splits_kernel(
-    acc_ws_ptr, ml_ws_ptr, out_ptr, n_splits, head_dim, stride_ob, stride_oh,
-    S_PAD: tl.constexpr, D_PAD: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    s = tl.arange(0, S_PAD)
-    d = tl.arange(0, D_PAD)
-    s_mask = s < n_splits
-    ws_row = (b * tl.num_programs(1) + h) * n_splits + s
-    m = tl.load(ml_ws_ptr + ws_row * 2, mask=s_mask, other=-float("inf"))
-    l_s = tl.load(ml_ws_ptr + ws_row * 2 + 1, mask=s_mask, other=0.0)
-    m_max = tl.max(m, axis=0)  # finite: slice 0 always holds token 0
-    w = tl.exp2(m - m_max)
-    acc = tl.load(acc_ws_ptr + ws_row[:, None] * D_PAD + d[None, :], mask=s_mask[:, None] & (d < head_dim)[None, :],
-                  other=0.0)
-    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+        tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def num_splits(batch: int, kv_heads: int, max_context: int, block_n: int, device: torch.device) -> int:
-    """Slices per sequence: enough programs for ~4 per SM (several waves, so the last one is short), never a
-    slice shorter than one tile."""
+    """Slices per sequence: enough programs for ~2 per SM, never a slice shorter than one tile."""
     programs = batch * kv_heads
-    target = 4 * num_sms(device)
+    target = 2 * num_sms(device)
     if programs >= target:
         return 1
     return max(1, min(cdiv(target, programs), cdiv(max_context, block_n)))
@@ -180,21 +181,17 @@ def paged_decode_attention(
     tokens_per_split = cdiv(cdiv(bound, n_split), block_n) * block_n
     n_split = cdiv(bound, tokens_per_split)
     d_pad = max(16, next_pow2(D))
-    if n_split > 1:
-        acc_ws = torch.empty((B, Hq, n_split, d_pad), dtype=torch.float32, device=q.device)
-        ml_ws = torch.empty((B, Hq, n_split, 2), dtype=torch.float32, device=q.device)
+    if n_split > 1:  # cached scratch: no allocation on the hot path (see _common.cached_zeros)
+        acc_ws = cached_empty("paged.acc", B * Hq * n_split * d_pad, torch.float32, q.device)
+        ml_ws = cached_empty("paged.ml", B * Hq * n_split * 2, torch.float32, q.device)
+        counters = cached_zeros("paged.counters", B * Hk, torch.int32, q.device)
     else:
-        acc_ws = ml_ws = out  # unused (SPLIT=False)
+        acc_ws = ml_ws = counters = out  # unused (SPLIT=False)
     _paged_decode_kernel[(B, Hk, n_split)](
-        q, k_cache, v_cache, block_tables, context_lens, out, acc_ws, ml_ws,
-        scale * _LOG2E, block_size, tokens_per_split, n_split, Hq, D,
+        q, k_cache, v_cache, block_tables, context_lens, out, acc_ws, ml_ws, counters,
+        scale * _LOG2E, block_size, tokens_per_split, n_split, Hq, Hk, D,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, G_PAD=max(16, next_pow2(group)), D_PAD=d_pad, BLOCK_N=block_n, SPLIT=n_split > 1,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        S_PAD=next_pow2(n_split), IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
-    if n_split > 1:
-        _merge_splits_kernel[(B, Hq)](
-            acc_ws, ml_ws, out, n_split, D, out.stride(0), out.stride(1),
-            S_PAD=next_pow2(n_split), D_PAD=d_pad, num_warps=4,
-        )
     return out

@@ -37,7 +37,7 @@ def cases(device: str, real: bool) -> list[Case]:
     out.append(Case("topk", f"B={B},V={V},k={TOP_K}", "fp32",
                     lambda: (randn(B, V, device=device, dtype=torch.float32), TOP_K), topk,
                     lambda x, k: torch.topk(x, k, dim=-1), bytes=B * V * 4 + B * TOP_K * 12, check=_check_topk,
-                    group="argmax", notes="reference torch.topk"))
+                    group="argmax", teaching=True, notes="reference torch.topk (radix select)"))
     return out
 
 

@@ -20,7 +20,8 @@ from harness import HEAD_DIM, HIDDEN, HK, HQ, INTER, VOCAB, Case, ensure_kernell
 
 ensure_kernellab_importable()
 from kernellab.kernels import gemv, quant_gemv  # noqa: E402
-from kernellab.kernels.gemv import GemvConfig, default_config, split_for  # noqa: E402
+from kernellab.kernels._common import next_pow2  # noqa: E402
+from kernellab.kernels.gemv import GemvConfig, default_config  # noqa: E402
 from kernellab.runtime import ops  # noqa: E402
 
 
@@ -37,14 +38,16 @@ def shapes(real: bool) -> dict[str, tuple[int, int]]:
 
 
 def _sweep(N, K, device) -> list[tuple[str, GemvConfig]]:
+    """The default without PDL, narrower/wider row blocks, split-K, and the first version's K-looping tiles."""
     base = default_config(1, N, K, 16, device)
-    out = [("pdl", dataclasses.replace(base, pdl=True))]
-    for bn, bk, w in ((8, 512, 4), (32, 256, 4), (16, 512, 8)):
-        split = split_for(N, K, bn, bk, device)
-        out.append((f"n{bn}_k{bk}_w{w}_s{split}", GemvConfig(bn, bk, split, w)))
-    out.append((f"n{base.block_n}_k{base.block_k}_s1", dataclasses.replace(base, split_k=1)))
-    out.append((f"n{base.block_n}_k{base.block_k}_s{2 * base.split_k}",
-                dataclasses.replace(base, split_k=2 * base.split_k)))
+    out = [("no_pdl", dataclasses.replace(base, pdl=False))]
+    if base.block_n > 1:
+        half = base.block_n // 2
+        out.append((f"n{half}_k{min(2 * base.block_k, next_pow2(K))}",
+                    dataclasses.replace(base, block_n=half, block_k=min(2 * base.block_k, next_pow2(K)))))
+    out.append((f"split2_n{base.block_n}", dataclasses.replace(base, split_k=2, block_k=max(32, base.block_k // 2))))
+    out.append(("loop_n8_k512_w4", GemvConfig(8, 512, 1, 4)))  # run 1's best for q/k/v
+    out.append(("loop_n16_k512_w4", GemvConfig(16, 512, 1, 4)))
     return out
 
 
@@ -69,7 +72,7 @@ def cases(device: str, real: bool) -> list[Case]:
             return randn(M, K, device=device), randn(N, K, device=device, scale=K**-0.5)
         out.append(Case("linear[gemv]", f"{name} M=1 N={N} K={K}", "bf16", make, gemv.linear, ops.linear,
                         bytes=N * K * 2 + K * 2 + N * 2, target_pct=70.0, group="gemv",
-                        notes="reference ops.linear = cuBLAS"))
+                        notes="reference ops.linear = cuBLAS; default launches with PDL (variant no_pdl without)"))
         for variant, cfg in _sweep(N, K, dev) if real else []:
             out.append(Case("linear[gemv]", f"{name} M=1 N={N} K={K}", "bf16", make,
                             functools.partial(gemv.linear, config=cfg), ops.linear,

@@ -17,7 +17,7 @@ ensure_kernellab_importable()
 from kernellab.kernels.rms_norm import add_rms_norm, rms_norm  # noqa: E402
 from kernellab.runtime import ops  # noqa: E402
 
-SWEEP = [(1, 2), (1, 8), (2, 4), (2, 8), (4, 8)]  # (rows per program, warps); default is (1, 4)
+SWEEP = [(1, 4), (2, 2), (2, 8), (4, 4), (4, 8)]  # (rows per program, warps); default is (2, 4)
 
 
 def cases(device: str, real: bool) -> list[Case]:

@@ -6,6 +6,7 @@ Bytes: silu_and_mul reads gate and up (2·T·I·2), writes T·I·2. softmax: one
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -28,6 +29,13 @@ def cases(device: str, real: bool) -> list[Case]:
         out.append(Case("silu_and_mul", f"T={T},I={inter}", "bf16",
                         lambda T=T: (randn(T, 2 * inter, device=device, scale=3.0),), silu_and_mul,
                         ops.silu_and_mul, bytes=3 * T * inter * 2, atol=1.6e-2, rtol=1.6e-2, compile_ref=i == 0,
+                        group="swiglu"))
+    T = PREFILL_T if real else 7
+    for block, warps in ((2048, 4), (2048, 8), (4096, 8), (512, 4)):
+        out.append(Case("silu_and_mul", f"T={T},I={inter}", "bf16",
+                        lambda T=T: (randn(T, 2 * inter, device=device, scale=3.0),),
+                        functools.partial(silu_and_mul, block_size=block, num_warps=warps), ops.silu_and_mul,
+                        bytes=3 * T * inter * 2, atol=1.6e-2, rtol=1.6e-2, variant=f"block{block}_warps{warps}",
                         group="swiglu"))
     B = 64 if real else 3
     out.append(Case("softmax", f"B={B},V={vocab}", "fp32", lambda: (randn(B, vocab, device=device,

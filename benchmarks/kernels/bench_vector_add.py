@@ -30,11 +30,11 @@ def cases(device: str, real: bool) -> list[Case]:
 
     out = [
         Case("add", f"n={PREFILL_T}x{HIDDEN}", "bf16", pair(n), add, torch.add, bytes=3 * n * 2, atol=0, rtol=0,
-             group="vector_add", notes="reference torch.add"),
+             group="vector_add", teaching=True, notes="reference torch.add (the same single pass)"),
         Case("add_silu", f"n={PREFILL_T}x{HIDDEN}", "bf16", pair(n), add_silu, ops.add_silu, bytes=3 * n * 2,
              atol=1.6e-2, rtol=1.6e-2, group="vector_add", notes="eager reference: add then silu (2 kernels)"),
         Case("add", "n=2^26", "bf16", pair(big), add, torch.add, bytes=3 * big * 2, atol=0, rtol=0,
-             group="vector_add", compile_ref=False),
+             group="vector_add", teaching=True, compile_ref=False),
     ]
     for block, warps in SWEEP:
         fn = functools.partial(add, block_size=block, num_warps=warps)
