@@ -115,7 +115,10 @@ class Worker:
     def _loop(self) -> None:
         drain_deadline = None
         while True:
-            self._drain_inbox(block=not self.engine.has_unfinished_requests())
+            idle = not self.engine.has_unfinished_requests()
+            self._drain_inbox(block=idle)
+            if idle and self.engine.has_unfinished_requests():
+                self._gather()
             if self.draining.is_set():
                 drain_deadline = drain_deadline or time.monotonic() + self.settings.drain_timeout_s
                 if not self.active or time.monotonic() >= drain_deadline:
@@ -137,20 +140,35 @@ class Worker:
         try:
             item = self.inbox.get(timeout=0.1) if block else self.inbox.get_nowait()
             while True:
-                kind, payload = item
-                if kind == "add":
-                    self._add(payload, batch)
-                elif kind == "cancel":
-                    self._cancel(payload.request_id, payload.index, batch)
-                elif kind == "abort_all":
-                    log.warning("aborting %d request(s): %s", len(self.active), payload)
-                    for eid in list(self.active):
-                        self._abort(eid, batch)
+                self._handle(item, batch)
                 item = self.inbox.get_nowait()
         except queue.Empty:
             pass
         if batch.messages or batch.acks:
             self.io.outbox.put(batch)
+
+    def _gather(self) -> None:
+        """Idle → busy: wait while a burst is still arriving, so its requests share the first step."""
+        gap, end = self.settings.gather_gap_s, time.monotonic() + self.settings.gather_max_s
+        batch = WriteBatch()
+        while gap > 0 and time.monotonic() < end:
+            try:
+                self._handle(self.inbox.get(timeout=gap), batch)
+            except queue.Empty:
+                break
+        if batch.messages or batch.acks:
+            self.io.outbox.put(batch)
+
+    def _handle(self, item, batch: WriteBatch) -> None:
+        kind, payload = item
+        if kind == "add":
+            self._add(payload, batch)
+        elif kind == "cancel":
+            self._cancel(payload.request_id, payload.index, batch)
+        elif kind == "abort_all":
+            log.warning("aborting %d request(s): %s", len(self.active), payload)
+            for eid in list(self.active):
+                self._abort(eid, batch)
 
     def _add(self, d: Delivery, batch: WriteBatch) -> None:
         msg = d.message

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 
 from kernellab.services.config import WorkerSettings
@@ -16,6 +17,9 @@ def serve(settings: WorkerSettings) -> None:
     from kernellab.services.worker.loop import Worker
     from kernellab.services.worker.metrics import MetricsServer
 
+    # The I/O threads need the GIL for well under a millisecond per step; by default a thread waiting for it
+    # can wait the whole 5 ms switch interval while the step loop runs Python, which a client sees as latency.
+    sys.setswitchinterval(0.0005)
     worker = Worker(settings)
     server = None
     if settings.worker_metrics_port:

@@ -61,6 +61,11 @@ class RedisServer:
         wait_for(lambda: redis.Redis.from_url(self.url, socket_connect_timeout=0.2).ping(), 10, "redis-server")
         return self
 
+    def restart(self) -> RedisServer:
+        """The same port again, empty: the worst case for everything that talks to it."""
+        self.stop()
+        return self.start()
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 from kernellab.runtime.sampling import SamplingParams
-from stack_helpers import API_KEY, MODEL, RedisServer, metric, wait_for
+from stack_helpers import API_KEY, MODEL, metric, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -103,7 +103,7 @@ def test_redis_outage_answers_503_fast_and_recovers(stack, private_redis, refere
             assert httpx.get(f"{stack.url}/health", timeout=5).status_code == 200
         assert time.monotonic() - start < 30
     finally:
-        RedisServer(private_redis.workdir, private_redis.port).start()  # same port, empty: the worst case
+        private_redis.restart()  # same port, empty: the worst case
     wait_for(lambda: stack.ready(1), 60, "/ready after Redis came back", interval=0.5)
     resp = stack.openai().chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=N, temperature=0)
     assert resp.choices[0].message.content == reference[0]

@@ -1,0 +1,256 @@
+"""Serving overhead: the same prompts through the whole stack (HTTP/SSE → gateway → Redis → worker → Redis →
+gateway) against the engine driven directly in one process.
+
+Workload: ``--clients`` chat prompts (distinct topics, the model's chat template), greedy, ``--max-tokens``
+tokens each with EOS ignored so both sides generate exactly the same number of tokens.
+- engine: a child process builds ``LLMEngine`` with the worker's configuration, adds every request at t0 and
+  steps until all finish; TTFT = first token of a request − t0; throughput = tokens / wall time.
+- stack: a private redis-server, one ``kernellab worker`` and one ``kernellab gateway`` (real processes, the
+  same engine configuration); ``--clients`` streaming clients on warm keep-alive connections start at t0;
+  TTFT = first content chunk − t0, tokens from ``usage``.
+Both sides also run ``--single`` requests one at a time (TTFT of a lone request: the pure path overhead).
+The engine runs before and after the stack (ABA) so slow drift on the machine shows instead of biasing.
+Writes a JSON artifact with provenance and prints a short table.
+
+    python benchmarks/serve_vs_engine.py --output results/serve_vs_engine.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TOPICS = ["the sea", "volcanoes", "bees", "the moon", "bread", "trains", "chess", "rivers", "owls", "glass",
+          "deserts", "music", "coffee", "maps", "bridges", "rain", "paper", "clocks", "whales", "salt", "kites",
+          "tea", "forests", "copper", "snow", "bicycles", "honey", "lighthouses", "cotton", "ants", "ice", "wind",
+          "mountains", "gardens", "libraries", "stars"]
+SERVE_CONFIG = {"device": "cpu", "dtype": "auto", "max_num_seqs": 64, "max_num_batched_tokens": 2048}
+
+
+def chats(n: int) -> list[list[dict]]:
+    return [[{"role": "user", "content": f"Tell me a few facts about {TOPICS[i % len(TOPICS)]}."}] for i in range(n)]
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
+
+
+# --------------------------------------------------------------------------------------------- engine side
+def engine_phase(model: str, clients: int, max_tokens: int, reps: int, single: int) -> dict:
+    from kernellab.runtime.engine import EngineConfig, LLMEngine
+    from kernellab.runtime.sampling import SamplingParams
+
+    from kernellab.results import provenance
+
+    engine = LLMEngine(EngineConfig(model=model, **SERVE_CONFIG))
+    prompts = chats(clients)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    def run(batch: list[list[dict]], tag: str, tokens_limit: SamplingParams) -> tuple[list[float], int, float]:
+        # Text in, as the stack gets it: the chat template and tokenization are inside the timed region.
+        t0 = time.perf_counter()
+        first: dict[str, float] = {}
+        for i, messages in enumerate(batch):
+            engine.add_request(f"{tag}-{i}", engine.tokenizer.apply_chat_template(messages), tokens_limit)
+        n = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.new_token_ids:
+                    n += len(out.new_token_ids)
+                    first.setdefault(out.request_id, time.perf_counter() - t0)
+        return [first[f"{tag}-{i}"] for i in range(len(batch))], n, time.perf_counter() - t0
+
+    run(prompts[:2], "warmup", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    result = {"provenance": provenance("cpu"), "concurrent": [], "single_ttft_s": []}
+    for rep in range(reps):
+        ttft, n, wall = run(prompts, f"c{rep}", params)
+        result["concurrent"].append({"ttft_s": ttft, "tokens": n, "wall_s": wall})
+    one = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for j in range(single):
+        ttft, _n, _wall = run([prompts[j % clients]], f"s{j}", one)
+        result["single_ttft_s"].append(ttft[0])
+    return result
+
+
+def run_engine_child(args) -> dict:
+    cmd = [sys.executable, __file__, "--engine-phase", "--model", args.model, "--clients", str(args.clients),
+           "--max-tokens", str(args.max_tokens), "--reps", str(args.reps), "--single", str(args.single)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"engine phase failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------------------------- stack side
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    def __init__(self, model: str, workdir: Path):
+        self.redis_port, self.port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.workdir = workdir
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", KERNELLAB_MODEL=model, KERNELLAB_API_KEYS="",
+                        KERNELLAB_REDIS_URL=f"redis://127.0.0.1:{self.redis_port}/0", KERNELLAB_KEY_PREFIX="klbench:",
+                        KERNELLAB_DEVICE=SERVE_CONFIG["device"], KERNELLAB_DTYPE=SERVE_CONFIG["dtype"],
+                        KERNELLAB_MAX_NUM_SEQS=str(SERVE_CONFIG["max_num_seqs"]),
+                        KERNELLAB_MAX_NUM_BATCHED_TOKENS=str(SERVE_CONFIG["max_num_batched_tokens"]),
+                        KERNELLAB_MAX_WAITING="1024")
+        self.procs: list[subprocess.Popen] = []
+
+    def _spawn(self, name: str, cmd: list[str]) -> None:
+        log = (self.workdir / f"{name}.log").open("wb")
+        self.procs.append(subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT))
+
+    def start(self) -> None:
+        import httpx
+
+        self._spawn("redis", ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
+                              "--appendonly", "no", "--dir", str(self.workdir)])
+        kl = [sys.executable, "-m", "kernellab"]
+        self._spawn("worker", [*kl, "worker", "--metrics-port", str(free_port())])
+        self._spawn("gateway", [*kl, "gateway", "--port", str(self.port), "--metrics-port", str(free_port())])
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in self.procs):
+                raise RuntimeError(f"a stack process exited; logs in {self.workdir}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("the stack did not become ready")
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+async def stream_one(client, url: str, messages, max_tokens: int, t0: float) -> tuple[float, int]:
+    body = {"model": "smollm2-135m", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    ttft, tokens = None, 0
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if ttft is None and event["choices"] and event["choices"][0]["delta"].get("content"):
+                ttft = time.perf_counter() - t0
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    return ttft, tokens
+
+
+async def stack_phase(url: str, clients: int, max_tokens: int, reps: int, single: int) -> dict:
+    import httpx
+
+    msgs = chats(clients)
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        await asyncio.gather(*(client.get(f"{url}/health") for _ in range(clients)))  # warm connections
+        await asyncio.gather(*(stream_one(client, url, m, 4, time.perf_counter()) for m in msgs[:2]))  # warmup
+        result = {"concurrent": [], "single_ttft_s": []}
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            outs = await asyncio.gather(*(stream_one(client, url, m, max_tokens, t0) for m in msgs))
+            wall = time.perf_counter() - t0
+            result["concurrent"].append({"ttft_s": [o[0] for o in outs], "tokens": sum(o[1] for o in outs),
+                                         "wall_s": wall})
+        for j in range(single):
+            ttft, _n = await stream_one(client, url, msgs[j % clients], 2, time.perf_counter())
+            result["single_ttft_s"].append(ttft)
+    return result
+
+
+# --------------------------------------------------------------------------------------------- report
+def summarize(runs: list[dict]) -> dict:
+    concurrent = [c for r in runs for c in r["concurrent"]]
+    tput = [c["tokens"] / c["wall_s"] for c in concurrent]
+    return {"throughput_tok_s": statistics.median(tput), "throughput_runs": tput,
+            "ttft_p50_ms": statistics.median(pct(c["ttft_s"], 50) * 1e3 for c in concurrent),
+            "ttft_p90_ms": statistics.median(pct(c["ttft_s"], 90) * 1e3 for c in concurrent),
+            "single_ttft_p50_ms": pct([t for r in runs for t in r["single_ttft_s"]], 50) * 1e3,
+            "tokens_per_run": [c["tokens"] for c in concurrent]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--single", type=int, default=8)
+    ap.add_argument("--output", default="results/serve_vs_engine.json")
+    ap.add_argument("--engine-phase", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.engine_phase:
+        print(json.dumps(engine_phase(args.model, args.clients, args.max_tokens, args.reps, args.single)))
+        return
+    load_before = os.getloadavg()
+    engine_a = run_engine_child(args)
+    stack = Stack(args.model, Path(tempfile.mkdtemp(prefix="serve-bench-")))
+    try:
+        stack.start()
+        served = asyncio.run(stack_phase(stack.url, args.clients, args.max_tokens, args.reps, args.single))
+    finally:
+        stack.stop()
+    engine_b = run_engine_child(args)
+    eng, srv = summarize([engine_a, engine_b]), summarize([served])
+    figures = {
+        "throughput_ratio": srv["throughput_tok_s"] / eng["throughput_tok_s"],
+        "added_ttft_p50_ms": srv["ttft_p50_ms"] - eng["ttft_p50_ms"],
+        "added_single_ttft_p50_ms": srv["single_ttft_p50_ms"] - eng["single_ttft_p50_ms"],
+    }
+    prov = engine_a["provenance"]
+    prov.update(load_avg_before=load_before, load_avg_after=os.getloadavg(),
+                redis_server=subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.strip())
+    for dist in ("redis", "fastapi", "uvicorn", "msgpack", "httpx"):
+        from importlib import metadata
+
+        prov[dist] = metadata.version(dist)
+    artifact = {
+        "schema": "kernellab.bench.serve_vs_engine/v1", "provenance": prov, "model": args.model,
+        "workload": {"clients": args.clients, "max_tokens": args.max_tokens, "ignore_eos": True,
+                     "temperature": 0.0, "reps": args.reps, "single_requests": args.single,
+                     "prompts": "chat template + 'Tell me a few facts about <topic>.'", "order": "engine, stack, engine",
+                     "stack": "1 worker, 1 gateway, private redis-server, all on this machine; httpx SSE clients",
+                     "engine_config": SERVE_CONFIG},
+        "engine": eng, "stack": srv, "figures": figures,
+        "targets": {"throughput_ratio_min": 0.90, "added_ttft_p50_ms_max": 5.0},
+    }
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(artifact, indent=2) + "\n")
+    print(f"{'':24}{'engine':>12}{'stack':>12}")
+    print(f"{'throughput tok/s':24}{eng['throughput_tok_s']:12.1f}{srv['throughput_tok_s']:12.1f}"
+          f"   ratio {figures['throughput_ratio']:.3f}")
+    print(f"{'TTFT p50 ms (32 conc.)':24}{eng['ttft_p50_ms']:12.1f}{srv['ttft_p50_ms']:12.1f}"
+          f"   added {figures['added_ttft_p50_ms']:+.1f}")
+    print(f"{'TTFT p50 ms (single)':24}{eng['single_ttft_p50_ms']:12.1f}{srv['single_ttft_p50_ms']:12.1f}"
+          f"   added {figures['added_single_ttft_p50_ms']:+.1f}")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
