@@ -46,10 +46,9 @@ def pct(values: list[float], q: float) -> float:
 
 # --------------------------------------------------------------------------------------------- engine side
 def engine_phase(model: str, clients: int, max_tokens: int, reps: int, single: int) -> dict:
+    from kernellab.results import provenance
     from kernellab.runtime.engine import EngineConfig, LLMEngine
     from kernellab.runtime.sampling import SamplingParams
-
-    from kernellab.results import provenance
 
     engine = LLMEngine(EngineConfig(model=model, **SERVE_CONFIG))
     prompts = chats(clients)

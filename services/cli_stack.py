@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+
 from kernellab.services.cli import app
 
 Opt = typer.Option

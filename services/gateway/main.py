@@ -12,6 +12,7 @@ log = logging.getLogger("kernellab.gateway")
 def serve(settings: GatewaySettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
+
     from kernellab.services.gateway.app import create_app
 
     app = create_app(settings)

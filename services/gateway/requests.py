@@ -10,10 +10,11 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field, replace
 
+from pydantic import BaseModel, ConfigDict, ValidationError
+
 from kernellab.runtime.errors import ContextLengthError, InvalidRequestError, UnknownModelError
 from kernellab.runtime.registry import resolve_model
 from kernellab.runtime.sampling import MAX_SEED, SamplingParams
-from pydantic import BaseModel, ConfigDict, ValidationError
 
 _TEXT_PART_TYPES = ("text", "input_text")
 

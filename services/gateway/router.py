@@ -17,9 +17,10 @@ import contextlib
 import logging
 
 import redis.asyncio as aioredis
-from kernellab.services.queue.protocol import ProtocolError, from_entry
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from kernellab.services.queue.protocol import ProtocolError, from_entry
 
 log = logging.getLogger("kernellab.gateway")
 

@@ -17,6 +17,7 @@ import time
 import uuid
 
 import redis.asyncio as aioredis
+
 from kernellab.services.config import GatewaySettings
 from kernellab.services.gateway.errors import RateLimited, ServiceUnavailable
 from kernellab.services.gateway.generation import ResultStream

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, replace
 
 import redis
+
 from kernellab.services.queue.keys import GROUP, PRIORITIES, Keys
 from kernellab.services.queue.protocol import (
     CancelMessage,

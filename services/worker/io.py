@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
+
 from kernellab.services.queue.broker import Delivery, WorkerQueue, connect, decode_cancel
 from kernellab.services.queue.keys import GROUP, Keys
 from kernellab.services.queue.protocol import CancelMessage, ErrorMessage, Heartbeat, OutputChunk, encode

@@ -11,8 +11,9 @@ import time
 
 import httpx
 import pytest
-from kernellab.runtime.sampling import SamplingParams
 from stack_helpers import API_KEY, MODEL, metric, wait_for
+
+from kernellab.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.integration
 

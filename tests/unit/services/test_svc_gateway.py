@@ -10,6 +10,7 @@ import pytest
 import redis
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
+
 from kernellab.services.config import GatewaySettings, WorkerSettings
 from kernellab.services.gateway.app import create_app
 from kernellab.services.queue.keys import Keys

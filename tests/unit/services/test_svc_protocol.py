@@ -1,5 +1,6 @@
 import msgpack
 import pytest
+
 from kernellab.services.queue.keys import Keys
 from kernellab.services.queue.protocol import (
     PROTOCOL_VERSION,

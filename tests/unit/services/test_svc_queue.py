@@ -4,6 +4,7 @@ import time
 
 import pytest
 import redis
+
 from kernellab.services.queue.broker import WorkerQueue
 from kernellab.services.queue.keys import GROUP, Keys
 from kernellab.services.queue.protocol import (

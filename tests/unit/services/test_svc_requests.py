@@ -1,6 +1,7 @@
 """Gateway request validation: every bad input is a 4xx KernellabError with the right param."""
 
 import pytest
+
 from kernellab.runtime.errors import (
     ContextLengthError,
     InvalidRequestError,

@@ -6,6 +6,7 @@ import time
 import pytest
 import redis
 from fake_engine import FakeEngine
+
 from kernellab.services.config import WorkerSettings
 from kernellab.services.queue.broker import WorkerQueue
 from kernellab.services.queue.keys import GROUP, Keys
