@@ -29,6 +29,10 @@ Precision
 Trade-offs tried
     One program per row: fine at batch ≥ 132, starves the GPU at batch 1–16 (the common decode sizes). A
     single launch with an atomic max over packed keys would save pass 2 but needs a memset before each call.
+    Top-k is a teaching kernel that loses: a bitonic ``tl.topk`` over 4096 keys per program is ~80
+    compare-exchange stages of 64-bit keys, so 64 × 151,936 takes 335 µs against ``torch.topk``'s radix
+    select at 174 µs on the H200. A radix/threshold select (histogram the high bits, keep the candidates above
+    the k-th bucket) is the way to win; argmax, the greedy path, is 1.8–2.7× faster than PyTorch.
 """
 
 from __future__ import annotations

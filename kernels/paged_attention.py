@@ -37,12 +37,19 @@ Precision
     reference does the whole thing in fp32, so bf16 outputs agree to ~1e-2 absolute.
 
 Trade-offs tried
-    (H200 sweep in ``benchmarks/kernels/bench_attention.py``, figures in docs/kernels.md.) At batch 64 × 1,024
-    one slice per sequence (66 µs) beat 2 and 4 slices (74, 77 µs): extra waves were worth less than the
-    merge traffic. At batch 1 × 4,096 the first version (V loaded after the softmax, a separate merge
-    kernel) took 11.5 µs whatever the split (16–64 slices); loading K and V together and merging in the last
-    slice remove one dependent memory round trip and one launch. One program per query head (no GQA
-    grouping) would read K/V G times.
+    (H200 sweeps in ``benchmarks/kernels/bench_attention.py``, figures in docs/kernels.md.) At batch 64 × 1,024
+    one slice per sequence (66.5 µs, 88.6 % of the read bandwidth) beat 2 and 4 slices (75, 77 µs): extra
+    waves were worth less than the merge traffic. The price is paid by mixed lengths: 64 sequences of
+    1–2,048 tokens reach 63.8 % with one slice each (the longest sequences set the time) against 73.5 % with
+    two slices in the first run. Batch 1 × 4,096 is latency-bound: 16.8 MB is 3.7 µs of
+    HBM time, but each slice is a chain of dependent memory trips (block table → K/V gather → publish the
+    partial → merge) on top of the ~1.5 µs launch floor. The first version (a separate merge kernel) took
+    11.5 µs for 16–64 slices; merging in the last-arriving slice instead (this version, chosen to save the
+    launch) measured 12.7 µs at 32 slices and 15.4 µs at 64: the fence + atomic + re-read handshake costs
+    more than a launch, as it did for split-K in ``gemv.py``. Both miss the 50 % target (29–32 %). What
+    would move it: prefetching the block-table entries of all tiles at kernel start, PDL to hide the launch,
+    or leaving the merge to a kernel that runs anyway (fused into the o_proj GEMV's prologue). One program
+    per query head (no GQA grouping) would read K/V G times.
 """
 
 from __future__ import annotations

@@ -23,7 +23,9 @@ Precision
 
 Trade-offs tried
     An online (running max/sum) single program per long row: one pass fewer but only ``R`` programs — at
-    batch 64 that is half the SMs. The split version loses the "one load" property and wins on occupancy.
+    batch 64 that is half the SMs. The split version loses the "one load" property and wins on occupancy:
+    64 × 151,936 fp32 in 33.5 µs on the H200 (2.0× eager, 1.8× ``torch.compile``); counting the bytes it
+    really moves (two reads, one write) that is 3.5 TB/s.
 """
 
 from __future__ import annotations

@@ -19,8 +19,11 @@ Precision
     fp32 would be marginally more accurate but differ from the reference by an ulp in ~1/4 of bf16 outputs).
 
 Trade-offs tried
-    Fusing the SiLU into the gate/up GEMM epilogue would save this kernel's 3 bytes/element altogether, but
-    cuBLAS owns the GEMM at prefill (see ``gemm.py``), so the activation stays a separate, bandwidth-bound pass.
+    Blocks of 512–4096 elements and 4/8 warps on the H200 (4096 × 3072): 18.6–19.8 µs, 84–89 % of the read
+    bandwidth; the default (1024, 4 warps) is the fastest at 18.6 µs, level with ``torch.compile`` (which
+    emits the same single pass) and 3.8× faster than eager (two kernels and an intermediate). Fusing the SiLU
+    into the gate/up GEMM epilogue would save this kernel's bytes altogether, but cuBLAS owns the GEMM at
+    prefill (see ``gemm.py``), so the activation stays a separate, bandwidth-bound pass.
 """
 
 from __future__ import annotations

@@ -24,11 +24,14 @@ Precision
     bit up to the exp approximation.
 
 Trade-offs tried
-    The block/warp sweep in ``benchmarks/kernels/bench_vector_add.py`` (results in ``docs/kernels.md``):
-    tiny blocks (256) launch many programs and pay scheduling overhead, huge blocks (8192+) leave few programs
-    per SM at modest sizes and raise register use. 1024-element blocks with 4 warps (8 elements, 16 bytes per
-    thread) sit on the plateau. The fusion's point: the unfused pair reads 2n + n and writes n + n; fused it is
-    2n read + n write, 40 % fewer bytes for a bandwidth-bound op.
+    The block/warp sweep in ``benchmarks/kernels/bench_vector_add.py`` on the H200 (2²⁶ bf16 elements, 403 MB
+    moved): 256-element blocks reach only 55 % of the read bandwidth whatever the warps (1–2 elements per
+    thread: too little in flight per thread and 262 K tiny programs); from 1024 elements per block (8 per
+    thread, one 16-byte load per operand) up to 8192 every configuration sits at 93–94 % (4.25–4.30 TB/s,
+    the copy ceiling). 1024 × 4 warps is the default. Plain ``add`` is exactly what ``torch.add`` does, so it
+    ties it (7.03 µs both at 4096 × 1024); the lesson is the fusion: the unfused pair reads 2n + n and writes
+    n + n, fused it is 2n read + n write — 1.78× faster than eager, level with ``torch.compile``, which fuses
+    the same way.
 """
 
 from __future__ import annotations

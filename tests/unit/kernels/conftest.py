@@ -20,6 +20,7 @@ for _ in range(2):  # twice: a module that imported from another picks up the re
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
 from kernellab.kernels.testing import patch_interpreter  # noqa: E402
 
 patch_interpreter()

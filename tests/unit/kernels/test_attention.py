@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kernellab.kernels.attention import causal_attention
 from kernellab.kernels.paged_attention import paged_decode_attention
 from kernellab.kernels.testing import assert_close, poisoned

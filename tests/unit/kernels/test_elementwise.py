@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kernellab.kernels.swiglu import silu_and_mul
 from kernellab.kernels.testing import DTYPE_PARAMS, assert_close, poisoned
 from kernellab.kernels.vector_add import add, add_silu

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kernellab.kernels import gemm, gemv, linear, quant_gemv
 from kernellab.kernels.gemv import GemvConfig
 from kernellab.kernels.testing import assert_close, poisoned

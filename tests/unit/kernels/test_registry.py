@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import inspect
 
-import kernellab.kernels as kernels
 import torch
+
+import kernellab.kernels as kernels
 from kernellab.runtime import ops
 
 # ops without a same-named function in runtime/ops.py: their references are torch functions or compositions

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kernellab.kernels.rms_norm import add_rms_norm, rms_norm
 from kernellab.kernels.testing import DTYPE_PARAMS, assert_close, poisoned
 from kernellab.runtime import ops

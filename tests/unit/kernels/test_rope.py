@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kernellab.kernels.kv_cache import store_kv
 from kernellab.kernels.rope import qk_norm_rope, qk_norm_rope_store_kv, rotary_embedding
 from kernellab.kernels.testing import DTYPE_PARAMS, assert_close, poison, poisoned

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kernellab.kernels.argmax import argmax, topk
 from kernellab.kernels.softmax import softmax
 from kernellab.kernels.testing import DTYPE_PARAMS, assert_close, poisoned
