@@ -89,7 +89,7 @@ def cases(device: str, real: bool) -> list[Case]:
         out.append(Case("causal_attention", f"T={T},Hq={Hq},Hk={Hk},D={D}", "bf16", make, fn,
                         ops.causal_attention, flops=4 * Hq * D * pairs, atol=2e-2, rtol=2e-2, teaching=True,
                         compile_ref=i == 0, group="attention",
-                        notes="reference ops.causal_attention: 3-D SDPA after repeat_interleave of K/V"))
+                        notes="reference ops.causal_attention: 4-D SDPA after repeat_interleave of K/V"))
         if real:
             out.append(Case("causal_attention", f"T={T},Hq={Hq},Hk={Hk},D={D} vs FlashAttention", "bf16", make, fn,
                             flash_reference, flops=4 * Hq * D * pairs, atol=2e-2, rtol=2e-2, teaching=True,

@@ -452,6 +452,10 @@ def main_for(cases_fn, argv=None) -> None:
     ap.add_argument("--budget", type=float, default=600.0)
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if device == "cpu":  # the smoke run executes the kernels on Triton's interpreter
+        from kernellab.kernels.testing import patch_interpreter
+
+        patch_interpreter()
     runner = Runner(device, args.out, args.budget, compile_budget_s=args.budget / 3)
     for case in cases_fn(device, real=device == "cuda"):
         runner.run(case)

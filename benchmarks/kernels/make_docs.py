@@ -96,7 +96,7 @@ ANALYSIS: dict[str, str] = {
     "attention": (
         "A teaching kernel that loses: 223 TFLOP/s (T = 2,048) and 309 TFLOP/s (T = 4,096), 0.68× PyTorch's "
         "FlashAttention path (4-D SDPA with `enable_gqa`) at both lengths; against the `ops.causal_attention` "
-        "reference (3-D SDPA after `repeat_interleave`) it is 1.02× at 2,048 tokens and 0.87× at 4,096, and "
+        "reference (4-D SDPA after `repeat_interleave` of K/V) it is 1.02× at 2,048 tokens and 0.87× at 4,096, and "
         "0.87× that reference's `torch.compile` at 2,048. FlashAttention stays the "
         "reference for prefill."),
     "paged_attention": (

@@ -10,7 +10,7 @@ import kernellab.kernels as kernels
 from kernellab.runtime import ops
 
 # ops without a same-named function in runtime/ops.py: their references are torch functions or compositions
-NO_OPS_REFERENCE = {"add", "topk", "linear_w8a16", "linear_w4a16", "qk_norm_rope_store_kv"}
+NO_OPS_REFERENCE = {"add", "topk", "linear_w8a16", "linear_w4a16"}
 
 
 def _positional(fn):
@@ -30,7 +30,7 @@ def test_every_kernel_mirrors_its_reference():
 
 def test_composite_and_torch_references():
     table = kernels.KERNELS
-    # qk_norm_rope's arguments with v inserted, then store_kv's cache arguments
+    # the fused prologue's reference is the composition: qk_norm_rope's arguments with v, then store_kv's caches
     norm_rope = _positional(ops.qk_norm_rope)
     expected = [*norm_rope[:3], "v", *norm_rope[3:], *_positional(ops.store_kv)[2:]]
     assert _positional(table["qk_norm_rope_store_kv"]) == expected

@@ -70,8 +70,7 @@ def test_qk_norm_rope_store_kv(block_size, dtype, atol, rtol, gen):
     q_out, k_out = poisoned(q.shape, dtype, "cpu"), poisoned(k.shape, dtype, "cpu")
     qr, kr = qk_norm_rope_store_kv(pos, q, k, v, qw, kw, 1e-6, cache, k_cache, v_cache, slots,
                                    q_out=q_out, k_out=k_out)
-    q_ref, k_ref = ops.qk_norm_rope(pos, q, k, qw, kw, 1e-6, cache)
-    ops.store_kv(k_ref, v, k_cache_ref, v_cache_ref, slots)
+    q_ref, k_ref = ops.qk_norm_rope_store_kv(pos, q, k, v, qw, kw, 1e-6, cache, k_cache_ref, v_cache_ref, slots)
     assert_close(qr, q_ref, atol, rtol, "q")
     assert_close(kr, k_ref, atol, rtol, "k")
     # unwritten slots must still hold the poison, written ones the reference
