@@ -14,11 +14,14 @@ import logging
 import time
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from kernellab.runtime.errors import InvalidRequestError, KernellabError
 from kernellab.runtime.registry import resolve_model
+from kernellab.services.batch.api import create_batch_router
 from kernellab.services.config import GatewaySettings
 from kernellab.services.gateway import responses as R
 from kernellab.services.gateway.errors import (
@@ -32,7 +35,6 @@ from kernellab.services.gateway.generation import collect
 from kernellab.services.gateway.metrics import GatewayMetrics, HTTPMetricsMiddleware
 from kernellab.services.gateway.requests import prepare
 from kernellab.services.gateway.state import Gateway
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("kernellab.gateway")
 
@@ -127,6 +129,8 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
         token = token.strip()
         if not any(hmac.compare_digest(token.encode(), k.encode()) for k in keys):
             raise Unauthorized("incorrect API key provided")
+
+    app.include_router(create_batch_router(settings), dependencies=[Depends(check_auth)])
 
     async def read_json(request: Request):
         limit = settings.max_body_bytes
