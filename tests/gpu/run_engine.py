@@ -152,6 +152,61 @@ def offline(weights, report, hf=None):
         report["offline"].append(hf_continuous_batching(hf, prompts[:32], outs[:32]))
 
 
+def offline_sweep(weights, report):
+    """The nano-vllm workload at several multi-step widths, with the time split between steps that prefill
+    and pure-decode windows, and a kernel profile of one decode window at full batch."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from kernellab.bench.workloads import nanovllm
+    from kernellab.runtime.sampling import SamplingParams
+
+    prompts, outs = nanovllm()
+    sweep = []
+    for steps in (8, 16, 1):
+        eng = engine(weights, max_num_seqs=256, num_kv_blocks=None, num_scheduler_steps=steps)
+        eng.add_request("w", prompts[0][:32], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        while eng.has_unfinished_requests():
+            eng.step()
+        for i, (p, n) in enumerate(zip(prompts, outs, strict=True)):
+            eng.add_request(f"b{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        phases = {"mixed": [0.0, 0, 0], "decode": [0.0, 0, 0]}
+        produced, profiled = 0, None
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while eng.has_unfinished_requests():
+            running = len(eng.scheduler.running)
+            decode_only = not eng.scheduler.waiting and all(
+                s.num_computed_tokens == s.num_tokens - 1 for s in eng.scheduler.running)
+            ts = time.perf_counter()
+            if profiled is None and decode_only and running >= 200 and steps == 16:
+                with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    got = sum(len(o.new_token_ids) for o in eng.step())
+                rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:10]
+                profiled = [{"name": e.key[:70], "cuda_ms": round(e.device_time_total / 1e3, 3), "calls": e.count}
+                            for e in rows]
+            else:
+                got = sum(len(o.new_token_ids) for o in eng.step())
+            ph = phases["decode" if decode_only else "mixed"]
+            ph[0] += time.perf_counter() - ts
+            ph[1] += 1
+            ph[2] += got
+            produced += got
+        seconds = time.perf_counter() - t0
+        row = {"num_scheduler_steps": steps, "seconds": round(seconds, 3), "output_tok_per_s": round(produced / seconds, 1),
+               "phases": {k: {"seconds": round(v[0], 3), "steps": v[1], "tokens": v[2]} for k, v in phases.items()}}
+        if profiled:
+            row["decode_window_profile"] = profiled
+        sweep.append(row)
+        log(f"offline K={steps}: {row['output_tok_per_s']:.0f} tok/s; {row['phases']}")
+        for r in profiled or []:
+            log(f"   {r['cuda_ms']:9.3f} ms cuda {r['calls']:5d}x {r['name']}")
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    report["offline_sweep"] = sweep
+
+
 def hf_continuous_batching(hf, prompts, outs):
     from transformers import GenerationConfig
 
@@ -280,7 +335,9 @@ def ablation(weights, report):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
-    ap.add_argument("--skip", action="append", default=[], help="profile, numerics, offline, latency, ablation, hf")
+    ap.add_argument("--skip", action="append", default=[],
+                    help="offline_sweep, profile, numerics, offline, latency, ablation, hf")
+    ap.add_argument("--only", action="append", default=[], help="run only these sections")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -293,12 +350,13 @@ def main() -> int:
     hf = hf_model(torch.bfloat16)
     weights = [(k, v) for k, v in hf.state_dict().items()]
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__}; HF model ready")
-    for name, fn in (("profile", lambda: profile(weights, report)),
+    for name, fn in (("offline_sweep", lambda: offline_sweep(weights, report)),
+                     ("profile", lambda: profile(weights, report)),
                      ("numerics", lambda: numerics(hf, weights, report)),
                      ("latency", lambda: latency(weights, report, None if "hf" in args.skip else hf)),
                      ("offline", lambda: offline(weights, report, None if "hf" in args.skip else hf)),
                      ("ablation", lambda: ablation(weights, report))):
-        if name in args.skip:
+        if name in args.skip or (args.only and name not in args.only):
             continue
         try:
             fn()
