@@ -3,11 +3,13 @@ gateway) against the engine driven directly in one process.
 
 Workload: ``--clients`` chat prompts (distinct topics, the model's chat template), greedy, ``--max-tokens``
 tokens each with EOS ignored so both sides generate exactly the same number of tokens.
-- engine: a child process builds ``LLMEngine`` with the worker's configuration, adds every request at t0 and
-  steps until all finish; TTFT = first token of a request − t0; throughput = tokens / wall time.
+- engine: a child process builds ``LLMEngine`` with the worker's configuration, submits every request at t0
+  (chat template + tokenize + ``add_request``, text in as the gateway gets it) and steps until all finish;
+  TTFT = first token − the request's submission; throughput = tokens / wall time.
 - stack: a private redis-server, one ``kernellab worker`` and one ``kernellab gateway`` (real processes, the
-  same engine configuration); ``--clients`` streaming clients on warm keep-alive connections start at t0;
-  TTFT = first content chunk − t0, tokens from ``usage``.
+  same engine configuration); ``--clients`` streaming clients on warm keep-alive connections write their
+  requests at t0; TTFT = first content chunk − the moment the request's bytes were written; tokens from
+  ``usage``.
 Both sides also run ``--single`` requests one at a time (TTFT of a lone request: the pure path overhead).
 The engine runs before and after the stack (ABA) so slow drift on the machine shows instead of biasing.
 Writes a JSON artifact with provenance and prints a short table.
@@ -39,6 +41,30 @@ def chats(n: int) -> list[list[dict]]:
     return [[{"role": "user", "content": f"Tell me a few facts about {TOPICS[i % len(TOPICS)]}."}] for i in range(n)]
 
 
+class CpuMeter:
+    """CPU seconds the whole machine was busy vs. what our own processes used: the rest is interference."""
+
+    def __init__(self, pids: list[int]):
+        import psutil
+
+        self.procs = [psutil.Process(p) for p in pids]
+        self._psutil = psutil
+
+    def _sample(self) -> tuple[float, float, float]:
+        t = self._psutil.cpu_times()
+        own = sum(sum(p.cpu_times()[:2]) for p in self.procs)
+        return t.user + t.nice + t.system + t.irq + t.softirq, own, getattr(t, "steal", 0.0)
+
+    def __enter__(self) -> CpuMeter:
+        self.start = self._sample()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        end = self._sample()
+        busy, own, steal = (e - s for e, s in zip(end, self.start, strict=True))
+        self.result = {"busy_cpu_s": busy, "own_cpu_s": own, "foreign_cpu_s": max(0.0, busy - own), "steal_s": steal}
+
+
 def pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
@@ -58,21 +84,24 @@ def engine_phase(model: str, clients: int, max_tokens: int, reps: int, single: i
         # Text in, as the stack gets it: the chat template and tokenization are inside the timed region.
         t0 = time.perf_counter()
         first: dict[str, float] = {}
+        submitted: dict[str, float] = {}
         for i, messages in enumerate(batch):
+            submitted[f"{tag}-{i}"] = time.perf_counter()
             engine.add_request(f"{tag}-{i}", engine.tokenizer.apply_chat_template(messages), tokens_limit)
         n = 0
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.new_token_ids:
                     n += len(out.new_token_ids)
-                    first.setdefault(out.request_id, time.perf_counter() - t0)
+                    first.setdefault(out.request_id, time.perf_counter() - submitted[out.request_id])
         return [first[f"{tag}-{i}"] for i in range(len(batch))], n, time.perf_counter() - t0
 
     run(prompts[:2], "warmup", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     result = {"provenance": provenance("cpu"), "concurrent": [], "single_ttft_s": []}
     for rep in range(reps):
-        ttft, n, wall = run(prompts, f"c{rep}", params)
-        result["concurrent"].append({"ttft_s": ttft, "tokens": n, "wall_s": wall})
+        with CpuMeter([os.getpid()]) as cpu:
+            ttft, n, wall = run(prompts, f"c{rep}", params)
+        result["concurrent"].append({"ttft_s": ttft, "tokens": n, "wall_s": wall, "cpu": cpu.result})
     one = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     for j in range(single):
         ttft, _n, _wall = run([prompts[j % clients]], f"s{j}", one)
@@ -145,41 +174,83 @@ class Stack:
                 p.kill()
 
 
-async def stream_one(client, url: str, messages, max_tokens: int, t0: float) -> tuple[float, int]:
-    body = {"model": "smollm2-135m", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    ttft, tokens = None, 0
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if ttft is None and event["choices"] and event["choices"][0]["delta"].get("content"):
-                ttft = time.perf_counter() - t0
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-    return ttft, tokens
+class SSEConnection:
+    """A keep-alive HTTP/1.1 connection that posts a pre-serialized request and reads the SSE reply.
+
+    A benchmark client must not be the bottleneck: httpx spends about 2 ms of Python per request, so 32
+    "simultaneous" requests would leave it over 60 ms; writing prepared bytes on open sockets takes
+    microseconds, and TTFT is taken from the moment each request's bytes are written."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+
+    async def open(self) -> SSEConnection:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        return self
+
+    def close(self) -> None:
+        self.writer.close()
+
+    @staticmethod
+    def request(host: str, port: int, messages, max_tokens: int) -> bytes:
+        body = json.dumps({"model": "smollm2-135m", "messages": messages, "max_tokens": max_tokens,
+                           "temperature": 0, "ignore_eos": True, "stream": True,
+                           "stream_options": {"include_usage": True}}).encode()
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n")
+        return head.encode() + body
+
+    async def stream(self, raw: bytes) -> tuple[float, float | None, int]:
+        """(send time, TTFT from it, completion tokens)."""
+        sent = time.perf_counter()
+        self.writer.write(raw)
+        status = await self.reader.readline()
+        if b" 200 " not in status:
+            raise RuntimeError(f"HTTP status {status!r}")
+        while (await self.reader.readline()) not in (b"\r\n", b""):
+            pass  # headers: uvicorn streams with chunked transfer encoding
+        ttft, tokens, buf = None, 0, b""
+        while True:
+            size = int((await self.reader.readline()).strip(), 16)
+            data = await self.reader.readexactly(size + 2)
+            if size == 0:
+                return sent, ttft, tokens
+            buf += data[:-2]
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                if not event.startswith(b"data: {"):
+                    continue
+                obj = json.loads(event[6:])
+                if ttft is None and obj["choices"] and obj["choices"][0]["delta"].get("content"):
+                    ttft = time.perf_counter() - sent
+                if obj.get("usage"):
+                    tokens = obj["usage"]["completion_tokens"]
 
 
-async def stack_phase(url: str, clients: int, max_tokens: int, reps: int, single: int) -> dict:
-    import httpx
-
+async def stack_phase(url: str, clients: int, max_tokens: int, reps: int, single: int, pids: list[int]) -> dict:
+    host, port = url.removeprefix("http://").split(":")
+    port = int(port)
     msgs = chats(clients)
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        await asyncio.gather(*(client.get(f"{url}/health") for _ in range(clients)))  # warm connections
-        await asyncio.gather(*(stream_one(client, url, m, 4, time.perf_counter()) for m in msgs[:2]))  # warmup
+    conns = [await SSEConnection(host, port).open() for _ in range(clients)]
+    try:
+        warm = [SSEConnection.request(host, port, m, 4) for m in msgs]
+        await asyncio.gather(*(c.stream(r) for c, r in zip(conns, warm, strict=True)))  # warm every connection
         result = {"concurrent": [], "single_ttft_s": []}
+        raws = [SSEConnection.request(host, port, m, max_tokens) for m in msgs]
         for _ in range(reps):
-            t0 = time.perf_counter()
-            outs = await asyncio.gather(*(stream_one(client, url, m, max_tokens, t0) for m in msgs))
-            wall = time.perf_counter() - t0
-            result["concurrent"].append({"ttft_s": [o[0] for o in outs], "tokens": sum(o[1] for o in outs),
-                                         "wall_s": wall})
+            with CpuMeter(pids) as cpu:
+                t0 = time.perf_counter()
+                outs = await asyncio.gather(*(c.stream(r) for c, r in zip(conns, raws, strict=True)))
+                wall = time.perf_counter() - t0
+            result["concurrent"].append({"ttft_s": [o[1] for o in outs], "tokens": sum(o[2] for o in outs),
+                                         "send_spread_s": max(o[0] for o in outs) - t0, "wall_s": wall,
+                                         "cpu": cpu.result})
         for j in range(single):
-            ttft, _n = await stream_one(client, url, msgs[j % clients], 2, time.perf_counter())
+            _sent, ttft, _n = await conns[0].stream(SSEConnection.request(host, port, msgs[j % clients], 2))
             result["single_ttft_s"].append(ttft)
+    finally:
+        for c in conns:
+            c.close()
     return result
 
 
@@ -187,11 +258,13 @@ async def stack_phase(url: str, clients: int, max_tokens: int, reps: int, single
 def summarize(runs: list[dict]) -> dict:
     concurrent = [c for r in runs for c in r["concurrent"]]
     tput = [c["tokens"] / c["wall_s"] for c in concurrent]
+    foreign = [c["cpu"]["foreign_cpu_s"] / c["wall_s"] for c in concurrent]
     return {"throughput_tok_s": statistics.median(tput), "throughput_runs": tput,
+            "foreign_cpu_per_s": foreign,  # other processes' CPU use during each run, in cores
             "ttft_p50_ms": statistics.median(pct(c["ttft_s"], 50) * 1e3 for c in concurrent),
             "ttft_p90_ms": statistics.median(pct(c["ttft_s"], 90) * 1e3 for c in concurrent),
             "single_ttft_p50_ms": pct([t for r in runs for t in r["single_ttft_s"]], 50) * 1e3,
-            "tokens_per_run": [c["tokens"] for c in concurrent]}
+            "tokens_per_run": [c["tokens"] for c in concurrent], "runs": runs}
 
 
 def main() -> None:
@@ -212,7 +285,8 @@ def main() -> None:
     stack = Stack(args.model, Path(tempfile.mkdtemp(prefix="serve-bench-")))
     try:
         stack.start()
-        served = asyncio.run(stack_phase(stack.url, args.clients, args.max_tokens, args.reps, args.single))
+        pids = [os.getpid(), *(p.pid for p in stack.procs)]
+        served = asyncio.run(stack_phase(stack.url, args.clients, args.max_tokens, args.reps, args.single, pids))
     finally:
         stack.stop()
     engine_b = run_engine_child(args)
@@ -248,6 +322,9 @@ def main() -> None:
           f"   added {figures['added_ttft_p50_ms']:+.1f}")
     print(f"{'TTFT p50 ms (single)':24}{eng['single_ttft_p50_ms']:12.1f}{srv['single_ttft_p50_ms']:12.1f}"
           f"   added {figures['added_single_ttft_p50_ms']:+.1f}")
+    noisy = max(eng["foreign_cpu_per_s"] + srv["foreign_cpu_per_s"])
+    if noisy > 0.1:
+        print(f"warning: other processes used up to {noisy:.2f} cores during a run: the machine was not quiet")
     print(f"wrote {args.output}")
 
 

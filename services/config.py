@@ -77,7 +77,7 @@ class WorkerSettings(StackSettings):
     batch_share: float = Field(0.75, gt=0, le=1)  # at most this share of max_num_seqs goes to batch requests
     # An idle engine that receives a request waits while more keep arriving (gaps ≤ gather_gap_s, at most
     # gather_max_s in all), so a burst is prefilled in one step instead of paying an extra step for its head.
-    gather_gap_s: float = Field(0.002, ge=0)
+    gather_gap_s: float = Field(0.001, ge=0)
     gather_max_s: float = Field(0.05, ge=0)
 
     def resolved_worker_id(self) -> str:

@@ -66,6 +66,7 @@ class Gateway:
         self.redis_ok = False
         self.live_workers: list[Heartbeat] = []
         self._tasks: set[asyncio.Task] = set()
+        self._outgoing: list = []  # (entries, meta, future) waiting for this loop turn's pipeline
         self._poller: asyncio.Task | None = None
 
     # ----------------------------------------------------------------- lifecycle
@@ -146,24 +147,57 @@ class Gateway:
         sub = self.router.subscribe(streams)
         now = time.time()
         deadline = now + self.settings.request_timeout_s
-        pipe = self.redis.pipeline(transaction=False)
         stream = self.keys.requests(p.priority)
-        for c in p.choices:
-            msg = RequestMessage(p.request_id, c.index, p.model, p.prompts[c.prompt_index], c.params.to_dict(),
-                                 p.priority, deadline, now)
-            pipe.xadd(stream, entry(msg), maxlen=REQUEST_STREAM_MAXLEN, approximate=True)
-        pipe.set(self.keys.meta(p.request_id), len(p.choices), ex=self.settings.output_ttl_s)
-        pipe.xadd(self.router.wake_key, {b"w": b"1"}, maxlen=64, approximate=True)
-        try:
-            await pipe.execute()
-        except REDIS_DOWN as exc:
-            self.router.unsubscribe(sub)
-            raise ServiceUnavailable(f"the request queue is unavailable: {exc}", code="queue_unavailable") from None
-        self.waiting += 1
+        entries = [(stream, entry(RequestMessage(p.request_id, c.index, p.model, p.prompts[c.prompt_index],
+                                                 c.params.to_dict(), p.priority, deadline, now)))
+                   for c in p.choices]
+        self.waiting += 1  # counted before the await, so a burst cannot slip past max_waiting
         self.in_flight += 1
+        try:
+            await self._enqueue(entries, (self.keys.meta(p.request_id), len(p.choices)))
+        except BaseException as exc:
+            self.waiting -= 1
+            self.in_flight -= 1
+            self.router.unsubscribe(sub)
+            if isinstance(exc, REDIS_DOWN):
+                raise ServiceUnavailable(f"the request queue is unavailable: {exc}",
+                                         code="queue_unavailable") from None
+            self.cancel(p.request_id, None, "closed")  # cancelled while enqueueing: it may still have gone out
+            raise
         self.metrics.queue_depth.set(self.waiting)
         self.metrics.in_flight.set(self.in_flight)
         return ResultStream(self, p, sub, deadline, started)
+
+    async def _enqueue(self, entries: list, meta: tuple[str, int]) -> None:
+        """Requests submitted in the same event-loop turn share one pipeline, so a burst of clients reaches
+        the workers in one read, and so in one engine step, instead of trickling in one round trip apart."""
+        future = asyncio.get_running_loop().create_future()
+        self._outgoing.append((entries, meta, future))
+        if len(self._outgoing) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+        await future
+
+    def _flush(self) -> None:
+        batch, self._outgoing = self._outgoing, []
+        self._spawn(self._send(batch))
+
+    async def _send(self, batch: list) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for entries, (meta_key, n), _future in batch:
+            for stream, fields in entries:
+                pipe.xadd(stream, fields, maxlen=REQUEST_STREAM_MAXLEN, approximate=True)
+            pipe.set(meta_key, n, ex=self.settings.output_ttl_s)
+        pipe.xadd(self.router.wake_key, {b"w": b"1"}, maxlen=64, approximate=True)
+        try:
+            await pipe.execute()
+        except Exception as exc:
+            for *_, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for *_, future in batch:
+            if not future.done():
+                future.set_result(None)
 
     def first_token(self, rs: ResultStream) -> None:
         self.waiting -= 1
