@@ -236,9 +236,21 @@ def varlen_causal_attention(
 ) -> torch.Tensor:
     """Causal attention of packed fresh prompts (no cached prefix): sequence b is rows
     ``cu_seqlens[b]:cu_seqlens[b+1]`` of ``q: (T, Hq, D)`` and ``k, v: (T, Hk, D)``. ``cu_seqlens`` is a host
-    list so no device sync is needed to slice."""
-    out = torch.empty_like(q)
+    list so no device sync is needed to slice.
+
+    On a GPU with several sequences, one jagged (nested-tensor) SDPA call runs them all through FlashAttention
+    instead of one launch sequence per prompt (the loop cost ~150 µs a prompt per layer on the H200's host)."""
     group = q.shape[1] // k.shape[1]
+    if q.is_cuda and len(cu_seqlens) > 2:
+        offsets = torch.tensor(cu_seqlens, device=q.device, dtype=torch.int64)
+
+        def jagged(x):
+            return torch.nested.nested_tensor_from_jagged(x, offsets).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(jagged(q), jagged(k.repeat_interleave(group, dim=1)),
+                                             jagged(v.repeat_interleave(group, dim=1)), is_causal=True, scale=scale)
+        return out.transpose(1, 2).values()
+    out = torch.empty_like(q)
     for s, e in itertools.pairwise(cu_seqlens):
         if e > s:
             out[s:e] = causal_attention(q[s:e], k[s:e], v[s:e], scale, group)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -163,7 +164,23 @@ def offline_sweep(weights, report):
 
     prompts, outs = nanovllm()
     sweep = []
-    for steps in (8, 16, 1):
+    # The jagged FlashAttention prefill against the per-prompt loop, on a packed batch of real lengths.
+    from kernellab.runtime import ops
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    lens = [len(p) for p in prompts[:12]]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    q = torch.randn(cu[-1], 16, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+    k = torch.randn(cu[-1], 8, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+    v = torch.randn(cu[-1], 8, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+    loop = torch.cat([ops.causal_attention(q[s:e], k[s:e], v[s:e], 128**-0.5, 2) for s, e in itertools.pairwise(cu)])
+    jag = ops.varlen_causal_attention(q, k, v, cu, 128**-0.5)
+    err = float((jag.float() - loop.float()).norm() / loop.float().norm())
+    report["varlen_jagged_vs_loop_rel_err"] = err
+    log(f"varlen jagged vs loop: rel err {err:.2e}")
+    for steps in (8,):
         eng = engine(weights, max_num_seqs=256, num_kv_blocks=None, num_scheduler_steps=steps)
         eng.add_request("w", prompts[0][:32], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         while eng.has_unfinished_requests():
@@ -179,7 +196,7 @@ def offline_sweep(weights, report):
             decode_only = not eng.scheduler.waiting and all(
                 s.num_computed_tokens == s.num_tokens - 1 for s in eng.scheduler.running)
             ts = time.perf_counter()
-            if profiled is None and decode_only and running >= 200 and steps == 16:
+            if profiled is None and decode_only and running >= 200:
                 with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     got = sum(len(o.new_token_ids) for o in eng.step())
                 rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:10]
