@@ -52,7 +52,7 @@ class Gateway:
         self.settings = settings
         self.tokenizer = tokenizer
         self.model = served_model
-        self.max_model_len = max_model_len
+        self._max_model_len = max_model_len  # 0: unknown (a hub id outside the registry) until workers report
         self.keys = Keys(settings.key_prefix, served_model)
         self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.metrics = metrics or GatewayMetrics(served_model)
@@ -68,6 +68,14 @@ class Gateway:
         self._tasks: set[asyncio.Task] = set()
         self._outgoing: list = []  # (entries, meta, future) waiting for this loop turn's pipeline
         self._poller: asyncio.Task | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        """The context requests are checked against: the configured one, lowered to what live workers serve
+        (a worker started with a shorter context must reject nothing the gateway let through)."""
+        served = [w.max_model_len for w in self.live_workers if w.max_model_len]
+        limits = [x for x in (self._max_model_len, min(served, default=0)) if x]
+        return min(limits) if limits else 1 << 30  # unknown: the worker checks
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:

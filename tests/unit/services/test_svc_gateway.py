@@ -182,3 +182,18 @@ def test_gateway_never_imports_torch(redis_url, prefix):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False False"
+
+
+def test_context_limit_follows_what_live_workers_serve(redis_url, prefix, tokenizer):
+    from kernellab.services.gateway.state import Gateway
+    from kernellab.services.queue.protocol import Heartbeat
+
+    def gateway(configured, *worker_lens):
+        g = Gateway(gateway_settings(redis_url, prefix), tokenizer, MODEL, configured)
+        g.live_workers = [Heartbeat(f"w{i}", MODEL, 0.0, max_model_len=n) for i, n in enumerate(worker_lens)]
+        return g
+
+    assert gateway(8192).max_model_len == 8192
+    assert gateway(8192, 4096, 0).max_model_len == 4096  # a worker started with a shorter context
+    assert gateway(0, 2048, 4096).max_model_len == 2048  # a hub id the registry does not know
+    assert gateway(0).max_model_len == 1 << 30  # unknown: the worker checks
