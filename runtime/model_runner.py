@@ -48,6 +48,10 @@ class ModelRunner:
         self.block_size = cfg.block_size
         self.max_model_len = max_model_len
         torch.manual_seed(cfg.seed)
+        if device.type == "cuda":
+            # cuDNN's SDPA builds an execution plan for every new (batch, length) shape: seconds over a run whose
+            # prefill shapes all differ. FlashAttention has no per-shape setup.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         cos_sin = torch_ops.rope_cos_sin_cache(
             model_cfg.head_dim, max(max_model_len, 1), model_cfg.rope_theta, model_cfg.rope_scaling, device=device
         )
