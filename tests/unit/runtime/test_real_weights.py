@@ -70,3 +70,34 @@ def _all_position_argmax(llm, seq):
         return engine.runner.model.compute_logits(hidden).argmax(-1)
     finally:
         engine.abort("tf")
+
+
+@pytest.mark.triton
+def test_triton_path_under_the_interpreter_agrees_with_transformers(hf_smol):
+    """The real-weights gate with every Triton kernel enabled (TRITON_INTERPRET=1 on the CPU). The interpreter
+    runs ~0.2-0.5 s per token here, so CI checks 256 positions; KERNELLAB_TRITON_GATE_TOKENS=2048 runs the
+    full-size gate (≈ 15 min)."""
+    import os
+
+    from kernellab.kernels.testing import patch_interpreter
+    from kernellab.runtime.engine import LLM
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.fail("run with TRITON_INTERPRET=1 (the Makefile's test target sets it)")
+    patch_interpreter()
+    llm = LLM("smollm2-135m", device="cpu", dtype="float32", backend="triton", kernels="experimental",
+              num_kv_blocks=64)
+    assert {"add_rms_norm", "rotary_embedding", "store_kv", "silu_and_mul"} <= set(llm.engine.runner.model.ops.enabled)
+    budget = int(os.environ.get("KERNELLAB_TRITON_GATE_TOKENS", "256"))
+    agree = total = 0
+    for prompt in SMOL_PROMPTS:
+        if total >= budget:
+            break
+        ids = _chat_ids(llm, prompt)[-min(64, budget - total):]
+        ours = _all_position_argmax(llm, ids)
+        with torch.no_grad():
+            ref = hf_smol(torch.tensor([ids])).logits[0].argmax(-1)
+        agree += int((ours == ref).sum())
+        total += len(ids)
+    assert total >= budget
+    assert agree / total >= 0.995, f"Triton-path argmax agreement {agree / total:.4%} over {total} positions"
