@@ -167,12 +167,7 @@ class LLMEngine:
         for (seq, _), token in zip(out.scheduled, sampled, strict=True):
             if token is None:
                 continue
-            self.generation_tokens += 1
-            detok = self._detokenizers.get(seq.request_id)
-            if detok is not None and not seq.is_finished:
-                detok.push([token])
-                if detok.stopped:
-                    self.scheduler.finish_by_stop_string(seq, detok.stop_reason)
+            self._check_stop_strings(seq, token)
             lp = logprobs.get(seq.request_id)
             results.append(self._output(seq, [token], [lp] if lp else None))
         return results
@@ -210,16 +205,25 @@ class LLMEngine:
             sub = SchedulerOutput(scheduled=[(seqs[i], 1) for i in rows])
             self.scheduler.postprocess(sub, [tokens[k][i] for i in rows])
             for i in rows:
-                seq, token = seqs[i], tokens[k][i]
-                new[i].append(token)
-                self.generation_tokens += 1
-                detok = self._detokenizers.get(seq.request_id)
-                if detok is not None and not seq.is_finished:
-                    detok.push([token])
-                    if detok.stopped:
-                        self.scheduler.finish_by_stop_string(seq, detok.stop_reason)
+                new[i].append(tokens[k][i])
+                self._check_stop_strings(seqs[i], tokens[k][i])
             alive = [i for i in rows if not seqs[i].is_finished]
         return [self._output(seqs[i], new[i], None) for i in range(len(seqs))]
+
+    def _check_stop_strings(self, seq: Sequence, token: int) -> None:
+        """Count the token and run the request's stop strings over it. A stop string completed by the last
+        allowed token still reports "stop" (the text was cut), not "length"."""
+        self.generation_tokens += 1
+        detok = self._detokenizers.get(seq.request_id)
+        if detok is None or (seq.is_finished and seq.finish_reason != "length"):
+            return
+        detok.push([token])
+        if not detok.stopped:
+            return
+        if seq.is_finished:
+            seq.finish_reason, seq.stop_reason = "stop", detok.stop_reason
+        else:
+            self.scheduler.finish_by_stop_string(seq, detok.stop_reason)
 
     def _output(self, seq: Sequence, tokens: list[int], logprobs) -> RequestOutput:
         if seq.is_finished:

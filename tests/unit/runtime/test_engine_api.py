@@ -127,3 +127,17 @@ def test_unknown_model_is_a_clear_error():
         resolve_model("gpt-17")
     with pytest.raises(UnknownModelError):
         resolve_model("")
+
+
+def test_stop_string_on_the_last_allowed_token_reports_stop(smol_engine_fp32):
+    from kernellab.runtime.sampling import SamplingParams as SP
+
+    llm = smol_engine_fp32
+    prompt = [{"role": "user", "content": "What is the capital of France?"}]
+    free = llm.generate([prompt], SP(temperature=0.0, max_tokens=8))[0]
+    # The last token that carries text: cap max_tokens right there and stop on that text.
+    n = max(i + 1 for i, t in enumerate(free.token_ids) if llm.tokenizer.decode([t]).strip())
+    last_piece = llm.tokenizer.decode(free.token_ids[n - 1 : n]).strip()
+    out = llm.generate([prompt], SP(temperature=0.0, max_tokens=n, stop=[last_piece]))[0]
+    assert out.finish_reason == "stop"
+    assert last_piece not in out.text
