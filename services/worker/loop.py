@@ -75,6 +75,8 @@ class Worker:
         self.stopped = threading.Event()
         self._stats = engine.stats()
         self.loop_error: BaseException | None = None
+        self.integrity = "unchecked"  # engine.check_integrity() when last idle: "ok" or what it found
+        self._integrity_at = 0.0
 
     # ----------------------------------------------------------------- public
     def heartbeat(self) -> Heartbeat:
@@ -86,9 +88,13 @@ class Worker:
     def health(self) -> dict:
         ok = self.loop_error is None and not self.stopped.is_set()
         st = self._stats
+        total, free = getattr(st, "num_total_blocks", None), getattr(st, "num_free_blocks", None)
         return {"status": "ok" if ok else "failed", "worker_id": self.worker_id, "model": self.model_name,
                 "redis": self.io.redis_ok.is_set(), "draining": self.draining.is_set(),
-                "running": st.num_running, "waiting": st.num_waiting, "kv_cache_usage": st.kv_cache_usage}
+                "running": st.num_running, "waiting": st.num_waiting, "kv_cache_usage": st.kv_cache_usage,
+                # Leak checks (tests, `kernellab stress`): once idle, used blocks and active requests must be 0.
+                "kv_blocks_total": total, "kv_blocks_used": None if total is None or free is None else total - free,
+                "active": len(self.active), "held": self.io.holdings.count(), "integrity": self.integrity}
 
     def drain(self) -> None:
         """Stop taking requests; the loop finishes what it has (up to drain_timeout_s) and returns."""
@@ -126,6 +132,7 @@ class Worker:
                     return
             if not self.engine.has_unfinished_requests():
                 self._refresh_stats()
+                self._check_integrity()
                 continue
             outputs = self.engine.step()
             self._emit(outputs)
@@ -134,6 +141,20 @@ class Worker:
     def _refresh_stats(self) -> None:
         self._stats = self.engine.stats()
         self.metrics.update_from_stats(self._stats)
+
+    def _check_integrity(self) -> None:
+        """Idle: the engine's own consistency check (ref counts, free queue, hash index), at most once a second."""
+        check = getattr(self.engine, "check_integrity", None)
+        if check is None or time.monotonic() - self._integrity_at < 1.0:
+            return
+        self._integrity_at = time.monotonic()
+        try:
+            check()
+            self.integrity = "ok"
+        except AssertionError as exc:
+            if self.integrity != str(exc):
+                log.error("engine integrity check failed: %s", exc)
+            self.integrity = str(exc)
 
     def _drain_inbox(self, block: bool) -> None:
         batch = WriteBatch()
