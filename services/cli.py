@@ -23,7 +23,7 @@ def _register() -> None:
     except ImportError as exc:  # pragma: no cover - only while the stack module is absent
         if "cli_stack" not in str(exc):
             raise
-    from kernellab.services import cli_batch  # noqa: F401
+    from kernellab.services import cli_batch, cli_stress  # noqa: F401
 
 
 _register()
