@@ -25,10 +25,9 @@ from kernellab.services.batch.settings import BatchSettings, window_seconds
 log = logging.getLogger("kernellab.batch")
 
 TASK_NAME = "kernellab.batch.run"
-RESTORE_INTERVAL_S = 10  # how often an idle worker looks for messages whose visibility timeout passed
 
 
-def make_celery(settings: BatchSettings, *, restore_interval_s: float = RESTORE_INTERVAL_S) -> Celery:
+def make_celery(settings: BatchSettings) -> Celery:
     app = Celery("kernellab.batch", broker=settings.broker_url, backend=settings.broker_url, set_as_current=False)
     app.conf.update(
         task_acks_late=True,
@@ -41,7 +40,8 @@ def make_celery(settings: BatchSettings, *, restore_interval_s: float = RESTORE_
         broker_transport_options={
             "visibility_timeout": settings.visibility_timeout_s,
             "global_keyprefix": settings.celery_prefix,
-            "unacked_restore_interval": restore_interval_s,
+            # An idle worker scans for messages past their visibility timeout this often (not every 10th time).
+            "unacked_restore_interval": settings.batch_restore_interval_s,
             "unacked_restore_throttle": 1,
         },
         result_backend_transport_options={"global_keyprefix": settings.celery_prefix},

@@ -40,6 +40,7 @@ class BatchSettings(StackSettings):
     # them, but wasted); the default is the longest window plus an hour.
     batch_visibility_timeout_s: float | None = Field(None, gt=0)
     batch_lease_ttl_s: float = Field(30.0, gt=0)  # a batch's owner renews its lease every third of this
+    batch_restore_interval_s: float = Field(10.0, gt=0)  # how often an idle worker looks for expired messages
     max_model_len: int | None = None  # None: the registry's context length, as the gateway
     max_n: int = Field(16, ge=1)
 
