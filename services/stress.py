@@ -91,12 +91,13 @@ class LocalStack:
         self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", KERNELLAB_REDIS_URL=self.redis_url, KERNELLAB_MODEL=MODEL,
                         KERNELLAB_KEY_PREFIX=f"kls-{uuid.uuid4().hex[:8]}:", KERNELLAB_API_KEYS=api_key,
-                        KERNELLAB_API_KEY_FILE="", KERNELLAB_METRICS_HOST="127.0.0.1",
+                        KERNELLAB_API_KEY_FILE="",
                         KERNELLAB_HEARTBEAT_INTERVAL_S="0.5", KERNELLAB_WORKER_DEAD_AFTER_S="2.5",
                         KERNELLAB_DEVICE="cpu", KERNELLAB_DTYPE="float32", KERNELLAB_NUM_KV_BLOCKS="512",
                         KERNELLAB_MAX_NUM_SEQS="32", KERNELLAB_DRAIN_TIMEOUT_S="20",
                         KERNELLAB_MAX_WAITING=str(max_waiting), KERNELLAB_FILES_DIR=str(self.workdir / "files"))
         self.env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+        self.env.pop("KERNELLAB_METRICS_HOST", None)  # the default (127.0.0.1), which the security tests check
         self.env.update(env or {})
         self.procs: dict[str, subprocess.Popen] = {}
         self.redis_binary = shutil.which("redis-server")
