@@ -8,6 +8,7 @@ object; bad input is always 4xx.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -118,10 +119,13 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
         return JSONResponse(KernellabError(f"internal error: {type(exc).__name__}").to_openai(), status_code=500)
 
     # ----------------------------------------------------------------- helpers
-    def check_auth(request: Request) -> None:
+    def check_auth(request: Request) -> str:
+        """The caller's tenant: a digest of its API key ("" without keys), also left in ``request.state.tenant``
+        for the batch routes. Requests, files and batches belong to the tenant that created them."""
+        request.state.tenant = ""
         keys = gw().api_keys
         if not keys:
-            return
+            return ""
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token:
@@ -129,6 +133,8 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
         token = token.strip()
         if not any(hmac.compare_digest(token.encode(), k.encode()) for k in keys):
             raise Unauthorized("incorrect API key provided")
+        request.state.tenant = hashlib.sha256(token.encode()).hexdigest()[:32]
+        return request.state.tenant
 
     app.include_router(create_batch_router(settings), dependencies=[Depends(check_auth)])
 
@@ -166,9 +172,14 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/ready")
-    async def ready():
+    async def ready(request: Request):
+        """The status code is for probes (no key needed); the details only for a key holder."""
         ok, why = gw().ready()
-        body = {"status": why, "model": spec.name, "workers": len(gw().live_workers)}
+        try:
+            check_auth(request)
+            body = {"status": why, "model": spec.name, "workers": len(gw().live_workers)}
+        except Unauthorized:
+            body = {"status": "ready" if ok else "not ready"}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
@@ -180,8 +191,8 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
 
     @app.post("/v1/requests/{request_id}/cancel")
     async def cancel(request_id: str, request: Request):
-        check_auth(request)
-        if not await gw().cancel_by_id(request_id):
+        tenant = check_auth(request)
+        if not await gw().cancel_by_id(request_id, tenant):  # another tenant's request: as if unknown
             raise NotFound(f"no request {request_id!r} (unknown or expired)", code="not_found")
         return {"id": request_id, "object": "request.cancel", "cancelled": True}
 
@@ -195,7 +206,7 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
 
     async def generate(kind: str, request: Request):
         started = time.perf_counter()
-        check_auth(request)
+        tenant = check_auth(request)
         g = gw()
         if g.draining:
             raise ServiceUnavailable("the gateway is shutting down", code="draining")
@@ -207,7 +218,7 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
             p = await asyncio.to_thread(prepare, *args, **kwargs)
         else:
             p = prepare(*args, **kwargs)
-        rs = await g.submit(p, started)
+        rs = await g.submit(p, started, owner=tenant)
         watcher = asyncio.ensure_future(until_disconnect(request))
         handed_over = False
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
 import socket
@@ -143,7 +144,8 @@ class Gateway:
         return True, "ready"
 
     # ----------------------------------------------------------------- requests
-    async def submit(self, p: Prepared, started: float) -> ResultStream:
+    async def submit(self, p: Prepared, started: float, owner: str = "") -> ResultStream:
+        """``owner``: the tenant (API-key digest) allowed to cancel it by id; "" without keys."""
         if self.draining:
             raise ServiceUnavailable("the gateway is shutting down", code="draining")
         if not self.live_workers:
@@ -162,7 +164,7 @@ class Gateway:
         self.waiting += 1  # counted before the await, so a burst cannot slip past max_waiting
         self.in_flight += 1
         try:
-            await self._enqueue(entries, (self.keys.meta(p.request_id), len(p.choices)))
+            await self._enqueue(entries, (self.keys.meta(p.request_id), f"{len(p.choices)}:{owner}"))
         except BaseException as exc:
             self.waiting -= 1
             self.in_flight -= 1
@@ -230,13 +232,17 @@ class Gateway:
         except REDIS_DOWN as exc:
             log.warning("could not send cancel for %s: %s", msg.request_id, exc)
 
-    async def cancel_by_id(self, request_id: str) -> bool:
-        """POST /v1/requests/{id}/cancel: any gateway can cancel any request it can find in Redis."""
+    async def cancel_by_id(self, request_id: str, owner: str = "") -> bool:
+        """POST /v1/requests/{id}/cancel: any gateway can cancel a request it finds in Redis, for its owner only
+        (another tenant's request is reported as unknown, so its existence does not leak either)."""
         try:
-            exists = await self.redis.exists(self.keys.meta(request_id))
+            meta = await self.redis.get(self.keys.meta(request_id))
         except REDIS_DOWN as exc:
             raise ServiceUnavailable(f"the request queue is unavailable: {exc}", code="queue_unavailable") from None
-        if not exists:
+        if meta is None:
+            return False
+        _n, _, stored_owner = (meta.decode() if isinstance(meta, bytes) else str(meta)).partition(":")
+        if not hmac.compare_digest(stored_owner.encode(), owner.encode()):
             return False
         await self._send_cancel(CancelMessage(request_id, None, "api"))
         self.metrics.cancels.labels("api").inc()

@@ -30,7 +30,8 @@ class Keys:
         return f"{self.prefix}out:{engine_id}"
 
     def meta(self, request_id: str) -> str:
-        """How many choices a request has, so any gateway can cancel it."""
+        """``{choices}:{owner}`` of a request (owner: its tenant's API-key digest, "" without keys), so any
+        gateway can cancel it for its owner."""
         return f"{self.prefix}meta:{request_id}"
 
     @property

@@ -143,7 +143,7 @@ class Stack:
         return True
 
     def ready(self, workers: int = 1) -> bool:
-        resp = httpx.get(f"{self.url}/ready", timeout=2)
+        resp = httpx.get(f"{self.url}/ready", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=2)
         return resp.status_code == 200 and resp.json()["workers"] >= workers
 
     def worker_metrics(self, i: int) -> dict[str, float]:

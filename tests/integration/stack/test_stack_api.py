@@ -40,7 +40,7 @@ def reference(offline_llm):
 def test_models_health_ready(stack, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{stack.url}/health").json() == {"status": "ok"}
-    assert httpx.get(f"{stack.url}/ready").json()["workers"] == 2
+    assert httpx.get(f"{stack.url}/ready", headers={"Authorization": f"Bearer {API_KEY}"}).json()["workers"] == 2
 
 
 def test_chat_greedy_equals_offline_stream_and_not(client, reference):

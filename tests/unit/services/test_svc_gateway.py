@@ -161,8 +161,9 @@ def test_backpressure_is_429_with_retry_after(redis_url, prefix, tokenizer, work
 
 def test_not_ready_without_workers(redis_url, prefix, tokenizer):
     with TestClient(create_app(gateway_settings(redis_url, prefix), tokenizer=tokenizer)) as c:
-        resp = c.get("/ready")
+        resp = c.get("/ready", headers=AUTH)  # the reason is a detail: key holders only
         assert resp.status_code == 503 and "no live worker" in resp.json()["status"]
+        assert c.get("/ready").json() == {"status": "not ready"}
         resp = c.post("/v1/completions", headers=AUTH, json={"model": MODEL, "prompt": "x", "max_tokens": 1})
         is_openai_error(resp, 503, "no_worker")
 
