@@ -17,6 +17,7 @@ runs on a Celery worker (``kernellab batch-worker``).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -29,7 +30,7 @@ from kernellab.runtime.errors import InvalidRequestError, KernellabError
 from kernellab.services.batch.files import FileStore, FileTooLarge
 from kernellab.services.batch.lines import ENDPOINTS
 from kernellab.services.batch.settings import BatchSettings, window_seconds
-from kernellab.services.batch.store import BatchStore, new_batch_id
+from kernellab.services.batch.store import BatchStore, new_batch_id, to_openai
 from kernellab.services.config import StackSettings
 from kernellab.services.gateway.errors import NotFound, ServiceUnavailable
 from kernellab.services.gateway.router import REDIS_DOWN
@@ -59,6 +60,23 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
         if len(key) > 64 or len(value) > 512:
             raise InvalidRequestError("metadata keys are at most 64 characters, values at most 512",
                                       param="metadata")
+
+
+def _tenant(request: Request) -> str:
+    """The caller's API-key digest, set by the gateway's auth dependency ("" without keys)."""
+    return getattr(request.state, "tenant", "")
+
+
+def _owned(meta: dict | None, request: Request) -> dict | None:
+    """``meta`` (a file or batch's stored fields) when the caller owns it, else None: another tenant's file
+    or batch is answered exactly like one that does not exist."""
+    if meta is None or not hmac.compare_digest(str(meta.get("owner", "")).encode(), _tenant(request).encode()):
+        return None
+    return meta
+
+
+def _public_file(meta: dict) -> dict:
+    return {k: v for k, v in meta.items() if k != "owner"}
 
 
 def batch_settings(stack: StackSettings) -> BatchSettings:
@@ -138,35 +156,35 @@ def create_batch_router(stack: StackSettings, settings: BatchSettings | None = N
             upload = form.get("file")
             if upload is None or isinstance(upload, str):
                 raise InvalidRequestError("the form has no 'file' part", param="file")
-            return await asyncio.to_thread(files.save_upload, upload.file, upload.filename or "input.jsonl",
-                                           max_bytes=settings.batch_max_file_bytes,
-                                           max_lines=settings.batch_max_lines)
+            return _public_file(await asyncio.to_thread(
+                files.save_upload, upload.file, upload.filename or "input.jsonl",
+                max_bytes=settings.batch_max_file_bytes, max_lines=settings.batch_max_lines, owner=_tenant(request)))
         finally:
             await form.close()
 
     @router.get("/v1/files/{file_id}")
-    async def get_file(file_id: str):
-        meta = files.get(file_id)
+    async def get_file(file_id: str, request: Request):
+        meta = _owned(files.get(file_id), request)
         if meta is None:
             raise NotFound(f"no file {file_id!r}", param="file_id", code="not_found")
-        return meta
+        return _public_file(meta)
 
     @router.get("/v1/files/{file_id}/content")
-    async def file_content(file_id: str):
-        path = files.content_path(file_id)
+    async def file_content(file_id: str, request: Request):
+        path = files.content_path(file_id) if _owned(files.get(file_id), request) else None
         if path is None:
             raise NotFound(f"no file {file_id!r}", param="file_id", code="not_found")
         return FileResponse(path, media_type="application/jsonl")
 
     @router.delete("/v1/files/{file_id}")
-    async def delete_file(file_id: str):
-        if not await asyncio.to_thread(files.delete, file_id):
+    async def delete_file(file_id: str, request: Request):
+        if _owned(files.get(file_id), request) is None or not await asyncio.to_thread(files.delete, file_id):
             raise NotFound(f"no file {file_id!r}", param="file_id", code="not_found")
         return {"id": file_id, "object": "file", "deleted": True}
 
     # ----------------------------------------------------------------- batches
     @router.post("/v1/batches")
-    async def create_batch(body: CreateBatch):
+    async def create_batch(body: CreateBatch, request: Request):
         if body.endpoint not in ENDPOINTS:
             raise InvalidRequestError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {body.endpoint!r}",
                                       param="endpoint")
@@ -174,7 +192,7 @@ def create_batch_router(stack: StackSettings, settings: BatchSettings | None = N
             raise InvalidRequestError(f"completion_window must be one of {', '.join(settings.completion_windows)}",
                                       param="completion_window")
         _check_metadata(body.metadata)
-        meta = files.get(body.input_file_id)
+        meta = _owned(files.get(body.input_file_id), request)
         if meta is None:
             raise InvalidRequestError(f"no file {body.input_file_id!r}", param="input_file_id")
         if meta.get("purpose") != "batch":
@@ -184,7 +202,7 @@ def create_batch_router(stack: StackSettings, settings: BatchSettings | None = N
         batch = await redis_call(store().create(
             batch_id, endpoint=body.endpoint, input_file_id=body.input_file_id,
             completion_window=body.completion_window, expires_in_s=window_seconds(body.completion_window),
-            metadata=body.metadata, model=settings.model))
+            metadata=body.metadata, model=settings.model, owner=_tenant(request)))
         try:
             await asyncio.to_thread(enqueue, batch_id)
         except Exception as exc:
@@ -195,20 +213,22 @@ def create_batch_router(stack: StackSettings, settings: BatchSettings | None = N
         return batch
 
     @router.get("/v1/batches")
-    async def list_batches(after: str | None = None, limit: int = Query(20, ge=1, le=100)):
-        data, more = await redis_call(store().list(after, limit))
+    async def list_batches(request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)):
+        data, more = await redis_call(store().list(after, limit, owner=_tenant(request)))
         return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None, "has_more": more}
 
     @router.get("/v1/batches/{batch_id}")
-    async def get_batch(batch_id: str):
-        batch = await redis_call(store().get(batch_id))
-        if batch is None:
+    async def get_batch(batch_id: str, request: Request):
+        fields = _owned(await redis_call(store().fields(batch_id)), request)
+        if fields is None:
             raise NotFound(f"no batch {batch_id!r}", param="batch_id", code="not_found")
-        return batch
+        return to_openai(fields)
 
     @router.post("/v1/batches/{batch_id}/cancel")
-    async def cancel_batch(batch_id: str):
+    async def cancel_batch(batch_id: str, request: Request):
+        if _owned(await redis_call(store().fields(batch_id)), request) is None:
+            raise NotFound(f"no batch {batch_id!r}", param="batch_id", code="not_found")
         done, previous = await redis_call(store().transition(batch_id, ("validating", "in_progress"), "cancelling",
                                                              cancelling_at=int(time.time())))
         if not done and previous == "":

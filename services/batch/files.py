@@ -1,6 +1,7 @@
 """Files of the batch API on a directory shared by the gateway and the batch workers (a compose volume).
 
-Layout: ``{dir}/{file_id}.jsonl`` (the content) and ``{dir}/{file_id}.json`` (the OpenAI file object).
+Layout: ``{dir}/{file_id}.jsonl`` (the content) and ``{dir}/{file_id}.json`` (the OpenAI file object, plus
+``owner``: the uploading tenant's API-key digest, which the API checks and never returns).
 A file exists once its metadata exists: content is written first (temp name, fsync, rename) and the
 metadata last; a delete removes the metadata first. So a reader never sees a file without its content,
 and a crash leaves at worst an orphan content file, never a half-written one.
@@ -68,15 +69,16 @@ class FileStore:
                 tmp.unlink()
         return size
 
-    def _publish(self, file_id: str, filename: str, purpose: str, size: int, created_at: int | None = None) -> dict:
+    def _publish(self, file_id: str, filename: str, purpose: str, size: int, created_at: int | None = None,
+                 owner: str = "") -> dict:
         meta = {"id": file_id, "object": "file", "bytes": size, "created_at": created_at or int(time.time()),
                 "filename": filename, "purpose": purpose, "status": "processed", "expires_at": None,
-                "status_details": None}
+                "status_details": None, "owner": owner}
         self._write_atomic(self._meta(file_id), [json.dumps(meta).encode()])
         return meta
 
     # ----------------------------------------------------------------- writes
-    def save_upload(self, src: BinaryIO, filename: str, *, max_bytes: int, max_lines: int) -> dict:
+    def save_upload(self, src: BinaryIO, filename: str, *, max_bytes: int, max_lines: int, owner: str = "") -> dict:
         """An uploaded batch input: UTF-8 JSONL within the size and line-count limits (blank lines do not
         count). Line contents are checked later, per line, by the batch (bad lines go to its error file)."""
         decoder = codecs.getincrementaldecoder("utf-8")()
@@ -116,12 +118,12 @@ class FileStore:
         if lines == 0:
             self._content(file_id).unlink()
             raise InvalidRequestError("the file has no requests (it is empty)", param="file")
-        return self._publish(file_id, filename, "batch", written)
+        return self._publish(file_id, filename, "batch", written, owner=owner)
 
-    def save_output(self, file_id: str, filename: str, lines: Iterable[str]) -> dict:
+    def save_output(self, file_id: str, filename: str, lines: Iterable[str], owner: str = "") -> dict:
         """A batch's output or error file (``purpose: batch_output``); idempotent for a given id and lines."""
         size = self._write_atomic(self._content(file_id), (f"{line}\n".encode() for line in lines))
-        return self._publish(file_id, filename, "batch_output", size)
+        return self._publish(file_id, filename, "batch_output", size, owner=owner)
 
     def delete(self, file_id: str) -> bool:
         if not valid_file_id(file_id):

@@ -217,10 +217,12 @@ class BatchJob:
         out_id = err_id = None
         if ok_lines:
             out_id = output_file_id(batch_id, "output")
-            await asyncio.to_thread(self.files.save_output, out_id, f"{batch_id}_output.jsonl", ok_lines)
+            await asyncio.to_thread(self.files.save_output, out_id, f"{batch_id}_output.jsonl", ok_lines,
+                                    owner=fields.get("owner", ""))
         if error_lines:
             err_id = output_file_id(batch_id, "error")
-            await asyncio.to_thread(self.files.save_output, err_id, f"{batch_id}_error.jsonl", error_lines)
+            await asyncio.to_thread(self.files.save_output, err_id, f"{batch_id}_error.jsonl", error_lines,
+                                    owner=fields.get("owner", ""))
         now = int(time.time())
         ok, status = await self.store.transition(
             batch_id, allowed, final, delete_progress=True, output_file_id=out_id, error_file_id=err_id,

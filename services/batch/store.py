@@ -120,11 +120,11 @@ class BatchStore:
 
     # ----------------------------------------------------------------- objects
     async def create(self, batch_id: str, *, endpoint: str, input_file_id: str, completion_window: str,
-                     expires_in_s: int, metadata: dict | None, model: str) -> dict:
+                     expires_in_s: int, metadata: dict | None, model: str, owner: str = "") -> dict:
         now = int(time.time())
         fields = {"id": batch_id, "endpoint": endpoint, "input_file_id": input_file_id, "model": model,
                   "completion_window": completion_window, "status": "validating", "created_at": now,
-                  "expires_at": now + expires_in_s, "total": 0, "completed": 0, "failed": 0}
+                  "expires_at": now + expires_in_s, "total": 0, "completed": 0, "failed": 0, "owner": owner}
         if metadata:
             fields["metadata"] = json.dumps(metadata)
         pipe = self.r.pipeline(transaction=True)
@@ -152,22 +152,28 @@ class BatchStore:
         value = await self.r.hget(self.key(batch_id), "status")
         return _s(value) if value is not None else None
 
-    async def list(self, after: str | None, limit: int) -> tuple[list[dict], bool]:
-        """Newest first, ``limit`` batches after the one with id ``after``; and whether more follow."""
+    async def list(self, after: str | None, limit: int, owner: str | None = None) -> tuple[list[dict], bool]:
+        """Newest first, ``limit`` batches after the one with id ``after`` (only ``owner``'s when given); and
+        whether more follow."""
         start = 0
         if after:
             rank = await self.r.zrevrank(self.index_key, after)
             if rank is None:
                 return [], False
             start = rank + 1
-        ids = await self.r.zrange(self.index_key, start, start + limit, desc=True)
-        more = len(ids) > limit
-        out = []
-        for batch_id in ids[:limit]:
-            b = await self.get(_s(batch_id))
-            if b is not None:
-                out.append(b)
-        return out, more
+        out: list[dict] = []
+        while True:
+            ids = await self.r.zrange(self.index_key, start, start + 4 * limit, desc=True)
+            if not ids:
+                return out, False
+            start += len(ids)
+            for batch_id in ids:
+                fields = await self.fields(_s(batch_id))
+                if fields is None or (owner is not None and fields.get("owner", "") != owner):
+                    continue
+                if len(out) == limit:
+                    return out, True
+                out.append(to_openai(fields))
 
     async def transition(self, batch_id: str, allowed: tuple[str, ...] | list[str], new: str, *,
                          delete_progress: bool = False, **fields) -> tuple[bool, str]:
