@@ -149,9 +149,12 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
             if len(body) > limit:
                 raise PayloadTooLarge(limit)
         try:
-            return json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise InvalidRequestError(f"the body is not valid JSON: {exc}") from None
+            data = json.loads(body)
+            if b"\\u" in body:  # only escapes can make lone surrogates, which no tokenizer or encoder accepts
+                json.dumps(data, ensure_ascii=False).encode()
+            return data
+        except (ValueError, RecursionError) as exc:  # ValueError covers UnicodeDecode/EncodeError
+            raise InvalidRequestError(f"the body is not valid JSON text: {type(exc).__name__}: {exc}") from None
 
     async def until_disconnect(request: Request) -> None:
         while (await request.receive())["type"] != "http.disconnect":
