@@ -20,6 +20,16 @@ from reliability_helpers import KEY, OTHER
 from kernellab.services.stress import LocalStack
 
 
+def pytest_collection_modifyitems(items):
+    """Faults last: they restart the stack's processes, so the tests that need a calm stack come first."""
+    here = Path(__file__).parent
+    mine = [i for i in items if Path(str(i.fspath)).parent == here]
+    if mine:
+        start = items.index(mine[0])
+        faults = [i for i in mine if Path(str(i.fspath)).name == "test_faults.py"]
+        items[start:start + len(mine)] = [i for i in mine if i not in faults] + faults
+
+
 @pytest.fixture(scope="package")
 def rstack(tmp_path_factory):
     if shutil.which("redis-server") is None:
