@@ -807,6 +807,7 @@ def run_scenario(stack: LocalStack, scenario: str, *, requests: int, concurrency
     run = LoadRun(stack, plans, concurrency=concurrency, retries=0 if mixed else 8, guard_s=guard_s,
                   time_limit_s=time_limit_s)
     load_before = os.getloadavg()
+    finishes_before = _finishes(stack) if scenario == "worker-pause" else None
     events = asyncio.run(_scenario(stack, scenario, run, fault_kwargs or {}))
     for name in [n for n, p in stack.procs.items() if n.startswith("worker") and p.poll() is None]:
         with contextlib.suppress(ProcessLookupError):
@@ -819,7 +820,19 @@ def run_scenario(stack: LocalStack, scenario: str, *, requests: int, concurrency
               "command": command,
               # The machine is shared: its load average before and after says how quiet the run was.
               "load_average": [round(x, 2) for x in (*load_before, *os.getloadavg())]}
-    return summarize(scenario, run, events, idle, config)
+    report = summarize(scenario, run, events, idle, config)
+    if finishes_before is not None and report["faults"]:
+        # Each completed request finishes once on some worker; more finishes mean a request ran twice (the
+        # paused worker went on with requests another worker had reclaimed from it).
+        extra = int(_finishes(stack) - finishes_before - report["requests"]["completed"])
+        report["faults"][0]["duplicate_finishes"] = extra
+        report["checks"]["no_duplicate_work"] = extra == 0
+        report["passed"] = all(report["checks"].values())
+    return report
+
+
+def _finishes(stack: LocalStack) -> float:
+    return sum(stack.worker_metric(i, "kernellab:request_success_total") for i in stack.live_workers())
 
 
 # ===================================================================== reporting

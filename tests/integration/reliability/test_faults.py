@@ -37,7 +37,10 @@ def test_worker_kill_9_repeated(rstack, tmp_path):
 def test_worker_paused_past_the_reclaim_timeout_then_resumed(rstack, tmp_path):
     report = run(rstack, tmp_path, "worker-pause")
     assert report["requests"]["failed"] == 0, brief(report)
-    assert report["faults"][0]["paused_s"] > rstack.dead_after_s
+    f = report["faults"][0]
+    assert f["paused_s"] > rstack.dead_after_s
+    # Once resumed, the paused worker must drop what another worker reclaimed instead of running it again.
+    assert f["duplicate_finishes"] == 0, f
 
 
 def test_redis_restarted_empty_during_load(rstack, tmp_path):
