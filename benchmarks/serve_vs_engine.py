@@ -72,9 +72,14 @@ def foreign_cores(result: dict, wall: float) -> float:
     return result["foreign_cpu_s"] / wall
 
 
-async def wait_quiet(pids: list[int], timeout: float = 900.0) -> None:
+QUIET_TIMEOUT_S = [300.0]  # --quiet-timeout
+
+
+async def wait_quiet(pids: list[int]) -> None:
     """Until other processes have used under QUIET_CORES for 3 s running (the machine may be shared)."""
-    end = time.monotonic() + timeout
+    if QUIET_TIMEOUT_S[0] <= 0:
+        return
+    end = time.monotonic() + QUIET_TIMEOUT_S[0]
     while time.monotonic() < end:
         with CpuMeter(pids) as cpu:
             await asyncio.sleep(3.0)
@@ -135,7 +140,8 @@ def engine_phase(model: str, clients: int, max_tokens: int, reps: int, single: i
 
 def run_engine_child(args) -> dict:
     cmd = [sys.executable, __file__, "--engine-phase", "--model", args.model, "--clients", str(args.clients),
-           "--max-tokens", str(args.max_tokens), "--reps", str(args.reps), "--single", str(args.single)]
+           "--max-tokens", str(args.max_tokens), "--reps", str(args.reps), "--single", str(args.single),
+           "--quiet-timeout", str(args.quiet_timeout)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"engine phase failed:\n{out.stderr[-3000:]}")
@@ -215,6 +221,17 @@ class SSEConnection:
     def close(self) -> None:
         self.writer.close()
 
+    async def health(self) -> None:
+        """A GET on the open connection (warms it; uvicorn closes keep-alive connections idle for 5 s)."""
+        self.writer.write(f"GET /health HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n\r\n".encode())
+        length = 0
+        if b" 200 " not in await self.reader.readline():
+            raise RuntimeError("/health failed")
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        await self.reader.readexactly(length)
+
     @staticmethod
     def request(host: str, port: int, messages, max_tokens: int) -> bytes:
         body = json.dumps({"model": "smollm2-135m", "messages": messages, "max_tokens": max_tokens,
@@ -255,7 +272,15 @@ async def stack_phase(url: str, clients: int, max_tokens: int, reps: int, single
     host, port = url.removeprefix("http://").split(":")
     port = int(port)
     msgs = chats(clients)
-    conns = [await SSEConnection(host, port).open() for _ in range(clients)]
+    conns: list[SSEConnection] = []
+
+    async def fresh_connections() -> None:
+        for c in conns:
+            c.close()
+        conns[:] = [await SSEConnection(host, port).open() for _ in range(clients)]
+        await asyncio.gather(*(c.health() for c in conns))
+
+    await fresh_connections()
     try:
         warm = [SSEConnection.request(host, port, m, 4) for m in msgs]
         await asyncio.gather(*(c.stream(r) for c, r in zip(conns, warm, strict=True)))  # warm every connection
@@ -266,6 +291,7 @@ async def stack_phase(url: str, clients: int, max_tokens: int, reps: int, single
         for _ in range(reps):
             for attempt in range(3):
                 await wait_quiet(pids)
+                await fresh_connections()
                 with CpuMeter(pids) as cpu:
                     t0 = time.perf_counter()
                     outs = await asyncio.gather(*(c.stream(r) for c, r in zip(conns, raws, strict=True)))
@@ -277,6 +303,8 @@ async def stack_phase(url: str, clients: int, max_tokens: int, reps: int, single
                                          "send_spread_s": max(o[0] for o in outs) - t0, "wall_s": wall,
                                          "cpu": cpu.result})
         for j in range(single):
+            if j == 0:
+                await fresh_connections()
             _sent, ttft, _n = await conns[0].stream(SSEConnection.request(host, port, msgs[j % clients], 2))
             result["single_ttft_s"].append(ttft)
     finally:
@@ -307,8 +335,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--single", type=int, default=8)
     ap.add_argument("--output", default="results/serve_vs_engine.json")
+    ap.add_argument("--quiet-timeout", type=float, default=300.0,
+                    help="seconds to wait for other processes to go idle before a run (0: do not wait)")
     ap.add_argument("--engine-phase", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    QUIET_TIMEOUT_S[0] = args.quiet_timeout
     if args.engine_phase:
         print(json.dumps(engine_phase(args.model, args.clients, args.max_tokens, args.reps, args.single)))
         return
@@ -350,7 +381,8 @@ def main() -> None:
     print(f"{'':24}{'engine':>12}{'stack':>12}")
     print(f"{'throughput tok/s':24}{eng['throughput_tok_s']:12.1f}{srv['throughput_tok_s']:12.1f}"
           f"   ratio {figures['throughput_ratio']:.3f}")
-    print(f"{'TTFT p50 ms (32 conc.)':24}{eng['ttft_p50_ms']:12.1f}{srv['ttft_p50_ms']:12.1f}"
+    label = f"TTFT p50 ms ({args.clients} conc.)"
+    print(f"{label:24}{eng['ttft_p50_ms']:12.1f}{srv['ttft_p50_ms']:12.1f}"
           f"   added {figures['added_ttft_p50_ms']:+.1f}")
     print(f"{'TTFT p50 ms (single)':24}{eng['single_ttft_p50_ms']:12.1f}{srv['single_ttft_p50_ms']:12.1f}"
           f"   added {figures['added_single_ttft_p50_ms']:+.1f}")
