@@ -6,6 +6,9 @@ At-least-once delivery:
 - A live worker refreshes the idle time of the entries it holds on every heartbeat (XCLAIM … JUSTID, which
   does not count as a delivery); so an entry idle for longer than ``worker_dead_after`` belongs to a dead worker,
   and XAUTOCLAIM hands it to a live one, which resumes it from the tokens already in its output stream.
+- A refresh only touches entries still pending under this worker (one Lua script: check the owner, then
+  XCLAIM). A worker that was stalled past the reclaim timeout (SIGSTOP, a long GC or swap) learns that the
+  others now own what it held, and drops those requests instead of taking them back and running them twice.
 - An entry delivered more than ``max_deliveries`` times goes to the dead-letter stream, and its client gets an
   ``ErrorMessage``.
 """
@@ -30,6 +33,21 @@ from kernellab.services.queue.protocol import (
 )
 
 log = logging.getLogger("kernellab.queue")
+
+# KEYS[1] stream; ARGV[1] group, ARGV[2] consumer, ARGV[3..] entry ids. Refreshes the entries still pending
+# under the consumer; returns the others (reclaimed by another consumer, or no longer pending).
+_REFRESH_OWNED = """
+local lost = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+return lost
+"""
 
 
 def connect(url: str, *, timeout: float = 2.0, blocking_ms: int = 0) -> redis.Redis:
@@ -63,6 +81,7 @@ class WorkerQueue:
         self.consumer = consumer
         self.max_deliveries = max_deliveries
         self.dead_lettered = 0  # how many this client sent to the dead-letter stream
+        self._refresh_owned = client.register_script(_REFRESH_OWNED)
 
     def ensure_groups(self) -> None:
         """Create the consumer group on every request stream (from id 0: nothing enqueued earlier is lost)."""
@@ -174,13 +193,19 @@ class WorkerQueue:
         self.dead_lettered += 1
         log.warning("dead-lettered %s: %s", d.message.engine_id, reason)
 
-    def refresh(self, held: dict[str, list[str]]) -> None:
-        """Reset the idle time of the entries this worker holds, so no live worker's entry looks abandoned."""
+    def refresh(self, held: dict[str, list[str]]) -> dict[str, list[str]]:
+        """Reset the idle time of the entries this worker holds, so no live worker's entry looks abandoned.
+        Returns, by stream, the held entries that are no longer this worker's (another worker reclaimed them
+        while this one was stalled, or they are gone): the caller must drop them, not run them on."""
         pipe = self.r.pipeline(transaction=False)
-        for stream, ids in held.items():
-            if ids:
-                pipe.xclaim(stream, GROUP, self.consumer, 0, ids, justid=True)
-        pipe.execute(raise_on_error=False)
+        streams = [s for s, ids in held.items() if ids]
+        for stream in streams:
+            self._refresh_owned(keys=[stream], args=[GROUP, self.consumer, *held[stream]], client=pipe)
+        lost = {}
+        for stream, reply in zip(streams, pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(reply, list) and reply:
+                lost[stream] = [_sid(x) for x in reply]
+        return lost
 
     def requeue(self, deliveries: list[Delivery]) -> None:
         """Hand unfinished requests back (a draining worker): re-add each as a resumable copy, then XACK it."""

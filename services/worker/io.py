@@ -67,6 +67,16 @@ class Holdings:
                 out.setdefault(d.stream, []).append(d.entry_id)
             return out
 
+    def take(self, stream: str, entry_ids: list[str]) -> list[Delivery]:
+        """Forget the given entries of ``stream`` (no longer ours); returns their deliveries."""
+        wanted, out = set(entry_ids), []
+        with self._lock:
+            for eid, d in list(self._held.items()):
+                if d.stream == stream and d.entry_id in wanted:
+                    out.append(self._held.pop(eid))
+            self._lock.notify_all()
+        return out
+
     def all(self) -> list[Delivery]:
         with self._lock:
             return list(self._held.values())
@@ -125,6 +135,7 @@ class RedisIO:
         self.accepting.set()
         self.stopping = threading.Event()
         self.redis_ok = threading.Event()
+        self.refreshes = 0  # completed ownership refreshes (the step loop waits for one after a stall)
         self._threads: list[threading.Thread] = []
 
     def _queue(self, blocking_ms: int = 0) -> WorkerQueue:
@@ -270,7 +281,12 @@ class RedisIO:
                 hb = self.make_heartbeat()
                 ttl_ms = int(self.dead_after_s * 1000)
                 q.heartbeat(self.keys.heartbeat(self.worker_id), encode(hb), ttl_ms, hb.time)
-                q.refresh(self.holdings.by_stream())
+                lost = [d for stream, ids in q.refresh(self.holdings.by_stream()).items()
+                        for d in self.holdings.take(stream, ids)]
+                if lost:  # we were stalled past the reclaim timeout: another worker runs these now
+                    log.warning("dropping %d request(s) another worker reclaimed from us", len(lost))
+                    self.inbox.put(("lost", [d.message.engine_id for d in lost]))
+                self.refreshes += 1
                 room = self.max_num_seqs - self.holdings.count()
                 if self.accepting.is_set() and room > 0:
                     dead_before = q.dead_lettered

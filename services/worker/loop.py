@@ -120,7 +120,10 @@ class Worker:
     # ----------------------------------------------------------------- the loop
     def _loop(self) -> None:
         drain_deadline = None
+        last = time.monotonic()
         while True:
+            self._check_stall(last)
+            last = time.monotonic()
             idle = not self.engine.has_unfinished_requests()
             self._drain_inbox(block=idle)
             if idle and self.engine.has_unfinished_requests():
@@ -135,8 +138,20 @@ class Worker:
                 self._check_integrity()
                 continue
             outputs = self.engine.step()
+            self._check_stall(last)  # stopped mid-step: what others reclaimed meanwhile is not emitted
             self._emit(outputs)
             self._refresh_stats()
+
+    def _check_stall(self, since: float) -> None:
+        """Stopped longer than the reclaim timeout (SIGSTOP, swap, a debugger)? Other workers may own our
+        requests now. Before stepping or emitting, let the housekeeping thread finish a full refresh, which
+        puts the requests we lost into the inbox ("lost"), and drop them instead of running them twice."""
+        if time.monotonic() - since <= self.settings.worker_dead_after_s:
+            return
+        seen, end = self.io.refreshes, time.monotonic() + 2 * self.settings.heartbeat_interval_s + 1.0
+        while self.io.refreshes < seen + 2 and time.monotonic() < end:
+            time.sleep(0.01)
+        self._drain_inbox(block=False)
 
     def _refresh_stats(self) -> None:
         self._stats = self.engine.stats()
@@ -186,6 +201,10 @@ class Worker:
             self._add(payload, batch)
         elif kind == "cancel":
             self._cancel(payload.request_id, payload.index, batch)
+        elif kind == "lost":  # reclaimed by another worker while we were stalled: it owns them, write nothing
+            for eid in payload:
+                if self.active.pop(eid, None) is not None:
+                    self.engine.abort(eid)
         elif kind == "abort_all":
             log.warning("aborting %d request(s): %s", len(self.active), payload)
             for eid in list(self.active):
