@@ -1,6 +1,7 @@
 """Schemathesis against the gateway's OpenAPI document (gateway_openapi.py): bounded cases per operation
-(``KERNELLAB_FUZZ_EXAMPLES``, 10 in CI, plus schemathesis' coverage cases), sent with a valid key to the running stack. Every response must
-be no 5xx, have a documented status and content type, and match its documented schema.
+(``KERNELLAB_FUZZ_EXAMPLES``, 10 in CI, plus schemathesis' coverage cases), sent with a valid key to the
+running stack. Every response must be no 5xx, have a documented status and content type, and match its
+documented schema.
 
 With ``KERNELLAB_FUZZ_REPORT=path`` the last test writes the figures (cases, statuses, failures) as a
 ``kernellab.reliability.fuzz/v1`` artifact: that is how results/reliability/fuzz.json is made."""

@@ -75,6 +75,8 @@ CASES = [
     ("truncated-json", CHAT, chat()[:-7], JSON),
     ("duplicate-keys", CHAT, b'{"model": "x", "model": "' + MODEL.encode() + b'", "messages": 5}', JSON),
     ("unknown-model", CHAT, chat(model="../../etc/passwd"), JSON),
+    ("model-home-of-unknown-user", COMPLETIONS, json.dumps({"model": "~nosuchuser/m", "prompt": "a"}).encode(), JSON),
+    ("model-local-directory", CHAT, chat(model="/"), JSON),
     ("text-plain", CHAT, b"model=smollm2-135m", {"Content-Type": "text/plain"}),
     ("form-urlencoded", CHAT, b"model=smollm2-135m&messages=hi", {"Content-Type": "application/x-www-form-urlencoded"}),
     ("xml", CHAT, b"<?xml version='1.0'?><model>x</model>", {"Content-Type": "application/xml"}),
