@@ -7,6 +7,7 @@ known fields are type-checked strictly (``"max_tokens": "5"`` is an error, not 5
 
 from __future__ import annotations
 
+import functools
 import uuid
 from dataclasses import dataclass, field, replace
 
@@ -89,10 +90,19 @@ def _validation_error(exc: ValidationError) -> InvalidRequestError:
     return InvalidRequestError(f"invalid value for '{where}': {err.get('msg')}", param=param)
 
 
+@functools.lru_cache(maxsize=16)
+def _served_names(served_name: str) -> tuple[str, str | None]:
+    spec = resolve_model(served_name)  # configuration, not client input
+    return spec.name, spec.hub_id.lower() if spec.hub_id else None
+
+
 def check_model(requested: str, served_name: str) -> str:
-    """The served model's name when ``requested`` names it (registry name or hub id); 404 otherwise."""
-    spec = resolve_model(requested)
-    if spec.name != served_name:
+    """The served model's name when ``requested`` names it (registry name or hub id); 404 otherwise.
+    Compared by name only: a client's string never reaches the registry's local-path lookup, which would
+    probe the gateway's filesystem (and raised RuntimeError for '~unknownuser', a 500)."""
+    name, hub_id = _served_names(served_name)
+    wanted = requested.strip()
+    if wanted != name and (hub_id is None or wanted.lower() != hub_id):
         raise UnknownModelError(f"model {requested!r} is not served here; this gateway serves {served_name!r}")
     return served_name
 
