@@ -307,6 +307,7 @@ class Attempt:
     finish_reason: str | None = None
     completion_tokens: int | None = None
     tokens_seen: int | None = None  # from logprobs entries, when asked for
+    retry_after: float | None = None  # a 429's Retry-After header
     detail: str = ""
 
 
@@ -328,6 +329,12 @@ def _error_attempt(a: Attempt, status: int | None, body: bytes) -> Attempt:
     return a
 
 
+def _retry_after(resp: httpx.Response) -> float | None:
+    with contextlib.suppress(TypeError, ValueError):
+        return float(resp.headers.get("retry-after"))
+    return None
+
+
 async def send(client: httpx.AsyncClient, url: str, api_key: str, plan: Plan, *, guard_s: float,
                cancel_after: int = 2) -> Attempt:
     path = "/v1/chat/completions" if plan.endpoint == "chat" else "/v1/completions"
@@ -340,6 +347,7 @@ async def send(client: httpx.AsyncClient, url: str, api_key: str, plan: Plan, *,
                 resp = await client.post(url + path, json=plan.body(), headers=headers)
                 got_status = True
                 if resp.status_code != 200:
+                    a.retry_after = _retry_after(resp)
                     return _error_attempt(a, resp.status_code, resp.content)
                 data = resp.json()
                 choice = data["choices"][0]
@@ -351,6 +359,7 @@ async def send(client: httpx.AsyncClient, url: str, api_key: str, plan: Plan, *,
                 got_status = True
                 a.status = resp.status_code
                 if resp.status_code != 200:
+                    a.retry_after = _retry_after(resp)
                     return _error_attempt(a, resp.status_code, await resp.aread())
                 await _read_stream(resp, plan, a, cancel_after)
                 return a
@@ -455,7 +464,9 @@ class LoadRun:
             attempts.append(a)
             if a.outcome in ("completed", "cancelled", "lost") or a.code not in RETRYABLE or k == self.retries:
                 break
-            await asyncio.sleep(min(2.0, 0.25 * 2**k))
+            await asyncio.sleep(a.retry_after or min(2.0, 0.25 * 2**k))
+        if attempts[-1].retry_after:  # a rejected client waits as told before its next request
+            await asyncio.sleep(attempts[-1].retry_after)
         return Result(plan, attempts)
 
     async def run(self) -> None:
@@ -750,7 +761,8 @@ def summarize(scenario: str, run: LoadRun, events: list[FaultEvent], idle: dict,
                                            and idle["gateway"].get("queue_depth") == 0)
     checks = {"zero_lost": not lost and run.not_sent == 0, "zero_leaked_blocks": leaked == 0 and stuck == 0,
               "engine_integrity": integrity_ok, "zero_corrupt": not corrupt, "gateway_idle": gateway_idle,
-              "all_workers_reported": len(idle["workers"]) == len(run.stack.worker_ports)}
+              "all_workers_reported": len(idle["workers"]) == len(run.stack.worker_ports),
+              "rejections_say_retry_after": all(a.retry_after for a in attempts if a.code == "rate_limit_exceeded")}
     faults = [_fault_figures(ev, run.results, run.t0) for ev in events]
     checks["faults_injected"] = bool(faults) == (scenario != "load") and not any("error" in f for f in faults)
     if scenario == "slow-client":
@@ -858,7 +870,8 @@ def _fault_text(f: dict) -> str:
     parts = [f"{f['kind']} at {f['at_s']:.0f}s: {f['in_flight_at_fault']} in flight, stall {f['stall_s']:.1f}s"]
     if f.get("recovery_s") is not None:
         parts.append(f"recovered {f['recovery_s']:.1f}s")
-    for key in ("port_closed_s", "worker_back_s", "all_aborted_s", "complete_and_equal", "error"):
+    for key in ("port_closed_s", "worker_back_s", "duplicate_finishes", "aborted", "all_aborted_s", "read_s",
+                "complete_and_equal", "error"):
         if key in f:
             parts.append(f"{key} {f[key]}")
     return ", ".join(parts)
