@@ -29,6 +29,7 @@ from kernellab.services.batch.files import FileStore
 from kernellab.services.batch.runner import LineRunner, Outcome
 from kernellab.services.batch.settings import BatchSettings
 from kernellab.services.batch.store import RUNNING, TERMINAL, BatchStore
+from kernellab.services.gateway.router import REDIS_DOWN
 
 log = logging.getLogger("kernellab.batch")
 
@@ -88,7 +89,12 @@ class BatchJob:
                 status = "finalizing"
         fields = await self.store.fields(batch_id)
         if status == "finalizing":
-            await self._finalize(batch_id, fields, ("finalizing",), fields.get("final_status") or "completed")
+            final = fields.get("final_status") or "completed"
+            errors = None
+            if final == "failed":
+                errors = {"object": "list", "data": [{"code": "invalid_input_file", "line": None, "param": None,
+                                                      "message": "the input file was deleted while the batch ran"}]}
+            await self._finalize(batch_id, fields, ("finalizing",), final, errors)
         elif status == "cancelling":
             await self._finalize(batch_id, fields, ("cancelling",), "cancelled")
         return "done"
@@ -138,20 +144,23 @@ class BatchJob:
                 reason["why"] = why
             stop.set()
 
-        if path is None:  # deleted after validation: nothing more can run
-            halt("expired" if time.time() >= expires_at else "cancelled")
+        if path is None:  # deleted after validation: nothing more can run; what was recorded is kept
             log.error("batch %s: its input file is gone; finishing with what was recorded", batch_id)
-            return reason["why"]
+            return "failed"
 
         async def watch() -> None:
             ttl = self.settings.batch_lease_ttl_s
             renewed = time.monotonic()
             while not stop.is_set():
-                if time.monotonic() - renewed >= ttl / 3:
-                    if not await self.store.renew(batch_id, self.token, ttl):
-                        halt("lost")
-                    renewed = time.monotonic()
-                status = await self.store.status(batch_id)
+                try:
+                    if time.monotonic() - renewed >= ttl / 3:
+                        if not await self.store.renew(batch_id, self.token, ttl):
+                            halt("lost")
+                        renewed = time.monotonic()
+                    status = await self.store.status(batch_id)
+                except REDIS_DOWN as exc:  # a blip: the lines wait on Redis too; look again shortly
+                    log.warning("batch %s: cannot reach Redis: %s", batch_id, exc)
+                    status = "in_progress"
                 if status == "cancelling":
                     halt("cancelled")
                 elif status not in RUNNING:
@@ -206,7 +215,8 @@ class BatchJob:
                                         False)
 
     # ----------------------------------------------------------------- finalizing
-    async def _finalize(self, batch_id: str, fields: dict, allowed: tuple[str, ...], final: str) -> None:
+    async def _finalize(self, batch_id: str, fields: dict, allowed: tuple[str, ...], final: str,
+                        errors: dict | None = None) -> None:
         total = int(fields.get("total") or 0)
         ok_lines, error_lines = [], []
         for start in range(0, total, _READ_CHUNK):
@@ -226,7 +236,8 @@ class BatchJob:
         now = int(time.time())
         ok, status = await self.store.transition(
             batch_id, allowed, final, delete_progress=True, output_file_id=out_id, error_file_id=err_id,
-            completed=len(ok_lines), failed=len(error_lines), usage=_usage(ok_lines), **{f"{final}_at": now})
+            completed=len(ok_lines), failed=len(error_lines), usage=_usage(ok_lines), **{f"{final}_at": now},
+            **({"errors": errors} if errors else {}))
         if ok:
             log.info("batch %s %s: %d completed, %d failed of %d", batch_id, final, len(ok_lines), len(error_lines),
                      total)

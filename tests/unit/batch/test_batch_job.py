@@ -241,3 +241,20 @@ def test_lines_wait_for_a_worker_instead_of_failing(harness, engine_worker):
 
     assert asyncio.run(harness.run_async(batch_id, during=start_worker_later)) == "done"
     assert harness.batch(batch_id)["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+
+
+def test_an_input_file_deleted_while_running_fails_the_batch_and_keeps_what_finished(harness):
+    batch_id = harness.create([completion("a", "x"), completion("b", "y")])
+
+    async def ran_one_line(store):
+        await store.transition(batch_id, ("validating",), "in_progress", total=2, in_progress_at=int(time.time()))
+        body = {"usage": {"prompt_tokens": 1, "completion_tokens": 1}}
+        await store.record(batch_id, 0, json.dumps({"custom_id": "a", "error": None,
+                                                    "response": {"status_code": 200, "body": body}}), True)
+
+    harness.call(ran_one_line)
+    harness.files.delete(harness.batch(batch_id)["input_file_id"])
+    assert harness.run(batch_id) == "done"
+    b = harness.batch(batch_id)
+    assert b["status"] == "failed" and b["failed_at"] and b["errors"]["data"][0]["code"] == "invalid_input_file"
+    assert [x["custom_id"] for x in harness.file_lines(b["output_file_id"])] == ["a"]
