@@ -45,7 +45,7 @@ def stress(
     from kernellab.services import stress as S
 
     if table_only:
-        reports = [json.loads(p.read_text()) for p in sorted(output_dir.glob("*.json"))]
+        reports = [r for p in sorted(output_dir.glob("*.json")) if (r := json.loads(p.read_text()))["schema"] == S.SCHEMA]
         order = {name: i for i, name in enumerate(S.SCENARIOS)}
         typer.echo(S.table(sorted(reports, key=lambda r: order.get(r["scenario"], 99))))
         return

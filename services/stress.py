@@ -851,7 +851,7 @@ def _finishes(stack: LocalStack) -> float:
 def table(reports: list[dict]) -> str:
     """The Markdown table of docs/reliability.md from reports (one row per scenario)."""
     head = ("| scenario | requests | completed | cancelled | timed out | rejected (429) | failed | lost | corrupt "
-            "| leaked blocks | req/s | TTFT p50 / p99 (s) | E2E p50 / p99 (s) | fault figures |")
+            "| leaked blocks | req/s | TTFT p50 / p99 (s) | E2E p50 / p99 (s) | clean errors (attempts) | fault figures |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in reports:
         q = r["requests"]
@@ -860,9 +860,10 @@ def table(reports: list[dict]) -> str:
             return f"{d['p50']:.3f} / {d['p99']:.3f}" if d.get("count") else "–"
 
         figs = "; ".join(_fault_text(f) for f in r["faults"]) or "–"
+        clean = ", ".join(f"{k} {v}" for k, v in r["clean_errors"].items()) or "–"
         lines.append(f"| {r['scenario']} | {q['total']} | {q['completed']} | {q['cancelled']} | {q['timed_out']} | "
                      f"{q['rejected']} | {q['failed']} | {q['lost']} | {q['corrupt']} | {r['leaked_blocks']} | "
-                     f"{r['throughput_rps']:.2f} | {pp(r['ttft_s'])} | {pp(r['e2e_s'])} | {figs} |")
+                     f"{r['throughput_rps']:.2f} | {pp(r['ttft_s'])} | {pp(r['e2e_s'])} | {clean} | {figs} |")
     return "\n".join(lines)
 
 
