@@ -1,18 +1,20 @@
 """Serving overhead: the same prompts through the whole stack (HTTP/SSE → gateway → Redis → worker → Redis →
-gateway) against the engine driven directly in one process.
+gateway) against the engine driven directly in one process, on the same machine.
 
 Workload: ``--clients`` chat prompts (distinct topics, the model's chat template), greedy, ``--max-tokens``
-tokens each with EOS ignored so both sides generate exactly the same number of tokens.
-- engine: a child process builds ``LLMEngine`` with the worker's configuration, submits every request at t0
-  (chat template + tokenize + ``add_request``, text in as the gateway gets it) and steps until all finish;
-  TTFT = first token − the request's submission; throughput = tokens / wall time.
+tokens each with EOS ignored, so both sides generate exactly the same tokens.
+- engine: a child process holds ``LLMEngine`` with the worker's configuration; a run submits every request
+  at t0 (chat template + tokenize + ``add_request``: text in, as the gateway gets it) and steps until all
+  finish. TTFT = first token − the request's submission; throughput = tokens / wall time.
 - stack: a private redis-server, one ``kernellab worker`` and one ``kernellab gateway`` (real processes, the
-  same engine configuration); ``--clients`` streaming clients on warm keep-alive connections write their
-  requests at t0; TTFT = first content chunk − the moment the request's bytes were written; tokens from
+  same engine configuration); ``--clients`` SSE clients on fresh, warmed keep-alive connections write their
+  requests at t0. TTFT = first content chunk − the moment the request's bytes were written; tokens from
   ``usage``.
-Both sides also run ``--single`` requests one at a time (TTFT of a lone request: the pure path overhead).
-The engine runs before and after the stack (ABA) so slow drift on the machine shows instead of biasing.
-Writes a JSON artifact with provenance and prints a short table.
+Runs come in pairs (engine and stack, alternating which goes first), so drift on the machine hits both sides
+of a pair alike; the figures are medians over pairs of the per-pair ratio and difference. The machine may be
+shared: each run records the CPU other processes used, and only pairs where both runs saw less than 0.1 core
+of it count, until ``--pairs`` clean pairs or ``--max-pairs`` in all. ``--single`` lone requests per side
+(alternating) give the TTFT overhead of the path itself. Writes a JSON artifact with provenance.
 
     python benchmarks/serve_vs_engine.py --output results/serve_vs_engine.json
 """
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 
 TOPICS = ["the sea", "volcanoes", "bees", "the moon", "bread", "trains", "chess", "rivers", "owls", "glass",
@@ -35,10 +38,19 @@ TOPICS = ["the sea", "volcanoes", "bees", "the moon", "bread", "trains", "chess"
           "tea", "forests", "copper", "snow", "bicycles", "honey", "lighthouses", "cotton", "ants", "ice", "wind",
           "mountains", "gardens", "libraries", "stars"]
 SERVE_CONFIG = {"device": "cpu", "dtype": "auto", "max_num_seqs": 64, "max_num_batched_tokens": 2048}
+QUIET_CORES = 0.1  # a run during which other processes used more CPU than this (in cores) is disturbed
 
 
-def chats(n: int) -> list[list[dict]]:
-    return [[{"role": "user", "content": f"Tell me a few facts about {TOPICS[i % len(TOPICS)]}."}] for i in range(n)]
+def chats(n: int, run: int) -> list[list[dict]]:
+    """The prompts of one run. ``run`` makes every run's prompts new past the system prompt, so neither side
+    answers from its prefix cache what an earlier run computed."""
+    return [[{"role": "user", "content": f"[run {run}] Tell me a few facts about {TOPICS[i % len(TOPICS)]}."}]
+            for i in range(n)]
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
 
 
 class CpuMeter:
@@ -56,96 +68,80 @@ class CpuMeter:
         return t.user + t.nice + t.system + t.irq + t.softirq, own, getattr(t, "steal", 0.0)
 
     def __enter__(self) -> CpuMeter:
-        self.start = self._sample()
+        self.start, self.t0 = self._sample(), time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
-        end = self._sample()
+        end, wall = self._sample(), time.perf_counter() - self.t0
         busy, own, steal = (e - s for e, s in zip(end, self.start, strict=True))
-        self.result = {"busy_cpu_s": busy, "own_cpu_s": own, "foreign_cpu_s": max(0.0, busy - own), "steal_s": steal}
-
-
-QUIET_CORES = 0.1  # a run during which other processes used more CPU than this (in cores) is run again
-
-
-def foreign_cores(result: dict, wall: float) -> float:
-    return result["foreign_cpu_s"] / wall
-
-
-QUIET_TIMEOUT_S = [300.0]  # --quiet-timeout
-
-
-async def wait_quiet(pids: list[int]) -> None:
-    """Until other processes have used under QUIET_CORES for 3 s running (the machine may be shared)."""
-    if QUIET_TIMEOUT_S[0] <= 0:
-        return
-    end = time.monotonic() + QUIET_TIMEOUT_S[0]
-    while time.monotonic() < end:
-        with CpuMeter(pids) as cpu:
-            await asyncio.sleep(3.0)
-        if foreign_cores(cpu.result, 3.0) < QUIET_CORES:
-            return
-    print("warning: the machine did not become quiet; measuring anyway", file=sys.stderr)
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
+        foreign = max(0.0, busy - own)
+        self.result = {"busy_cpu_s": busy, "own_cpu_s": own, "foreign_cpu_s": foreign, "steal_s": steal,
+                       "foreign_cores": foreign / wall}
 
 
 # --------------------------------------------------------------------------------------------- engine side
-def engine_phase(model: str, clients: int, max_tokens: int, reps: int, single: int) -> dict:
+def engine_server(model: str, clients: int, max_tokens: int) -> None:
+    """Child process: one engine; runs on request (JSON lines on stdin), results as JSON lines on stdout."""
     from kernellab.results import provenance
     from kernellab.runtime.engine import EngineConfig, LLMEngine
     from kernellab.runtime.sampling import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=model, **SERVE_CONFIG))
-    prompts = chats(clients)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    counter = iter(range(1 << 30))
 
-    def run(batch: list[list[dict]], tag: str, tokens_limit: SamplingParams) -> tuple[list[float], int, float]:
-        # Text in, as the stack gets it: the chat template and tokenization are inside the timed region.
+    def run(batch: list[list[dict]], tokens: int) -> dict:
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        tag = f"r{next(counter)}"
         t0 = time.perf_counter()
         first: dict[str, float] = {}
         submitted: dict[str, float] = {}
-        for i, messages in enumerate(batch):
+        for i, messages in enumerate(batch):  # text in: template and tokenization are timed, as in the stack
             submitted[f"{tag}-{i}"] = time.perf_counter()
-            engine.add_request(f"{tag}-{i}", engine.tokenizer.apply_chat_template(messages), tokens_limit)
+            engine.add_request(f"{tag}-{i}", engine.tokenizer.apply_chat_template(messages), params)
         n = 0
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.new_token_ids:
                     n += len(out.new_token_ids)
                     first.setdefault(out.request_id, time.perf_counter() - submitted[out.request_id])
-        return [first[f"{tag}-{i}"] for i in range(len(batch))], n, time.perf_counter() - t0
+        return {"ttft_s": [first[f"{tag}-{i}"] for i in range(len(batch))], "tokens": n,
+                "wall_s": time.perf_counter() - t0}
 
-    run(prompts[:2], "warmup", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    result = {"provenance": provenance("cpu"), "concurrent": [], "single_ttft_s": []}
-    result["discarded_runs"] = 0
-    for rep in range(reps):
-        for attempt in range(3):
-            asyncio.run(wait_quiet([os.getpid(), os.getppid()]))
-            with CpuMeter([os.getpid()]) as cpu:
-                ttft, n, wall = run(prompts, f"c{rep}.{attempt}", params)
-            if foreign_cores(cpu.result, wall) < QUIET_CORES or attempt == 2:
-                break
-            result["discarded_runs"] += 1
-        result["concurrent"].append({"ttft_s": ttft, "tokens": n, "wall_s": wall, "cpu": cpu.result})
-    one = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    for j in range(single):
-        ttft, _n, _wall = run([prompts[j % clients]], f"s{j}", one)
-        result["single_ttft_s"].append(ttft[0])
-    return result
+    run(chats(clients, -1), 4)  # warm-up, as the stack gets one
+    print(json.dumps({"ready": True, "provenance": provenance("cpu")}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "concurrent":
+            out = run(chats(clients, cmd["run"]), max_tokens)
+        elif cmd["op"] == "single":
+            out = run(chats(1, cmd["run"]), 2)
+        else:
+            break
+        print(json.dumps(out), flush=True)
 
 
-def run_engine_child(args) -> dict:
-    cmd = [sys.executable, __file__, "--engine-phase", "--model", args.model, "--clients", str(args.clients),
-           "--max-tokens", str(args.max_tokens), "--reps", str(args.reps), "--single", str(args.single),
-           "--quiet-timeout", str(args.quiet_timeout)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"engine phase failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+class EngineChild:
+    def __init__(self, args):
+        cmd = [sys.executable, __file__, "--engine-server", "--model", args.model, "--clients", str(args.clients),
+               "--max-tokens", str(args.max_tokens)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.provenance = self._read()["provenance"]
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the engine process died")
+        return json.loads(line)
+
+    def call(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(30)
 
 
 # --------------------------------------------------------------------------------------------- stack side
@@ -268,63 +264,86 @@ class SSEConnection:
                     tokens = obj["usage"]["completion_tokens"]
 
 
-async def stack_phase(url: str, clients: int, max_tokens: int, reps: int, single: int, pids: list[int]) -> dict:
-    host, port = url.removeprefix("http://").split(":")
-    port = int(port)
-    msgs = chats(clients)
-    conns: list[SSEConnection] = []
+class StackClient:
+    def __init__(self, url: str, clients: int, max_tokens: int):
+        host, port = url.removeprefix("http://").split(":")
+        self.host, self.port, self.clients, self.max_tokens = host, int(port), clients, max_tokens
+        self.conns: list[SSEConnection] = []
 
-    async def fresh_connections() -> None:
-        for c in conns:
+    async def fresh(self, n: int) -> None:
+        """New connections, warmed with a GET (uvicorn drops keep-alive connections idle for 5 s)."""
+        for c in self.conns:
             c.close()
-        conns[:] = [await SSEConnection(host, port).open() for _ in range(clients)]
-        await asyncio.gather(*(c.health() for c in conns))
+        self.conns = [await SSEConnection(self.host, self.port).open() for _ in range(n)]
+        await asyncio.gather(*(c.health() for c in self.conns))
 
-    await fresh_connections()
-    try:
-        warm = [SSEConnection.request(host, port, m, 4) for m in msgs]
-        await asyncio.gather(*(c.stream(r) for c, r in zip(conns, warm, strict=True)))  # warm every connection
-        result = {"concurrent": [], "single_ttft_s": []}
-        await wait_quiet(pids)
-        raws = [SSEConnection.request(host, port, m, max_tokens) for m in msgs]
-        result["discarded_runs"] = 0
-        for _ in range(reps):
-            for attempt in range(3):
-                await wait_quiet(pids)
-                await fresh_connections()
-                with CpuMeter(pids) as cpu:
-                    t0 = time.perf_counter()
-                    outs = await asyncio.gather(*(c.stream(r) for c, r in zip(conns, raws, strict=True)))
-                    wall = time.perf_counter() - t0
-                if foreign_cores(cpu.result, wall) < QUIET_CORES or attempt == 2:
-                    break
-                result["discarded_runs"] += 1
-            result["concurrent"].append({"ttft_s": [o[1] for o in outs], "tokens": sum(o[2] for o in outs),
-                                         "send_spread_s": max(o[0] for o in outs) - t0, "wall_s": wall,
-                                         "cpu": cpu.result})
-        for j in range(single):
-            if j == 0:
-                await fresh_connections()
-            _sent, ttft, _n = await conns[0].stream(SSEConnection.request(host, port, msgs[j % clients], 2))
-            result["single_ttft_s"].append(ttft)
-    finally:
-        for c in conns:
-            c.close()
-    return result
+    async def concurrent(self, run: int) -> dict:
+        raws = [SSEConnection.request(self.host, self.port, m, self.max_tokens) for m in chats(self.clients, run)]
+        await self.fresh(self.clients)
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(c.stream(r) for c, r in zip(self.conns, raws, strict=True)))
+        return {"ttft_s": [o[1] for o in outs], "tokens": sum(o[2] for o in outs),
+                "wall_s": time.perf_counter() - t0, "send_spread_s": max(o[0] for o in outs) - t0}
+
+    async def single(self, run: int) -> dict:
+        raw = SSEConnection.request(self.host, self.port, chats(1, run)[0], 2)
+        await self.fresh(1)
+        _sent, ttft, _n = await self.conns[0].stream(raw)
+        return {"ttft_s": [ttft]}
 
 
-# --------------------------------------------------------------------------------------------- report
-def summarize(runs: list[dict]) -> dict:
-    concurrent = [c for r in runs for c in r["concurrent"]]
-    tput = [c["tokens"] / c["wall_s"] for c in concurrent]
-    foreign = [c["cpu"]["foreign_cpu_s"] / c["wall_s"] for c in concurrent]
-    return {"throughput_tok_s": statistics.median(tput), "throughput_runs": tput,
-            "foreign_cpu_per_s": foreign,  # other processes' CPU use during each run, in cores
-            "ttft_p50_ms": statistics.median(pct(c["ttft_s"], 50) * 1e3 for c in concurrent),
-            "ttft_p90_ms": statistics.median(pct(c["ttft_s"], 90) * 1e3 for c in concurrent),
-            "single_ttft_p50_ms": pct([t for r in runs for t in r["single_ttft_s"]], 50) * 1e3,
-            "tokens_per_run": [c["tokens"] for c in concurrent],
-            "discarded_runs": sum(r.get("discarded_runs", 0) for r in runs), "runs": runs}
+# --------------------------------------------------------------------------------------------- driver
+async def measure(args, engine: EngineChild, stack: Stack) -> dict:
+    pids = [os.getpid(), engine.proc.pid, *(p.pid for p in stack.procs)]
+    client = StackClient(stack.url, args.clients, args.max_tokens)
+    await client.concurrent(-1)  # warm-up of the stack side (the engine child warmed itself)
+
+    async def timed(side: str, op: str, run: int) -> dict:
+        """Both sides of a pair get the same prompts (``run``), new to both prefix caches."""
+        with CpuMeter(pids) as cpu:
+            if side == "engine":
+                out = engine.call(op=op, run=run)
+            else:
+                out = await (client.concurrent(run) if op == "concurrent" else client.single(run))
+        return {**out, "cpu": cpu.result}
+
+    pairs = []
+    while len(pairs) < args.max_pairs and sum(p["clean"] for p in pairs) < args.pairs:
+        order = ("engine", "stack") if len(pairs) % 2 == 0 else ("stack", "engine")
+        pair = {side: await timed(side, "concurrent", len(pairs)) for side in order}
+        pair["clean"] = all(pair[s]["cpu"]["foreign_cores"] < QUIET_CORES for s in order)
+        pairs.append(pair)
+        print(f"pair {len(pairs)}: engine {tput(pair['engine']):.1f} tok/s, stack {tput(pair['stack']):.1f} tok/s"
+              f"{'' if pair['clean'] else '  (disturbed: other processes were busy)'}", file=sys.stderr)
+    singles = {"engine": [], "stack": []}
+    for i in range(args.single):
+        for side in (("engine", "stack") if i % 2 == 0 else ("stack", "engine")):
+            singles[side].append(await timed(side, "single", 1000 + i))
+    return {"pairs": pairs, "singles": singles}
+
+
+def tput(run: dict) -> float:
+    return run["tokens"] / run["wall_s"]
+
+
+def figures(m: dict) -> dict:
+    clean = [p for p in m["pairs"] if p["clean"]]
+    use = clean or m["pairs"]
+    p50 = {s: [pct(p[s]["ttft_s"], 50) * 1e3 for p in use] for s in ("engine", "stack")}
+    single = {s: [r["ttft_s"][0] * 1e3 for r in m["singles"][s] if r["cpu"]["foreign_cores"] < QUIET_CORES]
+              or [r["ttft_s"][0] * 1e3 for r in m["singles"][s]] for s in ("engine", "stack")}
+    return {
+        "pairs_used": len(use), "pairs_run": len(m["pairs"]), "only_disturbed_pairs": not clean,
+        "engine_throughput_tok_s": statistics.median(tput(p["engine"]) for p in use),
+        "stack_throughput_tok_s": statistics.median(tput(p["stack"]) for p in use),
+        "throughput_ratio": statistics.median(tput(p["stack"]) / tput(p["engine"]) for p in use),
+        "engine_ttft_p50_ms": statistics.median(p50["engine"]),
+        "stack_ttft_p50_ms": statistics.median(p50["stack"]),
+        "added_ttft_p50_ms": statistics.median(s - e for s, e in zip(p50["stack"], p50["engine"], strict=True)),
+        "engine_single_ttft_p50_ms": pct(single["engine"], 50),
+        "stack_single_ttft_p50_ms": pct(single["stack"], 50),
+        "added_single_ttft_p50_ms": pct(single["stack"], 50) - pct(single["engine"], 50),
+    }
 
 
 def main() -> None:
@@ -332,63 +351,50 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--single", type=int, default=8)
+    ap.add_argument("--pairs", type=int, default=5, help="clean (undisturbed) pairs to collect")
+    ap.add_argument("--max-pairs", type=int, default=20, help="give up after this many pairs in all")
+    ap.add_argument("--single", type=int, default=10, help="lone requests per side")
     ap.add_argument("--output", default="results/serve_vs_engine.json")
-    ap.add_argument("--quiet-timeout", type=float, default=300.0,
-                    help="seconds to wait for other processes to go idle before a run (0: do not wait)")
-    ap.add_argument("--engine-phase", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--engine-server", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    QUIET_TIMEOUT_S[0] = args.quiet_timeout
-    if args.engine_phase:
-        print(json.dumps(engine_phase(args.model, args.clients, args.max_tokens, args.reps, args.single)))
+    if args.engine_server:
+        engine_server(args.model, args.clients, args.max_tokens)
         return
-    load_before = os.getloadavg()
-    engine_a = run_engine_child(args)
+    engine = EngineChild(args)
     stack = Stack(args.model, Path(tempfile.mkdtemp(prefix="serve-bench-")))
     try:
         stack.start()
-        pids = [os.getpid(), *(p.pid for p in stack.procs)]
-        served = asyncio.run(stack_phase(stack.url, args.clients, args.max_tokens, args.reps, args.single, pids))
+        m = asyncio.run(measure(args, engine, stack))
     finally:
         stack.stop()
-    engine_b = run_engine_child(args)
-    eng, srv = summarize([engine_a, engine_b]), summarize([served])
-    figures = {
-        "throughput_ratio": srv["throughput_tok_s"] / eng["throughput_tok_s"],
-        "added_ttft_p50_ms": srv["ttft_p50_ms"] - eng["ttft_p50_ms"],
-        "added_single_ttft_p50_ms": srv["single_ttft_p50_ms"] - eng["single_ttft_p50_ms"],
-    }
-    prov = engine_a["provenance"]
-    prov.update(load_avg_before=load_before, load_avg_after=os.getloadavg(),
-                redis_server=subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.strip())
-    for dist in ("redis", "fastapi", "uvicorn", "msgpack", "httpx"):
-        from importlib import metadata
-
+        engine.stop()
+    f = figures(m)
+    prov = engine.provenance
+    prov["redis_server"] = subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.strip()
+    for dist in ("redis", "fastapi", "uvicorn", "starlette", "msgpack", "tokenizers"):
         prov[dist] = metadata.version(dist)
     artifact = {
         "schema": "kernellab.bench.serve_vs_engine/v1", "provenance": prov, "model": args.model,
-        "workload": {"clients": args.clients, "max_tokens": args.max_tokens, "ignore_eos": True,
-                     "temperature": 0.0, "reps": args.reps, "single_requests": args.single,
-                     "prompts": "chat template + 'Tell me a few facts about <topic>.'", "order": "engine, stack, engine",
-                     "stack": "1 worker, 1 gateway, private redis-server, all on this machine; httpx SSE clients",
-                     "engine_config": SERVE_CONFIG},
-        "engine": eng, "stack": srv, "figures": figures,
-        "targets": {"throughput_ratio_min": 0.90, "added_ttft_p50_ms_max": 5.0},
+        "workload": {"clients": args.clients, "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0.0,
+                     "prompts": "chat template + '[run <k>] Tell me a few facts about <topic>.' (new to the prefix "
+                                "cache in every run; the same on both sides of a pair)", "single_requests": args.single,
+                     "stack": "1 worker, 1 gateway, private redis-server, raw-socket SSE clients, all on this machine",
+                     "engine_config": SERVE_CONFIG, "quiet_cores": QUIET_CORES},
+        "figures": f, "targets": {"throughput_ratio_min": 0.90, "added_ttft_p50_ms_max": 5.0},
+        "pairs": m["pairs"], "singles": m["singles"],
     }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(artifact, indent=2) + "\n")
-    print(f"{'':24}{'engine':>12}{'stack':>12}")
-    print(f"{'throughput tok/s':24}{eng['throughput_tok_s']:12.1f}{srv['throughput_tok_s']:12.1f}"
-          f"   ratio {figures['throughput_ratio']:.3f}")
-    label = f"TTFT p50 ms ({args.clients} conc.)"
-    print(f"{label:24}{eng['ttft_p50_ms']:12.1f}{srv['ttft_p50_ms']:12.1f}"
-          f"   added {figures['added_ttft_p50_ms']:+.1f}")
-    print(f"{'TTFT p50 ms (single)':24}{eng['single_ttft_p50_ms']:12.1f}{srv['single_ttft_p50_ms']:12.1f}"
-          f"   added {figures['added_single_ttft_p50_ms']:+.1f}")
-    noisy = max(eng["foreign_cpu_per_s"] + srv["foreign_cpu_per_s"])
-    if noisy > 0.1:
-        print(f"warning: other processes used up to {noisy:.2f} cores during a run: the machine was not quiet")
+    print(f"{'':28}{'engine':>10}{'stack':>10}")
+    print(f"{'throughput tok/s':28}{f['engine_throughput_tok_s']:10.1f}{f['stack_throughput_tok_s']:10.1f}"
+          f"   ratio {f['throughput_ratio']:.3f}")
+    label = f"TTFT p50 ms ({args.clients} clients)"
+    print(f"{label:28}{f['engine_ttft_p50_ms']:10.1f}{f['stack_ttft_p50_ms']:10.1f}"
+          f"   added {f['added_ttft_p50_ms']:+.1f}")
+    print(f"{'TTFT p50 ms (lone request)':28}{f['engine_single_ttft_p50_ms']:10.1f}"
+          f"{f['stack_single_ttft_p50_ms']:10.1f}   added {f['added_single_ttft_p50_ms']:+.1f}")
+    print(f"{f['pairs_used']} of {f['pairs_run']} pairs used" +
+          ("  WARNING: every pair was disturbed by other processes" if f["only_disturbed_pairs"] else ""))
     print(f"wrote {args.output}")
 
 

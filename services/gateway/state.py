@@ -184,10 +184,17 @@ class Gateway:
         future = asyncio.get_running_loop().create_future()
         self._outgoing.append((entries, meta, future))
         if len(self._outgoing) == 1:
-            asyncio.get_running_loop().call_soon(self._flush)
+            asyncio.get_running_loop().call_soon(self._flush_when_settled, 1, 1)
         await future
 
-    def _flush(self) -> None:
+    def _flush_when_settled(self, turn: int, seen: int) -> None:
+        """Flush after a few event-loop turns, and while the batch still grows: requests whose bytes arrived
+        together reach ``submit`` over several turns (one per socket read), and a lone request waits only
+        microseconds for the turns of an idle loop."""
+        grew, seen = len(self._outgoing) > seen, len(self._outgoing)
+        if turn < 16 and (turn < 3 or grew):
+            asyncio.get_running_loop().call_soon(self._flush_when_settled, turn + 1, seen)
+            return
         batch, self._outgoing = self._outgoing, []
         self._spawn(self._send(batch))
 
