@@ -163,7 +163,7 @@ class Stack:
                         KERNELLAB_DEVICE=SERVE_CONFIG["device"], KERNELLAB_DTYPE=SERVE_CONFIG["dtype"],
                         KERNELLAB_MAX_NUM_SEQS=str(SERVE_CONFIG["max_num_seqs"]),
                         KERNELLAB_MAX_NUM_BATCHED_TOKENS=str(SERVE_CONFIG["max_num_batched_tokens"]),
-                        KERNELLAB_MAX_WAITING="1024")
+                        KERNELLAB_MAX_WAITING="1024", KERNELLAB_NICE="10")  # as `kernellab up` runs a CPU worker
         self.procs: list[subprocess.Popen] = []
 
     def _spawn(self, name: str, cmd: list[str]) -> None:

@@ -148,6 +148,12 @@ class _StackUp:
         env = dict(os.environ, KERNELLAB_MODEL=self.model, PYTHONUNBUFFERED="1")
         # Workers share this machine's cores: more torch threads than cores slows every step down.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.workers)))
+        device = env.get("KERNELLAB_DEVICE", "auto")
+        on_cpu = device == "cpu" or (device == "auto" and not os.path.exists("/dev/nvidia0"))
+        if on_cpu:
+            # On a CPU the workers' steps would otherwise delay the gateway's and Redis' short jobs (delivering
+            # tokens, taking requests): they run niced, which costs them nothing when they run alone.
+            env.setdefault("KERNELLAB_NICE", "10")
         if not _redis_answers(self.redis_url):
             binary = shutil.which("redis-server")
             if binary is None:

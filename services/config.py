@@ -79,6 +79,11 @@ class WorkerSettings(StackSettings):
     # gather_max_s in all), so a burst is prefilled in one step instead of paying an extra step for its head.
     gather_gap_s: float = Field(0.001, ge=0)
     gather_max_s: float = Field(0.05, ge=0)
+    # After a step that produced first tokens, wait (at most this long) until they are written to Redis.
+    first_token_flush_s: float = Field(0.005, ge=0)
+    # Niceness for the worker process (0: unchanged). `kernellab up` on a CPU sets 10: a worker sharing the
+    # cores with the gateway and Redis must not delay their short jobs (delivering tokens) behind its steps.
+    nice: int = Field(0, ge=0, le=19)
 
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"

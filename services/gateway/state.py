@@ -39,6 +39,8 @@ from kernellab.services.queue.protocol import (
 log = logging.getLogger("kernellab.gateway")
 
 REQUEST_STREAM_MAXLEN = 100_000  # approximate trim; backpressure keeps the backlog far below it
+FLUSH_SETTLE_S = 0.0005  # a submit pipeline goes out once no request joined it for this long …
+FLUSH_MAX_S = 0.005  # … or this long after its first request
 
 
 def redis_client(url: str, *, timeout: float = 1.0, blocking_ms: int = 0) -> aioredis.Redis:
@@ -184,16 +186,20 @@ class Gateway:
         future = asyncio.get_running_loop().create_future()
         self._outgoing.append((entries, meta, future))
         if len(self._outgoing) == 1:
-            asyncio.get_running_loop().call_soon(self._flush_when_settled, 1, 1)
+            now = time.perf_counter()
+            asyncio.get_running_loop().call_soon(self._flush_when_settled, now, now, 1)
         await future
 
-    def _flush_when_settled(self, turn: int, seen: int) -> None:
-        """Flush after a few event-loop turns, and while the batch still grows: requests whose bytes arrived
-        together reach ``submit`` over several turns (one per socket read), and a lone request waits only
-        microseconds for the turns of an idle loop."""
-        grew, seen = len(self._outgoing) > seen, len(self._outgoing)
-        if turn < 16 and (turn < 3 or grew):
-            asyncio.get_running_loop().call_soon(self._flush_when_settled, turn + 1, seen)
+    def _flush_when_settled(self, start: float, grown_at: float, seen: int) -> None:
+        """Flush once the batch has not grown for FLUSH_SETTLE_S (at most FLUSH_MAX_S after it began).
+        Requests whose bytes arrive together reach ``submit`` over several loop turns (socket reads, middleware),
+        so flushing at the first turn sent the head of a burst alone; checking again every turn costs a lone
+        request a fraction of a millisecond."""
+        now = time.perf_counter()
+        if len(self._outgoing) > seen:
+            grown_at, seen = now, len(self._outgoing)
+        if now - grown_at < FLUSH_SETTLE_S and now - start < FLUSH_MAX_S:
+            asyncio.get_running_loop().call_soon(self._flush_when_settled, start, grown_at, seen)
             return
         batch, self._outgoing = self._outgoing, []
         self._spawn(self._send(batch))

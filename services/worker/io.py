@@ -36,6 +36,7 @@ class WriteBatch:
     messages: list[OutputChunk | ErrorMessage] = field(default_factory=list)
     acks: list[Delivery] = field(default_factory=list)
     requeue: list[Delivery] = field(default_factory=list)  # a draining worker hands these back
+    written: list[threading.Event] = field(default_factory=list)  # set once the batch is in Redis
 
 
 class Holdings:
@@ -241,10 +242,13 @@ class RedisIO:
                     pending.messages += more.messages
                     pending.acks += more.acks
                     pending.requeue += more.requeue
+                    pending.written += more.written
             try:
                 q = q or self._queue()
                 self._execute(q, pending)
                 self.holdings.release(pending.acks + pending.requeue)
+                for event in pending.written:
+                    event.set()
                 pending, failing_since, aborted = None, None, False
                 self.redis_ok.set()
             except _REDIS_DOWN as exc:

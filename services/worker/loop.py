@@ -270,6 +270,7 @@ class Worker:
         batch = WriteBatch()
         now = time.monotonic()
         m = self.metrics
+        first_tokens = False
         for out in outputs:
             a = self.active.get(out.request_id)
             if a is None:
@@ -287,6 +288,7 @@ class Worker:
             if tokens:
                 if a.first is None:
                     a.first = now
+                    first_tokens = True
                     m.ttft.observe(now - a.arrival)
                 elif a.last is not None:
                     m.itl.observe((now - a.last) / len(tokens))
@@ -297,7 +299,14 @@ class Worker:
                 batch.acks.append(a.delivery)
                 del self.active[out.request_id]
         if batch.messages or batch.acks:
+            written = threading.Event()
+            batch.written.append(written)
             self.io.outbox.put(batch)
+            if first_tokens and self.settings.first_token_flush_s > 0:
+                # First tokens are what clients wait on most. The next step's Python would hold the GIL the
+                # writer thread needs (and on a CPU its threads take the cores the gateway needs), so let
+                # this batch reach Redis first; a later batch never waits.
+                written.wait(self.settings.first_token_flush_s)
 
     def _hand_back(self) -> None:
         """Drain timed out (or finished): abort what still runs and requeue it, after its chunks are written."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -20,6 +21,8 @@ def serve(settings: WorkerSettings) -> None:
     # The I/O threads need the GIL for well under a millisecond per step; by default a thread waiting for it
     # can wait the whole 5 ms switch interval while the step loop runs Python, which a client sees as latency.
     sys.setswitchinterval(0.0005)
+    if settings.nice:
+        os.nice(settings.nice)
     worker = Worker(settings)
     server = None
     if settings.worker_metrics_port:
