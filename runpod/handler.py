@@ -23,12 +23,12 @@ import time
 from dataclasses import fields
 
 from engine_loop import EngineLoop
-from kernellab.runtime.config import EngineConfig
-from kernellab.runtime.detokenizer import IncrementalDetokenizer
-from kernellab.runtime.errors import KernellabError
 from openai_io import ResponseBuilder, error_output, logprob_entries, models_output, parse_job_input
 
 import runpod
+from kernellab.runtime.config import EngineConfig
+from kernellab.runtime.detokenizer import IncrementalDetokenizer
+from kernellab.runtime.errors import KernellabError
 
 log = logging.getLogger("kernellab.runpod")
 

@@ -25,6 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import httpx
+
 from kernellab.services.loadgen.sse import SSEDecoder, StreamResult
 from kernellab.services.loadgen.stats import PERCENTILES, SLO, RequestRecord, format_table, summarize
 from kernellab.services.loadgen.workload import RequestSpec, Workload

@@ -25,11 +25,12 @@ import time
 from pathlib import Path
 
 import gevent
+from locust import HttpUser, constant, events, task
+from locust.exception import StopUser
+
 from kernellab.services.loadgen.sse import StreamResult, iter_sse_data
 from kernellab.services.loadgen.stats import SLO, RequestRecord, format_table, summarize
 from kernellab.services.loadgen.workload import Workload, parse_mix
-from locust import HttpUser, constant, events, task
-from locust.exception import StopUser
 
 log = logging.getLogger("kernellab.loadgen")
 

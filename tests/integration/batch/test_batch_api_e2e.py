@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import (
+from batch_helpers import (
     body_text,
     chat_line,
     comparable,

@@ -6,7 +6,15 @@ import time
 
 import pytest
 import redis
-from conftest import body_text, file_lines, mixed_lines, reference_texts, start_batch, wait_batch, write_jsonl
+from batch_helpers import (
+    body_text,
+    file_lines,
+    mixed_lines,
+    reference_texts,
+    start_batch,
+    wait_batch,
+    write_jsonl,
+)
 from stack_helpers import MODEL, metric, wait_for
 
 pytestmark = pytest.mark.integration

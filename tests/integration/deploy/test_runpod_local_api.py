@@ -11,8 +11,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from kernellab.services.loadgen.sse import StreamResult, iter_sse_data
 
+from kernellab.services.loadgen.sse import StreamResult, iter_sse_data
 from tests.unit.deploy.support import REPO, free_port, http_json, stop_process, wait_until
 
 pytestmark = pytest.mark.integration

@@ -20,7 +20,8 @@ def run(rstack, tmp_path, scenario: str, **fault_kwargs) -> dict:
     report = run_scenario(rstack, scenario, requests=CAP, concurrency=16, seed=2, fault_kwargs=fault_kwargs,
                           command=f"pytest tests/integration/reliability/test_faults.py -k {scenario}")
     results.write(tmp_path / f"{scenario}.json", report)
-    assert report["passed"], brief(report)
+    failed = [k for k, ok in report["checks"].items() if not ok]
+    assert report["passed"], {"failed_checks": failed, "faults": report["faults"], **brief(report)}
     q = report["requests"]
     assert q["lost"] == 0 and q["corrupt"] == 0 and report["leaked_blocks"] == 0, brief(report)
     assert report["faults"] and all(f["in_flight_at_fault"] > 0 for f in report["faults"]), report["faults"]

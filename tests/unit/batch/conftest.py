@@ -26,7 +26,7 @@ redis_url = _services.redis_url
 prefix = _services.prefix
 tokenizer = _services.tokenizer
 
-MODEL = "smollm2-135m"
+from kernellab.runtime.registry import DEFAULT_CPU_MODEL as MODEL  # noqa: E402
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ import asyncio
 import json
 
 import pytest
-from conftest import MODEL
 from fake_engine import FakeEngine
 
+from kernellab.runtime.registry import DEFAULT_CPU_MODEL as MODEL
 from kernellab.services.batch import lines as L
 from kernellab.services.batch.offline import EngineExecutor
 from kernellab.services.batch.runner import LineRunner

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+
 from kernellab.services.loadgen.sse import SSEDecoder, StreamResult, iter_sse_data
 from kernellab.services.loadgen.stats import (
     SLO,

@@ -9,8 +9,8 @@ import sys
 import textwrap
 
 import pytest
-from kernellab.runtime.errors import ContextLengthError, InvalidRequestError, UnknownModelError
 
+from kernellab.runtime.errors import ContextLengthError, InvalidRequestError, UnknownModelError
 from tests.unit.deploy.support import REPO
 
 sys.path.insert(0, str(REPO / "runpod"))  # the handler's modules sit beside handler.py, as in the image
