@@ -49,6 +49,44 @@ end
 return lost
 """
 
+# Fenced write of one step's output. KEYS: n output streams, the n request streams their entries are in, then
+# the m request streams of the entries to XACK. ARGV: group, consumer, output TTL (ms), n, m, the n entry ids,
+# the n payloads, the m entry ids. A message is written and an entry XACKed only while that entry is pending
+# under this consumer; returns {1/0 per XACK, number of messages skipped}.
+_WRITE_OWNED = """
+local group, me, ttl = ARGV[1], ARGV[2], ARGV[3]
+local n, m = tonumber(ARGV[4]), tonumber(ARGV[5])
+local known = {}
+local function ours(stream, id)
+  local key = stream .. ' ' .. id
+  if known[key] == nil then
+    local p = redis.pcall('XPENDING', stream, group, id, id, 1)
+    known[key] = type(p) == 'table' and p.err == nil and p[1] ~= nil and p[1][2] == me
+  end
+  return known[key]
+end
+local skipped = 0
+for i = 1, n do
+  if ours(KEYS[n + i], ARGV[5 + i]) then
+    redis.call('XADD', KEYS[i], '*', 'm', ARGV[5 + n + i])
+    redis.call('PEXPIRE', KEYS[i], ttl)
+  else
+    skipped = skipped + 1
+  end
+end
+local acked = {}
+for j = 1, m do
+  local stream, id = KEYS[2 * n + j], ARGV[5 + 2 * n + j]
+  if ours(stream, id) then
+    redis.call('XACK', stream, group, id)
+    acked[j] = 1
+  else
+    acked[j] = 0
+  end
+end
+return {acked, skipped}
+"""
+
 
 def connect(url: str, *, timeout: float = 2.0, blocking_ms: int = 0) -> redis.Redis:
     """A client that fails fast when Redis is away (no hidden retries), with room for blocking reads."""
@@ -82,6 +120,7 @@ class WorkerQueue:
         self.max_deliveries = max_deliveries
         self.dead_lettered = 0  # how many this client sent to the dead-letter stream
         self._refresh_owned = client.register_script(_REFRESH_OWNED)
+        self._write_owned = client.register_script(_WRITE_OWNED)
 
     def ensure_groups(self) -> None:
         """Create the consumer group on every request stream (from id 0: nothing enqueued earlier is lost)."""
@@ -206,6 +245,18 @@ class WorkerQueue:
             if isinstance(reply, list) and reply:
                 lost[stream] = [_sid(x) for x in reply]
         return lost
+
+    def write_owned(self, outputs: list[tuple[str, bytes, Delivery]], acks: list[Delivery],
+                    ttl_ms: int) -> tuple[list[bool], int]:
+        """Append each (output stream, payload) and XACK each entry, atomically and only where the request entry
+        is still this worker's. Returns whether each ack was ours, and how many messages were skipped."""
+        if not outputs and not acks:
+            return [], 0
+        keys = [k for k, _, _ in outputs] + [d.stream for _, _, d in outputs] + [d.stream for d in acks]
+        args = [GROUP, self.consumer, ttl_ms, len(outputs), len(acks), *(d.entry_id for _, _, d in outputs),
+                *(payload for _, payload, _ in outputs), *(d.entry_id for d in acks)]
+        acked, skipped = self._write_owned(keys=keys, args=args)
+        return [bool(a) for a in acked], int(skipped)
 
     def requeue(self, deliveries: list[Delivery]) -> None:
         """Hand unfinished requests back (a draining worker): re-add each as a resumable copy, then XACK it."""

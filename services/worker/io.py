@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import redis
 
 from kernellab.services.queue.broker import Delivery, WorkerQueue, connect, decode_cancel
-from kernellab.services.queue.keys import GROUP, Keys
+from kernellab.services.queue.keys import Keys
 from kernellab.services.queue.protocol import CancelMessage, ErrorMessage, Heartbeat, OutputChunk, encode
 
 log = logging.getLogger("kernellab.worker")
@@ -33,10 +33,32 @@ _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 @dataclass
 class WriteBatch:
+    """What one step writes. Every message and XACK is fenced on its request entry: written only while the entry
+    is still pending under this worker (a worker stalled past the reclaim timeout must not write for, nor count
+    as finished, a request another worker has taken over)."""
+
     messages: list[OutputChunk | ErrorMessage] = field(default_factory=list)
+    owners: list[Delivery] = field(default_factory=list)  # parallel to messages: the entry each belongs to
     acks: list[Delivery] = field(default_factory=list)
+    on_acked: list[Callable[[], None] | None] = field(default_factory=list)  # parallel to acks: once XACKed by us
     requeue: list[Delivery] = field(default_factory=list)  # a draining worker hands these back
     written: list[threading.Event] = field(default_factory=list)  # set once the batch is in Redis
+
+    def add(self, message: OutputChunk | ErrorMessage, owner: Delivery) -> None:
+        self.messages.append(message)
+        self.owners.append(owner)
+
+    def ack(self, d: Delivery, on_acked: Callable[[], None] | None = None) -> None:
+        self.acks.append(d)
+        self.on_acked.append(on_acked)
+
+    def extend(self, other: WriteBatch) -> None:
+        self.messages += other.messages
+        self.owners += other.owners
+        self.acks += other.acks
+        self.on_acked += other.on_acked
+        self.requeue += other.requeue
+        self.written += other.written
 
 
 class Holdings:
@@ -239,10 +261,7 @@ class RedisIO:
                     if more is None:
                         done = True
                         break
-                    pending.messages += more.messages
-                    pending.acks += more.acks
-                    pending.requeue += more.requeue
-                    pending.written += more.written
+                    pending.extend(more)
             try:
                 q = q or self._queue()
                 self._execute(q, pending)
@@ -264,14 +283,15 @@ class RedisIO:
                 time.sleep(0.2)
 
     def _execute(self, q: WorkerQueue, batch: WriteBatch) -> None:
-        pipe = q.r.pipeline(transaction=True)
-        for m in batch.messages:
-            key = self.keys.output(f"{m.request_id}-{m.index}")
-            pipe.xadd(key, {b"m": encode(m)})
-            pipe.pexpire(key, self.output_ttl_ms)
-        for d in batch.acks:
-            pipe.xack(d.stream, GROUP, d.entry_id)
-        pipe.execute(raise_on_error=False)
+        outputs = [(self.keys.output(f"{m.request_id}-{m.index}"), encode(m), d)
+                   for m, d in zip(batch.messages, batch.owners, strict=True)]
+        acked, skipped = q.write_owned(outputs, batch.acks, self.output_ttl_ms)
+        if skipped:
+            log.warning("skipped %d output message(s) of request(s) no longer ours (reclaimed while we stalled)",
+                        skipped)
+        for ours, on_acked in zip(acked, batch.on_acked, strict=True):
+            if ours and on_acked is not None:
+                on_acked()
         if batch.requeue:
             q.requeue(batch.requeue)
 

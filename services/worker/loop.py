@@ -214,14 +214,13 @@ class Worker:
         msg = d.message
         eid = msg.engine_id
         if d.finished:  # resumed, but its final chunk is already written: only the XACK was lost
-            batch.acks.append(d)
+            batch.ack(d)
             return
         emitted = list(d.emitted or [])
 
         def finish(reason: str) -> None:
-            batch.messages.append(self._chunk(d, len(emitted), [], None, True, reason))
-            batch.acks.append(d)
-            self.metrics.finish(reason)
+            batch.add(self._chunk(d, len(emitted), [], None, True, reason), d)
+            batch.ack(d, lambda: self.metrics.finish(reason))
 
         if self.io.cancels.cancelled(msg.request_id, msg.index):
             return finish("abort")
@@ -235,14 +234,14 @@ class Worker:
             self.engine.add_request(eid, msg.prompt_token_ids, params, priority=PRIORITY_VALUE.get(msg.priority, 0),
                                     deadline=msg.deadline, output_token_ids=emitted)
         except KernellabError as exc:
-            batch.messages.append(ErrorMessage(msg.request_id, msg.index, exc.status_code, exc.message,
-                                               exc.error_type, exc.code, exc.param, self.worker_id))
-            batch.acks.append(d)
+            batch.add(ErrorMessage(msg.request_id, msg.index, exc.status_code, exc.message,
+                                   exc.error_type, exc.code, exc.param, self.worker_id), d)
+            batch.ack(d)
             return
         except (TypeError, ValueError) as exc:
-            batch.messages.append(ErrorMessage(msg.request_id, msg.index, 400, f"bad request: {exc}",
-                                               "invalid_request_error", None, None, self.worker_id))
-            batch.acks.append(d)
+            batch.add(ErrorMessage(msg.request_id, msg.index, 400, f"bad request: {exc}",
+                                   "invalid_request_error", None, None, self.worker_id), d)
+            batch.ack(d)
             return
         self.active[eid] = Active(d, len(emitted), time.monotonic())
 
@@ -256,9 +255,8 @@ class Worker:
     def _abort(self, eid: str, batch: WriteBatch) -> None:
         a = self.active.pop(eid)
         self.engine.abort(eid)
-        batch.messages.append(self._chunk(a.delivery, a.emitted, [], None, True, "abort"))
-        batch.acks.append(a.delivery)
-        self.metrics.finish("abort")
+        batch.add(self._chunk(a.delivery, a.emitted, [], None, True, "abort"), a.delivery)
+        batch.ack(a.delivery, lambda: self.metrics.finish("abort"))
 
     def _chunk(self, d: Delivery, seq: int, tokens, logprobs, finished: bool, reason, stop_reason=None,
                cached: int = 0) -> OutputChunk:
@@ -282,8 +280,8 @@ class Worker:
             if out.new_logprobs:
                 logprobs = [[lp.token_id, float(lp.logprob), [[int(t), float(v)] for t, v in lp.top]]
                             for lp in out.new_logprobs]
-            batch.messages.append(self._chunk(a.delivery, a.emitted, tokens, logprobs, out.finished,
-                                              out.finish_reason, out.stop_reason, out.num_cached_tokens))
+            batch.add(self._chunk(a.delivery, a.emitted, tokens, logprobs, out.finished,
+                                  out.finish_reason, out.stop_reason, out.num_cached_tokens), a.delivery)
             a.emitted += len(tokens)
             if tokens:
                 if a.first is None:
@@ -295,8 +293,8 @@ class Worker:
                 a.last = now
             if out.finished:
                 m.e2e.observe(now - a.arrival)
-                m.finish(out.finish_reason)
-                batch.acks.append(a.delivery)
+                # Counted once the XACK is ours: a stalled worker's finish of a reclaimed request is not one.
+                batch.ack(a.delivery, lambda reason=out.finish_reason: m.finish(reason))
                 del self.active[out.request_id]
         if batch.messages or batch.acks:
             written = threading.Event()

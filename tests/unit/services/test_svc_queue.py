@@ -88,6 +88,27 @@ def test_refresh_keeps_a_live_workers_entries(setup):
     assert pending[0]["times_delivered"] == 1  # refreshing is not a delivery
 
 
+def test_a_stalled_worker_writes_nothing_for_a_request_reclaimed_from_it(setup):
+    r, keys, live = setup
+    enqueue(r, keys, "a")
+    enqueue(r, keys, "b")
+    stalled = WorkerQueue(r, keys, "stalled")
+    da, db = stalled.read(["interactive"], 2, None)
+    time.sleep(0.03)
+    [taken] = live.reclaim(min_idle_ms=20, count=1)  # "a": the oldest; "b" stays the stalled worker's
+    assert taken.entry_id == da.entry_id
+    stalled.refresh({db.stream: [db.entry_id]})
+    out = keys.output("a-0"), keys.output("b-0")
+    acked, skipped = stalled.write_owned([(out[0], b"late", da), (out[1], b"mine", db)], [da, db], 60_000)
+    assert acked == [False, True] and skipped == 1
+    assert r.xlen(out[0]) == 0 and [f[b"m"] for _, f in r.xrange(out[1])] == [b"mine"]
+    assert 0 < r.pttl(out[1]) <= 60_000
+    pending = r.xpending_range(da.stream, GROUP, "-", "+", 10)
+    assert [(p["message_id"], p["consumer"]) for p in pending] == [(da.entry_id.encode(), b"live")]
+    assert live.write_owned([(out[0], b"owner", taken)], [taken], 60_000) == ([True], 0)
+    assert r.xpending(da.stream, GROUP)["pending"] == 0
+
+
 def test_finished_output_means_only_the_ack_is_missing(setup):
     r, keys, live = setup
     enqueue(r, keys, "a")
