@@ -33,7 +33,8 @@ format: install
 	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
 
 bench-cpu: install  ## the CPU offline benchmark artifact (issue figures); run on a quiet machine
-	$(BIN)/kernellab bench offline --model smollm2-135m --dtype auto --dtype float32 --peer hf --peer llama.cpp \
+	$(BIN)/kernellab bench offline --model smollm2-135m --dtype auto --dtype float32 --weight-quant none \
+		--weight-quant int4 --peer hf --peer llama.cpp \
 		--output results/bench_offline_cpu.json
 
 clean:

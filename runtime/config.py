@@ -124,6 +124,10 @@ class EngineConfig:
     # Greedy decode steps run back to back on the GPU between host syncs (vLLM's multi-step scheduling): the
     # host's per-step Python cost is paid once per window. 0 = auto: 8 with CUDA graphs, else 1.
     num_scheduler_steps: int = 0
+    # "int4": on a CPU, a GGUF checkpoint's Q4_1 linears are also kept as their 4-bit codes (runtime/quant.py)
+    # and steps of at most int4_max_rows rows (decode at small batch) read those instead of the dense weights.
+    weight_quant: str = "none"  # "none" | "int4"
+    int4_max_rows: int = 4
     random_weights: bool = False  # build the model's exact shape with random weights (GPU benchmarks)
     seed: int = 0
     extra: dict = field(default_factory=dict)
@@ -135,6 +139,8 @@ class EngineConfig:
             raise InvalidRequestError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}")
+        if self.weight_quant not in ("none", "int4"):
+            raise InvalidRequestError(f"weight_quant must be none or int4, got {self.weight_quant!r}")
         if self.backend not in ("auto", "torch", "triton"):
             raise InvalidRequestError(f"unknown backend {self.backend!r}")
         if self.kernels not in ("accepted", "experimental", "none"):

@@ -54,11 +54,25 @@ def load_model_config(spec: ModelSpec, random_weights: bool):
     if random_weights:
         if spec.hf_config is None:
             path = checkpoint_path(spec)
-            return load_config(path), None
-        return ModelConfig.from_hf(spec.hf_config), None
+            return load_config(path), None, path
+        return ModelConfig.from_hf(spec.hf_config), None, None
     path = checkpoint_path(spec)
     cfg = load_config(path)
-    return cfg, load_weights(path, cfg)
+    return cfg, load_weights(path, cfg), path
+
+
+def _int4_weights(cfg: EngineConfig, path, model_cfg: ModelConfig, device):
+    """The Q4_1 codes for ``weight_quant="int4"``, or None; a clear error where it cannot apply."""
+    if cfg.weight_quant == "none":
+        return None
+    from kernellab.runtime import quant
+    from kernellab.runtime.loader import gguf_q4_1_weights
+
+    if device.type != "cpu" or not quant.available():
+        raise InvalidRequestError("weight_quant='int4' runs on the CPU (PyTorch's int4pack matmul); use 'none' here")
+    if cfg.random_weights or path is None or path.suffix != ".gguf":
+        raise InvalidRequestError(f"weight_quant='int4' needs a GGUF checkpoint with Q4_1 tensors; {cfg.model} has none")
+    return gguf_q4_1_weights(path, model_cfg)
 
 
 class LLMEngine:
@@ -70,7 +84,7 @@ class LLMEngine:
         self.config = cfg = config or EngineConfig(**kwargs)
         self.spec = resolve_model(cfg.model)
         t0 = time.perf_counter()
-        model_cfg, checkpoint = load_model_config(self.spec, cfg.random_weights)
+        model_cfg, checkpoint, path = load_model_config(self.spec, cfg.random_weights)
         weights = checkpoint if weights is None else weights
         self.model_config = model_cfg
         limit = cfg.max_model_len or self.spec.max_model_len or model_cfg.max_position_embeddings
@@ -78,7 +92,8 @@ class LLMEngine:
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device, self.spec.dtype)
         ops = _select_ops(cfg, device)
-        self.runner = ModelRunner(model_cfg, cfg, device, dtype, self.max_model_len, weights, ops)
+        int4 = _int4_weights(cfg, path, model_cfg, device)
+        self.runner = ModelRunner(model_cfg, cfg, device, dtype, self.max_model_len, weights, ops, int4_weights=int4)
         self._tokenizer = None
         eos = set(model_cfg.eos_token_ids)
         if not cfg.random_weights:

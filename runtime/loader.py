@@ -153,24 +153,47 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_weights(path: Path, config: ModelConfig) -> WeightIter:
-    from gguf.quants import dequantize
-
+def _gguf_tensors(path: Path):
+    """(tensor, HF name) for the GGUF tensors the model uses."""
     reader = _gguf_reader(str(path))
     for tensor in reader.tensors:
         name = tensor.name
         if name in _GGUF_NAMES:
-            hf_name = _GGUF_NAMES[name]
+            yield tensor, _GGUF_NAMES[name]
         elif name.startswith("blk."):
             _, layer, kind, suffix = name.split(".", 3)
-            if kind not in _GGUF_LAYER_NAMES:
-                continue
-            hf_name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
-        else:
-            continue
+            if kind in _GGUF_LAYER_NAMES:
+                yield tensor, f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
+
+
+def _rope_heads(name: str, config: ModelConfig) -> int | None:
+    """Heads whose rows llama.cpp's converter permuted (Llama q and k), else None."""
+    if config.architecture == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+        return config.num_heads if "attn_q" in name else config.num_kv_heads
+    return None
+
+
+def gguf_weights(path: Path, config: ModelConfig) -> WeightIter:
+    from gguf.quants import dequantize
+
+    for tensor, hf_name in _gguf_tensors(path):
         shape = tuple(int(d) for d in reversed(tensor.shape))
         array = dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32, copy=False)
-        if config.architecture == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
-            n_head = config.num_heads if "attn_q" in name else config.num_kv_heads
+        if (n_head := _rope_heads(tensor.name, config)) is not None:
             array = _unpermute_rope(array, n_head)
         yield hf_name, torch.from_numpy(np.array(array, dtype=np.float32))  # copy: GGUF data is a read-only memmap
+
+
+def gguf_q4_1_weights(path: Path, config: ModelConfig):
+    """``(hf_name, (codes, d, m))`` for every Q4_1 tensor of a GGUF file, rows in the same (un-permuted) order as
+    ``gguf_weights`` (see ``runtime/quant.py``)."""
+    from kernellab.runtime.quant import q4_1_unpack
+
+    for tensor, hf_name in _gguf_tensors(path):
+        if tensor.tensor_type.name != "Q4_1":
+            continue
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        parts = q4_1_unpack(tensor.data, shape)
+        if (n_head := _rope_heads(tensor.name, config)) is not None:
+            parts = tuple(_unpermute_rope(p, n_head) for p in parts)
+        yield hf_name, parts

@@ -27,6 +27,7 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.weight = _param(out_features, in_features)
+        self.int4 = None  # an Int4Weight (runtime/quant.py) beside the dense weight, for steps with few rows
 
 
 class Norm(nn.Module):
@@ -85,6 +86,12 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
         self.scale = cfg.head_dim**-0.5
+        self.int4_max_rows = 0
+
+    def _linear(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
+        if lin.int4 is not None and x.shape[0] <= self.int4_max_rows:
+            return lin.int4.mm(x)
+        return self.ops.linear(x, lin.weight)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list,
@@ -101,7 +108,7 @@ class CausalLM(nn.Module):
             else:
                 x, residual = ops.add_rms_norm(hidden, residual, layer.input_layernorm.weight, eps)
             attn = layer.self_attn
-            qkv = ops.linear(x, attn.qkv_proj.weight)
+            qkv = self._linear(x, attn.qkv_proj)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.view(-1, cfg.num_heads, cfg.head_dim)
             k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -113,9 +120,9 @@ class CausalLM(nn.Module):
                 q, k = ops.rotary_embedding(meta.positions, q, k, self.cos_sin_cache)
                 ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             o = paged_attention(ops, q, k, v, k_cache, v_cache, meta, self.scale)
-            hidden = ops.linear(o.reshape(-1, cfg.q_size), attn.o_proj.weight)
+            hidden = self._linear(o.reshape(-1, cfg.q_size), attn.o_proj)
             x, residual = ops.add_rms_norm(hidden, residual, layer.post_attention_layernorm.weight, eps)
-            hidden = ops.linear(ops.silu_and_mul(ops.linear(x, layer.mlp.gate_up_proj.weight)), layer.mlp.down_proj.weight)
+            hidden = self._linear(ops.silu_and_mul(self._linear(x, layer.mlp.gate_up_proj)), layer.mlp.down_proj)
             if collect is not None:
                 collect.append(hidden + residual)
         hidden, _ = ops.add_rms_norm(hidden, residual, self.model.norm.weight, eps)
@@ -124,6 +131,30 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(hidden, self.lm_head.weight).float()
+
+    @torch.inference_mode()
+    def attach_int4(self, q4_1_weights, dtype: torch.dtype, max_rows: int) -> int:
+        """Give every linear whose (fused) weight is all Q4_1 an ``Int4Weight``; returns how many got one. The
+        dense weights stay: steps with more than ``max_rows`` rows use them."""
+        from kernellab.runtime.quant import Int4Weight, fuse_q4_1
+
+        shards: dict[str, dict[int, tuple]] = {}
+        for name, parts in q4_1_weights:
+            target, shard = name, 0
+            for short, (packed, idx) in PACKED_MODULES.items():
+                if f".{short}." in name:
+                    target, shard = name.replace(f".{short}.", f".{packed}."), idx
+                    break
+            shards.setdefault(target.removesuffix(".weight"), {})[shard] = parts
+        count = 0
+        for module_name, got in shards.items():
+            lin = self.get_submodule(module_name)
+            if sorted(got) != list(range(len(got))) or sum(p[0].shape[0] for p in got.values()) != lin.weight.shape[0]:
+                continue  # some shard is not Q4_1: this linear stays dense
+            lin.int4 = Int4Weight.from_q4_1(*fuse_q4_1([got[i] for i in sorted(got)])).to(dtype)
+            count += 1
+        self.int4_max_rows = max_rows
+        return count
 
     @torch.inference_mode()
     def load_weights(self, weights) -> set[str]:

@@ -42,7 +42,7 @@ def resolve_dtype(dtype: str, device: torch.device, preferred: str = "bfloat16")
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int, weights=None, ops=torch_ops):
+                 max_model_len: int, weights=None, ops=torch_ops, int4_weights=None):
         self.cfg, self.model_cfg = cfg, model_cfg
         self.device, self.dtype = device, dtype
         self.block_size = cfg.block_size
@@ -63,6 +63,9 @@ class ModelRunner:
             self.model.load_weights(weights)
         self.model.to(dtype=dtype)
         self.model.cos_sin_cache = cos_sin  # stays fp32
+        if int4_weights is not None:
+            n = self.model.attach_int4(int4_weights, dtype, cfg.int4_max_rows)
+            log.info("int4 weights for %d linears (steps of at most %d rows)", n, cfg.int4_max_rows)
         self.num_blocks = self._num_kv_blocks()
         shape = (self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
         self.kv_caches = [

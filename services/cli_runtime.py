@@ -171,6 +171,8 @@ def bench_offline_cmd(
     peer: Annotated[list[str], typer.Option(help="hf, llama.cpp, none")] = ["hf"],  # noqa: B006
     random_weights: Annotated[bool, typer.Option("--random-weights")] = False,
     backend: str = "auto",
+    weight_quant: Annotated[list[str], typer.Option("--weight-quant", help="repeat to compare (none, int4)")] = [  # noqa: B006
+        "none"],
     output: Annotated[Path | None, typer.Option()] = None,
 ) -> None:
     """Offline throughput of the engine and its peers, same prompts, same run; a JSON artifact."""
@@ -179,7 +181,8 @@ def bench_offline_cmd(
 
     try:
         data = bench_offline(model, num_prompts, max_tokens, tuple(dtype), device, workload, tuple(peer),
-                             random_weights, {"backend": backend}, progress=lambda m: err.print(f"[dim]… {m}[/]"))
+                             random_weights, {"backend": backend}, progress=lambda m: err.print(f"[dim]… {m}[/]"),
+                             weight_quants=tuple(weight_quant))
     except KernellabError as exc:
         fail(exc)
     table = Table(title=f"offline throughput: {model}")

@@ -59,3 +59,11 @@ def smol_engine_fp32():
     from kernellab.runtime.engine import LLM
 
     return LLM("smollm2-135m", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smol_engine_int4():
+    """The embedded model in fp32 with its Q4_1 linears also as int4 codes (batch-1 decode reads those)."""
+    from kernellab.runtime.engine import LLM
+
+    return LLM("smollm2-135m", device="cpu", dtype="float32", weight_quant="int4")

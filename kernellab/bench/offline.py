@@ -42,17 +42,24 @@ def run_engine(engine, prompts, max_tokens: list[int], label: str, dtype: str) -
     for i, (p, n) in enumerate(zip(prompts, max_tokens, strict=True)):
         engine.add_request(f"b{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     produced = 0
+    first: list[int] = []  # the first prompt's tokens: greedy agreement between the configurations
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
-        produced += sum(len(o.new_token_ids) for o in engine.step())
+        for o in engine.step():
+            produced += len(o.new_token_ids)
+            if o.request_id == "b0":
+                first.extend(o.new_token_ids)
     _sync(device)
     seconds = time.perf_counter() - t0
-    return {"system": "kernellab", "workload": label, "dtype": dtype, "num_prompts": len(prompts),
+    quant = engine.config.weight_quant
+    return {"system": "kernellab", "workload": label, "dtype": dtype if quant == "none" else f"{dtype}+{quant}",
+            "weight_quant": quant, "first_prompt_token_ids": first, "num_prompts": len(prompts),
             "input_tokens": sum(map(len, prompts)), "output_tokens": produced, "seconds": round(seconds, 3),
             "output_tok_per_s": round(produced / seconds, 1), "peak_memory_gib": _peak_gib(device),
             "config": {"max_num_seqs": engine.config.max_num_seqs, "backend": engine.config.backend,
                        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
-                       "kv_blocks": engine.runner.num_blocks, "cuda_graphs": engine.config.cuda_graphs}}
+                       "kv_blocks": engine.runner.num_blocks, "cuda_graphs": engine.config.cuda_graphs,
+                       "int4_max_rows": engine.config.int4_max_rows if quant != "none" else None}}
 
 
 def load_hf(model: str, device: str, dtype: torch.dtype, random_weights: bool):
@@ -115,17 +122,17 @@ def run_llama_cpp(model: str, prompt: list[int], max_new: int, label: str) -> di
 def bench_offline(model: str, num_prompts: int = 32, max_tokens: int = 128, dtypes: tuple[str, ...] = ("auto",),
                   device: str = "auto", workload: str = "chat", peers: tuple[str, ...] = ("hf",),
                   random_weights: bool = False, engine_kwargs: dict | None = None,
-                  progress: Progress = lambda _: None) -> dict:
+                  progress: Progress = lambda _: None, weight_quants: tuple[str, ...] = ("none",)) -> dict:
     from kernellab.runtime.config import EngineConfig
     from kernellab.runtime.engine import LLMEngine
 
     runs = []
     engine_kwargs = engine_kwargs or {}
     workloads = []
-    for dtype in dtypes:
-        progress(f"loading {model} ({dtype})")
+    for dtype, quant in [(d, q) for q in weight_quants for d in dtypes]:
+        progress(f"loading {model} ({dtype}, weight_quant={quant})")
         engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, random_weights=random_weights,
-                                        **engine_kwargs))
+                                        weight_quant=quant, **engine_kwargs))
         real_dtype = str(engine.runner.dtype).removeprefix("torch.")
         dev = str(engine.runner.device)
         if workload == "nanovllm":
@@ -155,4 +162,20 @@ def bench_offline(model: str, num_prompts: int = 32, max_tokens: int = 128, dtyp
         result = run_llama_cpp(model, workloads[0][1][0], max_tokens, "batch1")
         if result:
             runs.append(result)
+    _agreement(runs)
     return {"schema": "kernellab.bench.offline/v1", "provenance": provenance(dev), "model": model, "runs": runs}
+
+
+def _agreement(runs: list[dict]) -> None:
+    """Each quantized run's first-prompt greedy tokens against the dense run of the same dtype and workload:
+    how many leading tokens are equal (decode paths differ in summation order, so long outputs may part)."""
+    dense = {(r["workload"], r["dtype"]): r for r in runs if r.get("weight_quant") == "none"}
+    for r in runs:
+        if r.get("weight_quant", "none") == "none":
+            continue
+        ref = dense.get((r["workload"], r["dtype"].split("+")[0]))
+        if ref is None:
+            continue
+        a, b = r["first_prompt_token_ids"], ref["first_prompt_token_ids"]
+        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        r["first_prompt_equal_prefix_vs_dense"] = {"tokens": same, "of": min(len(a), len(b))}
