@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import statistics
 import sys
 import time
@@ -149,10 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from kernellab.results import provenance, write
 
+    load_before = os.getloadavg()[0]
     result = run(args.url, args.api_key, args.model, args.requests, args.max_tokens, args.batch_lines,
                  args.batch_max_tokens, args.gap, args.timeout)
     result["provenance"] = provenance("cpu")
-    result["stack"] = {"url": args.url, "notes": args.notes}
+    # The machine's 1-minute load around the run: other work on a shared host skews both phases' figures.
+    result["stack"] = {"url": args.url, "notes": args.notes, "load_1m_before": load_before,
+                       "load_1m_after": os.getloadavg()[0]}
     write(args.output, result)
     idle, busy = result["idle"], result["under_batch"]
     print(f"{'phase':<12}{'n':>4}{'p50 ms':>10}{'p90 ms':>10}{'mean ms':>10}")
