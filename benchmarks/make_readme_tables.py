@@ -117,9 +117,23 @@ def serve_table() -> str:
     return "\n".join(lines)
 
 
+def batch_table() -> str:
+    data = load("results/batch_interactive_ttft.json")
+    if not data:
+        return "_no batch artifact yet (`python benchmarks/batch_ttft.py`)_"
+    p, i, b = data["provenance"], data["idle"], data["under_batch"]
+    return "\n".join([
+        f"`results/batch_interactive_ttft.json` — commit `{p['commit'][:12]}`, {p['date']}. Streaming chat, "
+        f"{i['n']} requests per phase, a {data['workload']['batch_lines']}-line batch running in the busy phase.", "",
+        "| phase | TTFT p50 | TTFT p90 |", "| --- | ---: | ---: |",
+        f"| idle | {i['p50_s'] * 1e3:.1f} ms | {i['p90_s'] * 1e3:.1f} ms |",
+        f"| under a batch | {b['p50_s'] * 1e3:.1f} ms | {b['p90_s'] * 1e3:.1f} ms |", "",
+        f"Ratio of the p50s: {data['ratio_p50']:.2f} (bound {data['bound']})."])
+
+
 def main() -> None:
     text = README.read_text()
-    for name, fn in (("CPU", cpu_table), ("GPU", gpu_table), ("SERVE", serve_table)):
+    for name, fn in (("CPU", cpu_table), ("GPU", gpu_table), ("SERVE", serve_table), ("BATCH", batch_table)):
         block = f"<!-- BEGIN {name} TABLE -->\n{fn()}\n<!-- END {name} TABLE -->"
         pattern = re.compile(rf"<!-- BEGIN {name} TABLE -->.*?<!-- END {name} TABLE -->", re.S)
         text = pattern.sub(lambda _m, b=block: b, text) if pattern.search(text) else text

@@ -31,8 +31,9 @@ def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=Path(__file__).resolve().parent.parent)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=5, cwd=Path(__file__).resolve().parent.parent)
+        # "-dirty" when the code differs from the commit (edits to docs or results do not change a figure)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS],
+                               capture_output=True, text=True, timeout=5, cwd=Path(__file__).resolve().parent.parent)
         commit = out.stdout.strip() or "unknown"
         return commit + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
@@ -71,6 +72,10 @@ def provenance(device: str = "cpu") -> dict:
         info.update(gpu=props.name, gpu_sms=props.multi_processor_count,
                     gpu_memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
     return info
+
+
+CODE_PATHS = ("kernellab", "runtime", "kernels", "services", "benchmarks", "tests", "scripts", "runpod", "images",
+              "pyproject.toml", "Makefile", "docker-compose.yml")
 
 
 def schema_path(schema: str) -> Path:
