@@ -184,16 +184,17 @@ def gguf_weights(path: Path, config: ModelConfig) -> WeightIter:
         yield hf_name, torch.from_numpy(np.array(array, dtype=np.float32))  # copy: GGUF data is a read-only memmap
 
 
-def gguf_q4_1_weights(path: Path, config: ModelConfig):
-    """``(hf_name, (codes, d, m))`` for every Q4_1 tensor of a GGUF file, rows in the same (un-permuted) order as
-    ``gguf_weights`` (see ``runtime/quant.py``)."""
-    from kernellab.runtime.quant import q4_1_unpack
+def gguf_int4_weights(path: Path, config: ModelConfig):
+    """``(hf_name, parts)`` for every GGUF tensor the int4 path can hold exactly (``runtime/quant.py``):
+    ``("q4_1", codes, d, m)`` or ``("q8_0", codes, d)``, rows in the same (un-permuted) order as ``gguf_weights``."""
+    from kernellab.runtime.quant import q4_1_unpack, q8_0_unpack
 
     for tensor, hf_name in _gguf_tensors(path):
-        if tensor.tensor_type.name != "Q4_1":
+        kind = tensor.tensor_type.name
+        if kind not in ("Q4_1", "Q8_0"):
             continue
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        parts = q4_1_unpack(tensor.data, shape)
+        parts = q4_1_unpack(tensor.data, shape) if kind == "Q4_1" else q8_0_unpack(tensor.data, shape)
         if (n_head := _rope_heads(tensor.name, config)) is not None:
             parts = tuple(_unpermute_rope(p, n_head) for p in parts)
-        yield hf_name, parts
+        yield hf_name, (kind.lower(), *parts)

@@ -130,28 +130,37 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(hidden, self.lm_head.weight).float()
+        return self._linear(hidden, self.lm_head).float()
 
     @torch.inference_mode()
-    def attach_int4(self, q4_1_weights, dtype: torch.dtype, max_rows: int) -> int:
-        """Give every linear whose (fused) weight is all Q4_1 an ``Int4Weight``; returns how many got one. The
-        dense weights stay: steps with more than ``max_rows`` rows use them."""
-        from kernellab.runtime.quant import Int4Weight, fuse_q4_1
+    def attach_int4(self, int4_weights, dtype: torch.dtype, max_rows: int) -> int:
+        """Give every linear whose (fused) weight is all Q4_1, or all Q8_0, an int4 form (``runtime/quant.py``);
+        returns how many got one. The dense weights stay: steps with more than ``max_rows`` rows use them."""
+        from kernellab.runtime.quant import Int4Pair, Int4Weight, fuse_rows
 
         shards: dict[str, dict[int, tuple]] = {}
-        for name, parts in q4_1_weights:
+        for name, parts in int4_weights:
             target, shard = name, 0
             for short, (packed, idx) in PACKED_MODULES.items():
                 if f".{short}." in name:
                     target, shard = name.replace(f".{short}.", f".{packed}."), idx
                     break
-            shards.setdefault(target.removesuffix(".weight"), {})[shard] = parts
+            target = target.removesuffix(".weight")
+            if target == "model.embed_tokens":
+                if not self.cfg.tie_word_embeddings:
+                    continue
+                target = "lm_head"  # the tied LM head reads the embedding's weight
+            shards.setdefault(target, {})[shard] = parts
         count = 0
         for module_name, got in shards.items():
             lin = self.get_submodule(module_name)
-            if sorted(got) != list(range(len(got))) or sum(p[0].shape[0] for p in got.values()) != lin.weight.shape[0]:
-                continue  # some shard is not Q4_1: this linear stays dense
-            lin.int4 = Int4Weight.from_q4_1(*fuse_q4_1([got[i] for i in sorted(got)])).to(dtype)
+            parts = [got[i] for i in sorted(got)]
+            kinds = {p[0] for p in parts}
+            if (sorted(got) != list(range(len(got))) or len(kinds) != 1
+                    or sum(p[1].shape[0] for p in parts) != lin.weight.shape[0] or lin.weight.shape[0] % 16):
+                continue  # a shard missing or of another type, or rows the int4pack layout cannot hold: dense
+            arrays = fuse_rows([p[1:] for p in parts])
+            lin.int4 = (Int4Weight.from_q4_1(*arrays) if kinds == {"q4_1"} else Int4Pair.from_q8_0(*arrays)).to(dtype)
             count += 1
         self.int4_max_rows = max_rows
         return count

@@ -43,6 +43,18 @@ def q4_1_dequantize(codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarr
     return (g * d[..., None] + m[..., None]).reshape(n, k)
 
 
+Q8_0_BYTES = 34  # fp16 d, 32 int8 codes
+
+
+def q8_0_unpack(raw: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF Q8_0 bytes → ``(codes (N, K) int8, d (N, K/32) fp32)``; the weight is ``d·q``."""
+    n, k = shape
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // Q4_1_BLOCK, Q8_0_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
+    return codes, d
+
+
 def available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
@@ -80,8 +92,30 @@ class Int4Weight:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scale_zero)
 
 
-def fuse_q4_1(
-    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Stack the shards of a fused projection (q, k, v or gate, up) along the output rows."""
-    return tuple(np.concatenate([p[i] for p in parts], axis=0) for i in range(3))
+class Int4Pair:
+    """A Q8_0 weight as the sum of two int4 weights, exactly: with ``q = 16·hi + lo`` (``lo = q & 15`` in 0…15,
+    ``hi = q >> 4`` in −8…7), ``d·q = d·lo + 16d·hi``; ``lo`` is codes ``lo`` with scale d and zero 8d, ``hi`` is
+    codes ``hi + 8`` with scale 16d and zero 0. Two 4-bit reads are still half the bytes of bf16 (the LM head)."""
+
+    def __init__(self, lo: Int4Weight, hi: Int4Weight):
+        self.lo, self.hi = lo, hi
+        self.out_features = lo.out_features
+
+    @classmethod
+    def from_q8_0(cls, codes: np.ndarray, d: np.ndarray) -> Int4Pair:
+        q = codes.astype(np.int16)
+        lo, hi = q & 15, (q >> 4) + 8
+        return cls(Int4Weight.from_q4_1(lo, d, np.zeros_like(d)), Int4Weight.from_q4_1(hi, 16.0 * d, -128.0 * d))
+
+    def to(self, dtype: torch.dtype) -> Int4Pair:
+        self.lo.to(dtype)
+        self.hi.to(dtype)
+        return self
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lo.mm(x) + self.hi.mm(x)
+
+
+def fuse_rows(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
+    """Stack the shards of a fused projection (q, k, v or gate, up) along the output rows, array by array."""
+    return tuple(np.concatenate([p[i] for p in parts], axis=0) for i in range(len(parts[0])))

@@ -65,14 +65,35 @@ def test_every_smollm2_linear_gets_int4_codes_equal_to_its_dense_weight(smol_eng
     model = smol_engine_int4.engine.runner.model
     linears = [(n, mod) for n, mod in model.named_modules() if hasattr(mod, "int4")]
     with_int4 = [(n, mod) for n, mod in linears if mod.int4 is not None]
-    assert len(with_int4) == 4 * model.cfg.num_layers and model.int4_max_rows == 4
-    assert model.lm_head.int4 is None  # token_embd is Q8_0: the LM head stays dense
+    assert len(with_int4) == 4 * model.cfg.num_layers + 1 and model.int4_max_rows == 4
+    assert isinstance(model.lm_head.int4, quant.Int4Pair)  # token_embd is Q8_0: two int4 halves, tied LM head
     path = wheel_file_path(resolve_model("smollm2-135m"))
     dense = dict(gguf_weights(path, load_config(path)))
     q = dense["model.layers.0.self_attn.q_proj.weight"]
     eye = torch.eye(q.shape[1])
     qkv = model.get_submodule("model.layers.0.self_attn.qkv_proj").int4
     torch.testing.assert_close(qkv.mm(eye).T[: q.shape[0]], q, atol=1e-6, rtol=0)  # un-permuted rows, exact
+    emb = dense["model.embed_tokens.weight"]
+    rows = torch.arange(0, emb.shape[0], 997)  # the LM head's int4 pair against the dequantized embedding
+    x = torch.randn(2, emb.shape[1], generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model.lm_head.int4.mm(x)[:, rows], x @ emb[rows].T, atol=2e-5, rtol=1e-5)
+
+
+def test_q8_0_as_two_int4_halves_is_exact():
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(1)
+    n, k = 48, 96  # rows: a multiple of 16 (the int4pack layout)
+    codes = rng.integers(-127, 128, size=(n, k)).astype(np.int8)
+    d = rng.uniform(0.001, 0.01, size=(n, k // 32)).astype(np.float16)
+    raw = np.concatenate([d[..., None].view(np.uint8), codes.reshape(n, k // 32, 32).view(np.uint8)], axis=-1)
+    got_codes, got_d = quant.q8_0_unpack(raw.reshape(n, -1), (n, k))
+    assert (got_codes == codes).all() and (got_d == d.astype(np.float32)).all()
+    dense = torch.from_numpy(dequantize(raw.reshape(n, -1), GGMLQuantizationType.Q8_0).reshape(n, k))
+    pair = quant.Int4Pair.from_q8_0(got_codes, got_d)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(pair.mm(x), x @ dense.T, atol=1e-5, rtol=1e-5)
 
 
 def test_int4_engine_decodes_like_the_dense_engine(smol_engine_fp32, smol_engine_int4):
