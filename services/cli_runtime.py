@@ -131,6 +131,7 @@ def generate(
     chat: Annotated[bool | None, typer.Option("--chat/--no-chat", help="default: on for instruct models")] = None,
     device: str = "auto",
     dtype: str = "auto",
+    weight_quant: Annotated[str, typer.Option("--weight-quant", help="none | int4 (CPU, GGUF Q4_1/Q8_0)")] = "none",
 ) -> None:
     """Stream a completion to stdout (diagnostics go to stderr)."""
     from kernellab.runtime.config import EngineConfig
@@ -145,7 +146,7 @@ def generate(
         if not prompt.strip():
             raise KernellabError("the prompt is empty")
         with err.status(f"loading {spec.name}…"):
-            engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype))
+            engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, weight_quant=weight_quant))
         tok = engine.tokenizer
         use_chat = spec.instruct if chat is None else chat
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}]) if use_chat else tok.encode(prompt)

@@ -67,6 +67,7 @@ class WorkerSettings(StackSettings):
     engine: str = "kernellab.runtime.engine:LLMEngine"  # "module:callable" taking an EngineConfig
     device: str = "auto"
     dtype: str = "auto"
+    weight_quant: str = "none"  # KERNELLAB_WEIGHT_QUANT: "int4" reads a GGUF's 4-bit weights in small CPU steps
     max_model_len: int | None = None
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
