@@ -17,24 +17,15 @@ from pathlib import Path
 
 from stack_helpers import MODEL, Stack, wait_for
 
+from tests.conftest import SMOL_PROMPTS as ALL_SMOL_PROMPTS
+
 BATCH_ENV = {
     "KERNELLAB_BATCH_VISIBILITY_TIMEOUT_S": "5",
     "KERNELLAB_BATCH_LEASE_TTL_S": "3",
     "KERNELLAB_BATCH_RESTORE_INTERVAL_S": "1",
 }
 TERMINAL = ("completed", "failed", "cancelled", "expired")
-SMOL_PROMPTS = [
-    "What is the capital of France?",
-    "Explain what a hash table is.",
-    "Write a haiku about the ocean.",
-    "List three uses of copper.",
-    "Why is the sky blue?",
-    "Give me a tip for learning to cook.",
-    "What does a CPU do?",
-    "Describe a cat in one sentence.",
-    "How do vaccines work?",
-    "What is 12 times 12?",
-]
+SMOL_PROMPTS = ALL_SMOL_PROMPTS[:10]
 
 
 class BatchStack:
