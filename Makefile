@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml scripts/install-python-deps.sh 2>/dev/null | sha1sum | cut -c1-12)
 
-.PHONY: install up generate test test-unit test-integration lint format bench-cpu gpu clean
+.PHONY: install up generate test test-unit test-integration lint format bench-cpu stress gpu clean
 
 $(STAMP): pyproject.toml scripts/install-python-deps.sh
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -36,6 +36,9 @@ bench-cpu: install  ## the CPU offline benchmark artifact (issue figures); run o
 	$(BIN)/kernellab bench offline --model smollm2-135m --dtype auto --dtype float32 --weight-quant none \
 		--weight-quant int4 --peer hf --peer llama.cpp \
 		--output results/bench_offline_cpu.json
+
+stress: install  ## every fault scenario at full scale against a private local stack (~20 min on 2 cores)
+	$(BIN)/kernellab stress --scenario all --requests 5000 --fault-requests 1000 --concurrency 32
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
