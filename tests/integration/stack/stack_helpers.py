@@ -6,38 +6,24 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 
+from kernellab.services import stress
+from kernellab.services.stress import free_port
+
 API_KEY = "sk-integration"
 MODEL = "smollm2-135m"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_for(cond, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            result = cond()
-            if result:
-                return result
-        except Exception:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
+    """The stress tool's wait, polling twice as often (tests wait on short events)."""
+    return stress.wait_for(cond, timeout, what, interval)
 
 
 class RedisServer:
