@@ -13,7 +13,6 @@ Every Redis key Celery writes is under ``{key_prefix}celery:``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from functools import lru_cache
 
@@ -21,6 +20,7 @@ from celery import Celery
 from celery.exceptions import Reject
 
 from kernellab.services.batch.settings import BatchSettings, window_seconds
+from kernellab.services.queue import aio
 
 log = logging.getLogger("kernellab.batch")
 
@@ -60,7 +60,7 @@ def register_tasks(app: Celery, settings: BatchSettings):
               ignore_result=True)
     def run_batch(self, batch_id: str) -> str:
         try:
-            outcome = asyncio.run(run_job(settings, batch_id))
+            outcome = aio.run(run_job(settings, batch_id), what=f"batch {batch_id}")
         except Exception as exc:  # Redis away, a bug: the batch keeps its progress; try again later
             log.exception("batch %s: the job failed; it runs again later", batch_id)
             raise self.retry(exc=exc, countdown=min(60, 2 ** min(self.request.retries, 6))) from None

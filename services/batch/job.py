@@ -30,6 +30,7 @@ from kernellab.services.batch.runner import LineRunner, Outcome
 from kernellab.services.batch.settings import BatchSettings
 from kernellab.services.batch.store import RUNNING, TERMINAL, BatchStore
 from kernellab.services.gateway.router import REDIS_DOWN
+from kernellab.services.queue.aio import raise_if_cancelling
 
 log = logging.getLogger("kernellab.batch")
 
@@ -159,6 +160,7 @@ class BatchJob:
                         renewed = time.monotonic()
                     status = await self.store.status(batch_id)
                 except REDIS_DOWN as exc:  # a blip: the lines wait on Redis too; look again shortly
+                    raise_if_cancelling()
                     log.warning("batch %s: cannot reach Redis: %s", batch_id, exc)
                     status = "in_progress"
                 if status == "cancelling":

@@ -20,6 +20,7 @@ from kernellab.runtime.errors import InvalidRequestError, KernellabError
 from kernellab.services.batch import lines as L
 from kernellab.services.gateway.errors import DeadlineExceeded, RateLimited, ServiceUnavailable
 from kernellab.services.gateway.requests import Prepared, prepare
+from kernellab.services.queue.aio import finish, raise_if_cancelling
 
 log = logging.getLogger("kernellab.batch")
 
@@ -106,10 +107,8 @@ class LineRunner:
                 await asyncio.wait([*self._tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopper.cancel()
-            for task in list(self._tasks):
-                task.cancel()
-            if self._tasks:
-                await asyncio.gather(*self._tasks, return_exceptions=True)
+            # Lines in flight are aborted; a task stuck in a Redis command is waited on for a bounded time.
+            await finish(list(self._tasks), timeout=0.0, what="batch lines in flight")
         if self.failure is not None:
             raise self.failure
 
@@ -135,6 +134,7 @@ class LineRunner:
                     outcome = Outcome(line.index, L.success_line(line.custom_id, req_id, body), True, p.request_id)
                     break
                 except (ServiceUnavailable, RateLimited) as exc:
+                    raise_if_cancelling()  # a cancel that reached Redis mid-command comes back as an outage
                     wait = RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)]
                     log.warning("line %d (%s): %s; submitting again in %.2fs", line.index, line.custom_id,
                                 exc.message, wait)
@@ -150,6 +150,7 @@ class LineRunner:
                     break
             await self.record(outcome)
         except Exception as exc:  # not the line's fault (a bug, Redis gone): stop feeding, let run() raise
+            raise_if_cancelling()
             if self.failure is None:
                 self.failure = exc
         finally:

@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from kernellab.services.queue.aio import finish, raise_if_cancelling
 from kernellab.services.queue.protocol import ProtocolError, from_entry
 
 log = logging.getLogger("kernellab.gateway")
@@ -49,6 +50,7 @@ class OutputRouter:
         self._wake_last: str | bytes = "0-0"
         self.healthy = True
         self._task: asyncio.Task | None = None
+        self._closing = False
 
     def subscribe(self, streams: dict[str, int]) -> Subscription:
         sub = Subscription(streams)
@@ -75,10 +77,15 @@ class OutputRouter:
         self._task = asyncio.create_task(self._run(), name="output-router")
 
     async def stop(self) -> None:
+        """Ends the reader between two reads (a wake entry ends the blocked one), not by cancelling it
+        mid-command (see ``queue.aio``)."""
+        self._closing = True
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            with contextlib.suppress(REDIS_DOWN):
+                await self.r.xadd(self.wake_key, {b"w": b"stop"}, maxlen=64, approximate=True)
+            await finish([self._task], timeout=self.block_ms / 1000 + 1.0, what="output router")
+            if self._task.done() and not self._task.cancelled() and self._task.exception() is not None:
+                log.warning("output router ended with %r", self._task.exception())
         with contextlib.suppress(REDIS_DOWN):
             await self.r.delete(self.wake_key)
 
@@ -91,11 +98,14 @@ class OutputRouter:
 
     async def _run(self) -> None:
         backoff = 0.05
-        while True:
+        while not self._closing:
             streams = {self.wake_key: self._wake_last, **self._last}
             try:
                 reply = await self.r.xread(streams, block=self.block_ms)
             except REDIS_DOWN as exc:
+                raise_if_cancelling()
+                if self._closing:
+                    return
                 if self.healthy:
                     log.warning("redis unavailable: failing %d stream(s): %s", len(self._subs), exc)
                 self.healthy = False
@@ -106,6 +116,7 @@ class OutputRouter:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a bug must not stop every stream forever
+                raise_if_cancelling()
                 log.exception("output router error")
                 self._fail_all(f"output router error: {exc}")
                 await asyncio.sleep(0.1)

@@ -26,6 +26,7 @@ from kernellab.services.gateway.metrics import GatewayMetrics
 from kernellab.services.gateway.requests import Prepared
 from kernellab.services.gateway.responses import TokenText
 from kernellab.services.gateway.router import REDIS_DOWN, OutputRouter
+from kernellab.services.queue.aio import finish, raise_if_cancelling
 from kernellab.services.queue.keys import GROUP, Keys
 from kernellab.services.queue.protocol import (
     CancelMessage,
@@ -71,6 +72,7 @@ class Gateway:
         self._tasks: set[asyncio.Task] = set()
         self._outgoing: list = []  # (entries, meta, future) waiting for this loop turn's pipeline
         self._poller: asyncio.Task | None = None
+        self._closing = asyncio.Event()
 
     @property
     def max_model_len(self) -> int:
@@ -87,11 +89,11 @@ class Gateway:
         self._poller = asyncio.create_task(self._poll(), name="readiness-poller")
 
     async def stop(self) -> None:
-        if self._poller:
-            self._poller.cancel()
+        """Background loops end between two Redis commands, never cancelled mid-command (``queue.aio``)."""
+        self._closing.set()
+        await finish([self._poller], timeout=self.settings.heartbeat_interval_s + 2.0, what="readiness poller")
         await self.router.stop()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=2.0)
+        await finish(list(self._tasks), timeout=2.0, what="cancel/cleanup tasks")
         await self.redis.aclose()
         await self.router.r.aclose()
 
@@ -128,13 +130,16 @@ class Gateway:
             self.metrics.redis_lag.set(lag)
             self.redis_ok = True
         except REDIS_DOWN:
+            raise_if_cancelling()
             self.redis_ok = False
             self.live_workers = []
 
     async def _poll(self) -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            await self.poll_once()
+        while not self._closing.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closing.wait(), 0.5)
+            if not self._closing.is_set():
+                await self.poll_once()
 
     def ready(self) -> tuple[bool, str]:
         if self.draining:

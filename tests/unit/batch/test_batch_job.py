@@ -19,6 +19,7 @@ from kernellab.services.batch.job import BatchJob
 from kernellab.services.batch.settings import BatchSettings
 from kernellab.services.batch.store import BatchStore, new_batch_id
 from kernellab.services.gateway.state import redis_client
+from kernellab.services.queue import aio
 from kernellab.services.queue.keys import Keys
 from kernellab.services.queue.protocol import CancelMessage, RequestMessage, from_entry
 
@@ -84,7 +85,7 @@ class Harness:
             await client.aclose()
 
     def run(self, batch_id: str, **kw) -> str:
-        return asyncio.run(self.run_async(batch_id, **kw))
+        return aio.run(self.run_async(batch_id, **kw))  # as the Celery task runs a job
 
     def batch(self, batch_id: str) -> dict:
         return self.call(lambda store: store.get(batch_id))
@@ -176,7 +177,7 @@ def test_cancel_keeps_finished_lines_and_never_submits_the_rest(harness, engine_
             await asyncio.sleep(0.02)
         await harness.acall(lambda store: store.transition(batch_id, ("in_progress",), "cancelling", cancelling_at=1))
 
-    assert asyncio.run(harness.run_async(batch_id, during=cancel_after_some)) == "done"
+    assert aio.run(harness.run_async(batch_id, during=cancel_after_some)) == "done"
     b = harness.batch(batch_id)
     out = harness.file_lines(b["output_file_id"])
     assert b["status"] == "cancelled" and b["cancelled_at"] and b["cancelling_at"] == 1
@@ -213,7 +214,7 @@ def test_a_held_lease_makes_the_job_busy_and_shutdown_hands_it_back(harness, eng
         await asyncio.sleep(0.3)
         stopping["now"] = True
 
-    assert asyncio.run(harness.run_async(batch_id, should_stop=lambda: stopping["now"], during=stop_soon)) \
+    assert aio.run(harness.run_async(batch_id, should_stop=lambda: stopping["now"], during=stop_soon)) \
         == "handed_back"
     b = harness.batch(batch_id)
     assert b["status"] == "in_progress" and b["request_counts"]["completed"] < 20
@@ -239,7 +240,7 @@ def test_lines_wait_for_a_worker_instead_of_failing(harness, engine_worker):
         await asyncio.sleep(1.0)
         engine_worker()
 
-    assert asyncio.run(harness.run_async(batch_id, during=start_worker_later)) == "done"
+    assert aio.run(harness.run_async(batch_id, during=start_worker_later)) == "done"
     assert harness.batch(batch_id)["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
 
 
