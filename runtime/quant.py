@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-Q4_1_BLOCK = 32  # weights per block
+GGUF_BLOCK = 32  # weights per block, in Q4_1 and Q8_0 alike
 Q4_1_BYTES = 20  # fp16 d, fp16 m, 16 bytes of codes
 
 
@@ -27,9 +27,9 @@ def q4_1_unpack(raw: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np
 
     Within a block the low nibbles of the 16 code bytes are weights 0…15 and the high nibbles 16…31."""
     n, k = shape
-    if k % Q4_1_BLOCK:
-        raise ValueError(f"Q4_1 rows must be a multiple of {Q4_1_BLOCK} long, got {k}")
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // Q4_1_BLOCK, Q4_1_BYTES)
+    if k % GGUF_BLOCK:
+        raise ValueError(f"Q4_1 rows must be a multiple of {GGUF_BLOCK} long, got {k}")
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // GGUF_BLOCK, Q4_1_BYTES)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     qs = blocks[..., 4:]
@@ -39,7 +39,7 @@ def q4_1_unpack(raw: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np
 
 def q4_1_dequantize(codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
     n, k = codes.shape
-    g = codes.reshape(n, k // Q4_1_BLOCK, Q4_1_BLOCK).astype(np.float32)
+    g = codes.reshape(n, k // GGUF_BLOCK, GGUF_BLOCK).astype(np.float32)
     return (g * d[..., None] + m[..., None]).reshape(n, k)
 
 
@@ -49,7 +49,7 @@ Q8_0_BYTES = 34  # fp16 d, 32 int8 codes
 def q8_0_unpack(raw: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
     """GGUF Q8_0 bytes → ``(codes (N, K) int8, d (N, K/32) fp32)``; the weight is ``d·q``."""
     n, k = shape
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // Q4_1_BLOCK, Q8_0_BYTES)
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // GGUF_BLOCK, Q8_0_BYTES)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     codes = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
     return codes, d
@@ -82,7 +82,7 @@ class Int4Weight:
         scale = torch.from_numpy(d)
         zero = torch.from_numpy(m + 8.0 * d)
         sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
-        return cls(packed, sz, Q4_1_BLOCK, n)
+        return cls(packed, sz, GGUF_BLOCK, n)
 
     def to(self, dtype: torch.dtype) -> Int4Weight:
         self.scale_zero = self.scale_zero_f32.to(dtype)

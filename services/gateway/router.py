@@ -84,8 +84,6 @@ class OutputRouter:
             with contextlib.suppress(REDIS_DOWN):
                 await self.r.xadd(self.wake_key, {b"w": b"stop"}, maxlen=64, approximate=True)
             await finish([self._task], timeout=self.block_ms / 1000 + 1.0, what="output router")
-            if self._task.done() and not self._task.cancelled() and self._task.exception() is not None:
-                log.warning("output router ended with %r", self._task.exception())
         with contextlib.suppress(REDIS_DOWN):
             await self.r.delete(self.wake_key)
 

@@ -39,9 +39,9 @@ async def finish(tasks, timeout: float, what: str) -> None:
         for t in pending:
             t.cancel()
         _done, pending = await asyncio.wait(pending, timeout=1.0)
-    for t in tasks - pending:  # retrieved, so a failure is not reported again as "never retrieved"
+    for t in tasks - pending:  # retrieved here, so asyncio does not report it again as "never retrieved"
         if not t.cancelled() and t.exception() is not None:
-            log.debug("%s: a task ended with %r", what, t.exception())
+            log.warning("%s: a task ended with %r", what, t.exception())
     if pending:
         log.warning("%s: %d task(s) did not stop; leaving them", what, len(pending))
 
