@@ -31,6 +31,8 @@ def gateway(
     metrics_port: Annotated[int | None, Opt(help="0: off [env KERNELLAB_GATEWAY_METRICS_PORT; default 9100]")] = None,
     max_waiting: Annotated[int | None, Opt(help="429 beyond this many waiting [env KERNELLAB_MAX_WAITING]")] = None,
     key_prefix: Annotated[str | None, Opt(help="Redis key prefix [env KERNELLAB_KEY_PREFIX; default kl:]")] = None,
+    processes: Annotated[int | None, Opt(min=1, help="gateway processes sharing the port [env "
+                                                     "KERNELLAB_GATEWAY_PROCESSES; default 1]")] = None,
 ) -> None:
     """The OpenAI-compatible gateway (FastAPI, no torch)."""
     from kernellab.services.config import GatewaySettings
@@ -38,7 +40,7 @@ def gateway(
 
     serve(_settings(GatewaySettings, model=model, host=host, port=port, redis_url=redis_url, api_keys=api_keys,
                     api_key_file=api_key_file, gateway_metrics_port=metrics_port, max_waiting=max_waiting,
-                    key_prefix=key_prefix))
+                    key_prefix=key_prefix, gateway_processes=processes))
 
 
 @app.command(rich_help_panel="Serving stack")
@@ -67,6 +69,8 @@ def worker(
 def up(
     model: Annotated[str, Opt(help="registry name or hub id")] = "smollm2-135m",
     workers: Annotated[int, Opt(min=1, help="worker processes")] = 1,
+    gateway_processes: Annotated[int | None, Opt(min=1, help="gateway processes sharing the port [env "
+                                                             "KERNELLAB_GATEWAY_PROCESSES; default 1]")] = None,
     host: Annotated[str, Opt(help="gateway address")] = "127.0.0.1",
     port: Annotated[int, Opt(help="gateway port")] = 8000,
     no_auth: Annotated[bool, Opt("--no-auth", help="serve without an API key")] = False,
@@ -79,7 +83,7 @@ def up(
 ) -> None:
     """Redis (the one at KERNELLAB_REDIS_URL, else a private redis-server), the gateway and N workers on this
     machine; prints the URL, the API key and a curl example; Ctrl-C stops everything it started."""
-    raise typer.Exit(_StackUp(model=model, workers=workers, host=host, port=port, no_auth=no_auth,
+    raise typer.Exit(_StackUp(model=model, workers=workers, gateway_processes=gateway_processes, host=host, port=port, no_auth=no_auth,
                              metrics_port=metrics_port, worker_metrics_port=worker_metrics_port,
                              redis_url=redis_url, ready_timeout=ready_timeout).run())
 
@@ -88,11 +92,12 @@ class _StackUp:
     """Children run in their own sessions so Ctrl-C reaches only us; we stop them in order (gateway first,
     so no new work arrives, then the workers), each with SIGTERM and a grace period before SIGKILL."""
 
-    def __init__(self, *, model, workers, host, port, no_auth, metrics_port, worker_metrics_port, redis_url,
+    def __init__(self, *, model, workers, gateway_processes, host, port, no_auth, metrics_port, worker_metrics_port, redis_url,
                  ready_timeout):
         import os
 
         self.model, self.workers, self.host, self.port = model, workers, host, port
+        self.gateway_processes = gateway_processes
         self.no_auth = no_auth
         env = os.environ
         self.metrics_port = int(env.get("KERNELLAB_GATEWAY_METRICS_PORT", 9100)) if metrics_port is None else metrics_port
@@ -180,7 +185,9 @@ class _StackUp:
                         dict(env, KERNELLAB_WORKER_METRICS_PORT=str(wport)))
         self._spawn("gateway", [sys.executable, "-m", "kernellab.services.gateway"],
                     dict(env, KERNELLAB_HOST=self.host, KERNELLAB_PORT=str(self.port),
-                         KERNELLAB_GATEWAY_METRICS_PORT=str(self.metrics_port)))
+                         KERNELLAB_GATEWAY_METRICS_PORT=str(self.metrics_port),
+                         **({"KERNELLAB_GATEWAY_PROCESSES": str(self.gateway_processes)}
+                            if self.gateway_processes else {})))
         self.out.print(f"starting the gateway and {self.workers} worker(s) for {self.model} (logs in {self.logs})")
         return key
 
@@ -238,6 +245,8 @@ class _StackUp:
                 self.out.print(f"  {name}| {line}", markup=False)
 
     def _stop_all(self) -> None:
+        import contextlib
+        import os
         import signal
         import subprocess
 
@@ -251,7 +260,8 @@ class _StackUp:
                     p.wait(15)
                 except subprocess.TimeoutExpired:
                     self.out.print(f"{name} did not stop in 15 s: killing it")
-                    p.kill()
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, signal.SIGKILL)  # its own session: a gateway supervisor's children too
                     p.wait(5)
 
 

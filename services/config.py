@@ -47,6 +47,10 @@ class GatewaySettings(StackSettings):
     api_key_file: str = ""  # one key per line; '#' starts a comment
     max_body_bytes: int = Field(1 << 20, ge=1024)
     max_waiting: int = Field(256, ge=0)  # admitted requests still waiting for their first token; beyond: 429
+    # KERNELLAB_GATEWAY_PROCESSES: gateway processes sharing the port (SO_REUSEPORT), each with its own event
+    # loop, Redis clients and output router; one supervisor serves their merged metrics. max_waiting is split
+    # among them. One Python process frames a few thousand SSE events a second: docs/deploy.md says how many.
+    gateway_processes: int = Field(1, ge=1, le=64)
     max_n: int = Field(16, ge=1)
     max_model_len: int | None = None  # None: the registry's context length for the model
     drain_timeout_s: float = Field(30.0, ge=0)

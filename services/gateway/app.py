@@ -32,7 +32,7 @@ from kernellab.services.gateway.errors import (
     Unauthorized,
     error_headers,
 )
-from kernellab.services.gateway.generation import collect
+from kernellab.services.gateway.generation import NOT_READY, collect
 from kernellab.services.gateway.metrics import GatewayMetrics, HTTPMetricsMiddleware
 from kernellab.services.gateway.requests import prepare
 from kernellab.services.gateway.state import Gateway
@@ -271,15 +271,22 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
         update = first
         try:
             while update is not None:
-                yield R.sse(chunk_for(p, created, update, sent, offsets))
-                update = await rs.next()
+                # Events that queued up while we were busy go out as one write (one ASGI message, one send
+                # syscall): a gateway that falls behind catches up instead of paying per event.
+                events = [R.sse(chunk_for(p, created, update, sent, offsets))]
+                while (update := rs.ready()) is not NOT_READY and update is not None:
+                    events.append(R.sse(chunk_for(p, created, update, sent, offsets)))
+                yield b"".join(events) if len(events) > 1 else events[0]
+                if update is NOT_READY:
+                    update = await rs.next()
+            tail = b""
             if p.include_usage:
                 usage = R.usage(sum(len(x) for x in p.prompts), rs.completion_tokens, rs.cached_tokens)
-                yield R.sse(R.usage_chunk(p, created, usage))
+                tail = R.sse(R.usage_chunk(p, created, usage))
         except KernellabError as exc:  # after the 200 went out: an error event, as OpenAI streams do
-            yield R.sse(exc.to_openai())
+            tail = R.sse(exc.to_openai())
         done["ok"] = True
         rs.close()
-        yield R.SSE_DONE
+        yield tail + R.SSE_DONE
 
     return app

@@ -25,6 +25,7 @@ from kernellab.services.queue.protocol import ErrorMessage, OutputChunk, engine_
 
 # A worker ends an expired request itself; this much later the gateway gives up waiting for it.
 DEADLINE_GRACE_S = 5.0
+NOT_READY = object()  # ``ResultStream.ready()``: nothing has arrived yet
 
 
 @dataclass
@@ -88,6 +89,16 @@ class ResultStream:
             if update is not None:
                 return update
         return None
+
+    def ready(self) -> Update | object | None:
+        """The next update if one has already arrived, ``None`` once all choices have finished, else
+        ``NOT_READY``: lets a writer that fell behind send what has queued up in one write."""
+        q = self.sub.queue
+        while self.remaining and not q.empty():
+            update = self._apply(*q.get_nowait())
+            if update is not None:
+                return update
+        return None if not self.remaining else NOT_READY
 
     def _apply(self, index, msg) -> Update | None:
         if isinstance(msg, RouterFailure):

@@ -1,16 +1,46 @@
-"""``kernellab gateway``: the FastAPI app under uvicorn, draining in-flight streams on SIGTERM."""
+"""``kernellab gateway``: the FastAPI app under uvicorn, draining in-flight streams on SIGTERM.
+
+With ``gateway_processes`` > 1 this process becomes a small supervisor: N gateway processes each bind the same
+port with SO_REUSEPORT (the kernel spreads new connections evenly among them), each with its own event loop,
+Redis clients and output router, so SSE framing, detokenization and JSON work scale with cores instead of
+sharing one GIL. Redis is the only state they share. The supervisor serves their merged Prometheus metrics
+(prometheus-client's multiprocess mode) on the gateway metrics port, forwards SIGTERM/SIGINT (each child
+drains its own streams) and restarts a child that dies.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import socket
+import time
 
 from kernellab.services.config import GatewaySettings
 
 log = logging.getLogger("kernellab.gateway")
 
+RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)  # a child that keeps dying is restarted ever more slowly
 
-def serve(settings: GatewaySettings) -> None:
+
+def _configure_logging(settings: GatewaySettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _listen_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve_one(settings: GatewaySettings, sock: socket.socket | None = None) -> None:
+    """One gateway process: the app under uvicorn, on ``sock`` if given (a supervised child), else on
+    ``settings.host:port``."""
     import uvicorn
 
     from kernellab.services.gateway.app import create_app
@@ -29,8 +59,117 @@ def serve(settings: GatewaySettings) -> None:
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=False, timeout_graceful_shutdown=settings.drain_timeout_s or None,
-                            loop="auto", http="auto", lifespan="on")
-    Server(config).run()
+                            loop="auto", http="auto", lifespan="on", backlog=2048)
+    Server(config).run(sockets=[sock] if sock is not None else None)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this process when the supervisor dies, even by SIGKILL (no orphan keeps the port)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _child(settings: GatewaySettings, index: int) -> None:
+    _die_with_parent()
+    _configure_logging(settings)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the supervisor decides
+    serve_one(settings, _listen_socket(settings.host, settings.port))
+
+
+def supervise(settings: GatewaySettings) -> int:
+    import multiprocessing as mp
+    import shutil
+    import tempfile
+
+    n = settings.gateway_processes
+    if settings.port == 0:
+        raise SystemExit("gateway_processes > 1 needs a fixed port (the processes share it)")
+    _listen_socket(settings.host, settings.port).close()  # fail here, once, if the port is taken
+    metrics_dir = tempfile.mkdtemp(prefix="kernellab-gateway-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before any child imports prometheus_client
+    child_settings = settings.model_copy(update={
+        "gateway_processes": 1, "gateway_metrics_port": 0,
+        "max_waiting": -(-settings.max_waiting // n) if settings.max_waiting else 0})
+    ctx = mp.get_context("spawn")
+    procs: list = [None] * n
+    deaths = [0] * n
+
+    def start(i: int) -> None:
+        p = ctx.Process(target=_child, args=(child_settings, i), name=f"gateway-{i}", daemon=False)
+        p.start()
+        procs[i] = p
+
+    stopping = {"sig": None}
+
+    def on_signal(signum, _frame):
+        stopping["sig"] = signum
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    metrics_server = _metrics_server(settings, procs)
+    for i in range(n):
+        start(i)
+    log.info("gateway supervisor: %d processes on %s:%d (SO_REUSEPORT), metrics on :%s", n, settings.host,
+             settings.port, settings.gateway_metrics_port or "off")
+    try:
+        while stopping["sig"] is None:
+            time.sleep(0.2)
+            for i, p in enumerate(procs):
+                if p.exitcode is None or stopping["sig"] is not None:
+                    continue
+                from prometheus_client import multiprocess
+
+                multiprocess.mark_process_dead(p.pid)
+                delay = RESTART_BACKOFF_S[min(deaths[i], len(RESTART_BACKOFF_S) - 1)]
+                deaths[i] += 1
+                log.error("gateway process %d (pid %d) exited with %s; restarting in %.1fs", i, p.pid, p.exitcode,
+                          delay)
+                time.sleep(delay)
+                start(i)
+    finally:
+        log.info("gateway supervisor: stopping %d processes", n)
+        for p in procs:
+            if p is not None and p.exitcode is None:
+                os.kill(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + settings.drain_timeout_s + 5.0
+        for p in procs:
+            if p is not None:
+                p.join(max(0.0, deadline - time.monotonic()))
+                if p.exitcode is None:
+                    p.kill()
+                    p.join(5)
+        if metrics_server is not None:
+            metrics_server.stop()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    return 0
+
+
+def _metrics_server(settings: GatewaySettings, procs: list):
+    if not settings.gateway_metrics_port:
+        return None
+    from prometheus_client import CollectorRegistry, multiprocess
+
+    from kernellab.services.worker.metrics import MetricsServer
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+
+    def health() -> dict:
+        alive = sum(1 for p in procs if p is not None and p.exitcode is None)
+        return {"status": "ok" if alive == len(procs) else "degraded", "processes": len(procs), "alive": alive}
+
+    return MetricsServer(settings.metrics_host, settings.gateway_metrics_port, registry, health).start()
+
+
+def serve(settings: GatewaySettings) -> None:
+    _configure_logging(settings)
+    if settings.gateway_processes > 1:
+        raise SystemExit(supervise(settings))
+    serve_one(settings)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """Gateway metrics (their own registry, served on their own port), and the ASGI middleware that counts HTTP
 requests by route template and status, timing each until its last byte (streams included).
 
+With several gateway processes (``gateway_processes``) the values live in prometheus-client's multiprocess
+files and the supervisor serves their merge; the gauges say how (``livesum``: the tier's total).
+
 Names: ``kernellab_gateway_*`` (what grafana/ dashboards and alerts query); the worker's engine metrics use
 vLLM's ``kernellab:`` names.
 """
@@ -25,11 +28,11 @@ class GatewayMetrics:
                                  "HTTP request duration until the last byte", ["route"], buckets=LATENCY_BUCKETS,
                                  registry=r)
         self.queue_depth = Gauge("kernellab_gateway_queue_depth", "Admitted requests waiting for their first token",
-                                 ["model_name"], registry=r).labels(model_name)
+                                 ["model_name"], registry=r, multiprocess_mode="livesum").labels(model_name)
         self.redis_lag = Gauge("kernellab_gateway_redis_queue_lag", "Request entries no worker has read yet",
-                               ["model_name"], registry=r).labels(model_name)
+                               ["model_name"], registry=r, multiprocess_mode="livemax").labels(model_name)
         self.in_flight = Gauge("kernellab_gateway_requests_in_flight", "Requests being served", ["model_name"],
-                               registry=r).labels(model_name)
+                               registry=r, multiprocess_mode="livesum").labels(model_name)
         self.rejected = Counter("kernellab_gateway_rejected", "Requests refused by backpressure (429)",
                                 ["model_name"], registry=r).labels(model_name)
         self.disconnects = Counter("kernellab_gateway_client_disconnects", "Clients gone before their answer ended",

@@ -1,0 +1,530 @@
+"""Serving at engine speed: the whole stack (client processes → gateway tier → Redis → worker(s) on the GPU →
+SSE) against the in-process engine, on the same workloads, in one run.
+
+Phases, in this order (each a set of real processes on this machine, torn down after it):
+1. ``engine``: a child process holds ``LLMEngine`` with the workers' configuration; each workload's requests are
+   all added at t0 (token ids in, as the stack gets them) and stepped to the end.
+2. ``stack-g<N>``: a private redis-server, one ``kernellab worker`` on GPU 0 and ``kernellab gateway`` with N
+   processes, for each N in ``--gateway-processes`` (the worker stays up; only the gateway tier restarts).
+3. ``stack-2gpu-g<N>`` (``--gpus 2``): a second worker on GPU 1 joins the same consumer group, and the
+   nano-vllm workload runs at twice the requests (each worker again holds a full batch): scale-out.
+
+Workloads: ``nanovllm`` (nano-vllm's benchmark: 256 prompts of 100–1,024 random token ids, outputs of 100–1,024
+tokens, seed 0) and ``interactive`` (64 clients, 512 → 128 tokens), greedy with ``ignore_eos`` so every request
+must return exactly ``max_tokens`` tokens: the artifact counts any request that did not (lost, cut or
+duplicated tokens). Each run's prompts start with a token unique to the run, so no run answers from a prefix
+cache what an earlier one computed; both sides get the same prompts.
+
+Clients: ``kernellab.bench.stream_clients`` (several processes, raw keep-alive sockets, all requests written at
+one instant); each process reports its CPU use, and a client process above 90 % of a core marks the run.
+
+The model: a checkpoint folder written by ``kernellab.bench.synthetic`` (random bf16 weights of the exact
+Qwen3-0.6B shape and a byte-level BPE tokenizer of Qwen3's vocabulary size), loaded by the engine, the worker
+and the gateway as any local checkpoint. ``--profile ci`` runs the same path on a CPU with a tiny model (CI).
+
+    python benchmarks/serve_gpu.py --profile h200 --gpus 2 --output results/gpu/serve_h200.json
+    python benchmarks/serve_gpu.py --profile ci --output /tmp/serve_ci.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SCHEMA = "kernellab.bench.serve_gpu/v1"
+PROFILES = {
+    "h200": {"shape": "qwen3-0.6b", "device": "cuda", "dtype": "bfloat16", "max_num_seqs": 256,
+             "max_num_batched_tokens": 16384, "num_kv_blocks": None, "max_model_len": 4096,
+             "nanovllm": {"num_seqs": 256, "min_len": 100, "max_len": 1024},
+             "interactive": {"clients": 64, "prompt_tokens": 512, "output_tokens": 128},
+             "gateway_processes": [1, 4], "client_processes": 4, "run_timeout_s": 240},
+    "ci": {"shape": "tiny-qwen3", "device": "cpu", "dtype": "float32", "max_num_seqs": 16,
+           "max_num_batched_tokens": 512, "num_kv_blocks": 256, "max_model_len": 512,
+           "nanovllm": {"num_seqs": 12, "min_len": 8, "max_len": 40},
+           "interactive": {"clients": 6, "prompt_tokens": 48, "output_tokens": 12},
+           "gateway_processes": [1, 2], "client_processes": 2, "run_timeout_s": 240},
+}
+TARGETS = {"throughput_ratio_min": 0.90, "interactive_added_ttft_p50_ms_max": 5.0, "two_gpu_scaling_min": 1.85}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ workloads
+def workload(profile: dict, name: str, run_id: int, scale: int = 1) -> list[tuple[list[int], int]]:
+    """(prompt token ids, max_tokens) per request; the first token is unique to ``run_id`` (no prefix hits)."""
+    from kernellab.bench.workloads import nanovllm
+
+    if name == "nanovllm":
+        w = profile["nanovllm"]
+        prompts, outs = nanovllm(w["num_seqs"] * scale, w["min_len"], w["max_len"])
+    elif name == "interactive":
+        w = profile["interactive"]
+        rng = random.Random(1000 + scale)
+        prompts = [[rng.randint(0, 10000) for _ in range(w["prompt_tokens"])] for _ in range(w["clients"] * scale)]
+        outs = [w["output_tokens"]] * len(prompts)
+    elif name == "warmup":
+        prompts, outs = [[7, 8, 9, 10 + i] for i in range(8)], [4] * 8
+    else:
+        raise ValueError(name)
+    marker = 20000 + run_id  # outside the prompts' id range 0..10000
+    return [([marker, *p[1:]], n) for p, n in zip(prompts, outs, strict=True)]
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(records: list[dict], expected: list[int], t0: float) -> dict:
+    """records: {sent, first, end, chunk_times, tokens, error} with perf_counter times."""
+    ok = [r for r, n in zip(records, expected, strict=True) if r["error"] is None and r["tokens"] == n]
+    bad = [{"index": i, "tokens": r["tokens"], "expected": n, "error": r["error"]}
+           for i, (r, n) in enumerate(zip(records, expected, strict=True)) if r["error"] is not None or r["tokens"] != n]
+    end = max((r["end"] for r in records if r["end"] is not None), default=t0)
+    tokens = sum(r["tokens"] for r in records)
+    ttft = [(r["first"] - r["sent"]) * 1e3 for r in ok if r["first"] is not None]
+    tpot = [(r["end"] - r["first"]) * 1e3 / (r["tokens"] - 1) for r in ok if r["first"] and r["tokens"] > 1]
+    itl = [(b - a) * 1e3 for r in ok for a, b in zip(r["chunk_times"], r["chunk_times"][1:], strict=False)]
+    e2e = [(r["end"] - r["sent"]) * 1e3 for r in ok]
+
+    def dist(v):
+        return {f"p{q}": None if not v else round(pct(v, q), 3) for q in (50, 90, 99)}
+
+    return {"requests": len(records), "requests_ok": len(ok), "bad_requests": bad[:20], "num_bad": len(bad),
+            "output_tokens": tokens, "expected_tokens": sum(expected), "wall_s": round(end - t0, 4),
+            "throughput_tok_s": round(tokens / (end - t0), 1) if end > t0 else 0.0,
+            "ttft_ms": dist(ttft), "tpot_ms": dist(tpot), "itl_chunk_ms": dist(itl), "e2e_ms": dist(e2e),
+            "mean_tokens_per_chunk": round(tokens / max(1, sum(len(r["chunk_times"]) for r in ok)), 2)}
+
+
+# ------------------------------------------------------------------------------------------------ engine side
+def engine_child(cfg: dict) -> None:
+    """Child process: one engine, runs on request (JSON lines on stdin), records as JSON lines on stdout."""
+    from kernellab.results import provenance
+    from kernellab.runtime.config import EngineConfig
+    from kernellab.runtime.engine import LLMEngine
+    from kernellab.runtime.sampling import SamplingParams
+
+    t = time.perf_counter()
+    engine = LLMEngine(EngineConfig(**cfg))
+    startup = time.perf_counter() - t
+    counter = iter(range(1 << 30))
+    print(json.dumps({"ready": True, "startup_s": startup, "provenance": provenance(cfg["device"])}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] != "run":
+            break
+        tag = f"r{next(counter)}"
+        recs = {}
+        t0 = time.perf_counter()
+        for i, (prompt, n) in enumerate(cmd["requests"]):
+            rid = f"{tag}-{i}"
+            recs[rid] = {"sent": time.perf_counter(), "first": None, "end": None, "chunk_times": [], "tokens": 0,
+                         "error": None}
+            engine.add_request(rid, prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            now = time.perf_counter()
+            for out in outs:
+                r = recs[out.request_id]
+                if out.new_token_ids:
+                    r["tokens"] += len(out.new_token_ids)
+                    r["first"] = r["first"] or now
+                    r["chunk_times"].append(now)
+                if out.finished:
+                    r["end"] = now
+        print(json.dumps({"t0": t0, "records": [recs[f"{tag}-{i}"] for i in range(len(cmd["requests"]))]}),
+              flush=True)
+
+
+class EngineChild:
+    def __init__(self, cfg: dict, env: dict, cwd: str):
+        self.proc = subprocess.Popen([sys.executable, __file__, "--engine-child", json.dumps(cfg)], env=env, cwd=cwd,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.hello = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the engine process died")
+        return json.loads(line)
+
+    def run(self, requests) -> dict:
+        self.proc.stdin.write(json.dumps({"op": "run", "requests": requests}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+# ------------------------------------------------------------------------------------------------ stack side
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StackProcs:
+    """A private redis-server, workers (one per GPU) and a gateway tier, as real processes on 127.0.0.1."""
+
+    def __init__(self, args, profile: dict, model_dir: Path, workdir: Path):
+        self.workdir, self.args = workdir, args
+        self.redis_port, self.port = free_port(), free_port()
+        self.host = "127.0.0.1"
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", KERNELLAB_MODEL=str(model_dir), KERNELLAB_API_KEYS="",
+                        KERNELLAB_REDIS_URL=f"redis://127.0.0.1:{self.redis_port}/0", KERNELLAB_KEY_PREFIX="klbench:",
+                        KERNELLAB_DEVICE=profile["device"], KERNELLAB_DTYPE=profile["dtype"],
+                        KERNELLAB_MAX_NUM_SEQS=str(profile["max_num_seqs"]),
+                        KERNELLAB_MAX_NUM_BATCHED_TOKENS=str(profile["max_num_batched_tokens"]),
+                        KERNELLAB_MAX_MODEL_LEN=str(profile["max_model_len"]), KERNELLAB_MAX_WAITING="8192",
+                        KERNELLAB_GATEWAY_METRICS_PORT="0")
+        if profile["num_kv_blocks"]:
+            self.env["KERNELLAB_NUM_KV_BLOCKS"] = str(profile["num_kv_blocks"])
+        if profile["device"] == "cpu":
+            self.env["KERNELLAB_NICE"] = "10"  # as `kernellab up` runs a CPU worker
+        self.redis = None
+        self.workers: list[subprocess.Popen] = []
+        self.gateway = None
+
+    def _spawn(self, name: str, cmd: list[str], env: dict) -> subprocess.Popen:
+        out = (self.workdir / f"{name}.log").open("ab")
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir,
+                                start_new_session=True)
+
+    def start_redis(self) -> None:
+        self.redis = self._spawn("redis", [self.args.redis_server, "--port", str(self.redis_port), "--bind",
+                                           "127.0.0.1", "--save", "", "--appendonly", "no", "--dir",
+                                           str(self.workdir)], self.env)
+
+    def start_worker(self, gpu: int) -> None:
+        env = dict(self.env, KERNELLAB_WORKER_METRICS_PORT=str(free_port()), KERNELLAB_WORKER_ID=f"bench-w{gpu}")
+        if self.env["KERNELLAB_DEVICE"] == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        self.workers.append(self._spawn(f"worker{gpu}", [sys.executable, "-m", "kernellab.services.worker"], env))
+
+    def start_gateway(self, processes: int) -> None:
+        env = dict(self.env, KERNELLAB_HOST=self.host, KERNELLAB_PORT=str(self.port),
+                   KERNELLAB_GATEWAY_PROCESSES=str(processes))
+        self.gateway = self._spawn(f"gateway-g{processes}", [sys.executable, "-m", "kernellab.services.gateway"], env)
+
+    def stop_gateway(self) -> None:
+        if self.gateway is not None:
+            _stop(self.gateway, 30)
+            self.gateway = None
+
+    def wait_ready(self, workers: int, timeout: float = 900.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for p in [self.redis, *self.workers, self.gateway]:
+                if p is not None and p.poll() is not None:
+                    raise RuntimeError(f"a stack process exited ({p.args}); logs in {self.workdir}")
+            try:
+                r = httpx.get(f"http://{self.host}:{self.port}/ready", timeout=2)
+                if r.status_code == 200 and r.json().get("workers", 0) >= workers:
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the stack did not become ready with {workers} worker(s); logs in {self.workdir}")
+
+    def pids(self) -> dict[str, list[int]]:
+        import psutil
+
+        out = {"redis": [self.redis.pid], "workers": [w.pid for w in self.workers], "gateway": []}
+        if self.gateway is not None:
+            g = psutil.Process(self.gateway.pid)
+            out["gateway"] = [g.pid] + [c.pid for c in g.children(recursive=True)]
+        return out
+
+    def stop(self) -> None:
+        self.stop_gateway()
+        for p in [*self.workers, self.redis]:
+            if p is not None:
+                _stop(p, 30)
+
+
+def _stop(p: subprocess.Popen, grace: float) -> None:
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(5)
+
+
+class CpuMeter:
+    """CPU seconds each component used during a run, in cores (CPU seconds / wall seconds)."""
+
+    def __init__(self, groups: dict[str, list[int]]):
+        import psutil
+
+        self.procs = {k: [psutil.Process(p) for p in v] for k, v in groups.items()}
+
+    def _sample(self) -> dict[str, float]:
+        import psutil
+
+        out = {}
+        for k, procs in self.procs.items():
+            total = 0.0
+            for p in procs:
+                try:
+                    t = p.cpu_times()
+                    total += t.user + t.system
+                except psutil.Error:
+                    pass
+            out[k] = total
+        return out
+
+    def __enter__(self) -> CpuMeter:
+        self.start, self.t0 = self._sample(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        end, wall = self._sample(), time.perf_counter() - self.t0
+        self.cores = {k: round((end[k] - self.start[k]) / wall, 3) for k in end}
+
+
+def stack_run(stack: StackProcs, model: str, requests, processes: int, timeout_s: float) -> dict:
+    from kernellab.bench.stream_clients import completion_request, run_clients
+
+    raws = [completion_request(stack.host, stack.port, model, p, n) for p, n in requests]
+    with CpuMeter(stack.pids()) as cpu:
+        out = run_clients(stack.host, stack.port, raws, processes, timeout_s)
+    recs = [{"sent": r.sent, "first": r.first, "end": r.end, "chunk_times": r.chunk_times,
+             "tokens": r.completion_tokens, "error": r.error} for r in out["records"]]
+    s = summarize(recs, [n for _p, n in requests], out["t0"])
+    s.update(clients=out["clients"], max_client_cpu_util=out["max_client_cpu_util"],
+             clients_saturated=out["clients_saturated"], server_cpu_cores=cpu.cores)
+    return s
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="h200")
+    ap.add_argument("--gpus", type=int, default=1, help="2: add the two-GPU scale-out phase")
+    ap.add_argument("--gateway-processes", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="comma-separated gateway process counts to run, e.g. 1,4")
+    ap.add_argument("--client-processes", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=1, help="measured runs per workload and phase")
+    ap.add_argument("--redis-server", default=shutil.which("redis-server") or "redis-server")
+    ap.add_argument("--model-dir", default=None, help="reuse a checkpoint folder written by an earlier run")
+    ap.add_argument("--output", default="results/gpu/serve_h200.json")
+    ap.add_argument("--engine-child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.engine_child:
+        engine_child(json.loads(args.engine_child))
+        return 0
+    profile = dict(PROFILES[args.profile])
+    if args.gateway_processes:
+        profile["gateway_processes"] = args.gateway_processes
+    if args.client_processes:
+        profile["client_processes"] = args.client_processes
+    from kernellab.bench.synthetic import write_checkpoint
+
+    started = time.perf_counter()
+    workdir = Path(tempfile.mkdtemp(prefix="serve-gpu-"))
+    model_dir = Path(args.model_dir) if args.model_dir else workdir / "model"
+    if not (model_dir / "config.json").exists():
+        t = time.perf_counter()
+        write_checkpoint(model_dir, profile["shape"], device="cuda" if profile["device"] == "cuda" else "cpu")
+        log(f"wrote the {profile['shape']} checkpoint to {model_dir} in {time.perf_counter() - t:.1f}s")
+    engine_cfg = {"model": str(model_dir), "device": profile["device"], "dtype": profile["dtype"],
+                  "max_num_seqs": profile["max_num_seqs"], "max_num_batched_tokens": profile["max_num_batched_tokens"],
+                  "max_model_len": profile["max_model_len"], "num_kv_blocks": profile["num_kv_blocks"]}
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if profile["device"] == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = "0"
+    runs: list[dict] = []
+    prov: dict = {}
+    run_id = iter(range(1, 1 << 20))
+    timeout = profile["run_timeout_s"]
+
+    def record(phase: str, wl: str, s: dict, **extra) -> None:
+        runs.append({"phase": phase, "workload": wl, **extra, **s})
+        write_artifact(args, profile, prov, runs, started)  # after every run: a cut-off job keeps what it measured
+        log(f"{phase:18} {wl:12} {s['throughput_tok_s']:9.1f} tok/s  TTFT p50 {s['ttft_ms']['p50']} ms  "
+            f"bad {s['num_bad']}  client cpu {s.get('max_client_cpu_util', '-')}  server {s.get('server_cpu_cores', '')}")
+
+    # 1. the engine alone
+    t = time.perf_counter()
+    engine = EngineChild(engine_cfg, env, str(workdir))
+    log(f"engine ready in {time.perf_counter() - t:.1f}s")
+    prov.update(engine.hello["provenance"])
+    try:
+        engine.run(workload(profile, "warmup", next(run_id)))
+        for wl in ("nanovllm", "interactive"):
+            for rep in range(args.repeats):
+                reqs = workload(profile, wl, next(run_id))
+                out = engine.run(reqs)
+                record("engine", wl, summarize(out["records"], [n for _p, n in reqs], out["t0"]), repeat=rep)
+    finally:
+        engine.stop()
+
+    # 2. the stack on one GPU, per gateway tier size; 3. two GPUs
+    stack = StackProcs(args, profile, model_dir, workdir)
+    try:
+        stack.start_redis()
+        stack.start_worker(0)
+        for g in profile["gateway_processes"]:
+            t = time.perf_counter()
+            stack.start_gateway(g)
+            stack.wait_ready(1)
+            log(f"stack ready (gateway x{g}) in {time.perf_counter() - t:.1f}s")
+            stack_run(stack, str(model_dir), workload(profile, "warmup", next(run_id)), profile["client_processes"],
+                      timeout)
+            for wl in ("nanovllm", "interactive"):
+                for rep in range(args.repeats):
+                    s = stack_run(stack, str(model_dir), workload(profile, wl, next(run_id)),
+                                  profile["client_processes"], timeout)
+                    record(f"stack-g{g}", wl, s, gateway_processes=g, gpus=1, repeat=rep)
+            if args.gpus > 1 and g == profile["gateway_processes"][-1]:
+                for i in range(1, args.gpus):
+                    stack.start_worker(i)
+                t = time.perf_counter()
+                stack.wait_ready(args.gpus)
+                log(f"{args.gpus} workers ready in {time.perf_counter() - t:.1f}s")
+                stack_run(stack, str(model_dir), workload(profile, "warmup", next(run_id)),
+                          profile["client_processes"], timeout)
+                for rep in range(args.repeats):
+                    s = stack_run(stack, str(model_dir), workload(profile, "nanovllm", next(run_id), scale=args.gpus),
+                                  profile["client_processes"] * args.gpus if args.profile != "ci" else
+                                  profile["client_processes"], timeout)
+                    record(f"stack-{args.gpus}gpu-g{g}", f"nanovllm-x{args.gpus}", s, gateway_processes=g,
+                           gpus=args.gpus, repeat=rep)
+            stack.stop_gateway()
+    finally:
+        stack.stop()
+
+    artifact = write_artifact(args, profile, prov, runs, started)
+    print_table(artifact)
+    print(f"wrote {args.output}")
+    if not args.model_dir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+def write_artifact(args, profile: dict, prov: dict, runs: list[dict], started: float) -> dict:
+    from importlib import metadata
+
+    prov = dict(prov)
+    prov["redis_server"] = subprocess.run([args.redis_server, "--version"], capture_output=True,
+                                          text=True).stdout.strip()
+    for dist in ("redis", "fastapi", "uvicorn", "starlette", "msgpack", "tokenizers", "prometheus-client"):
+        try:
+            prov[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            prov[dist] = None
+    if profile["device"] == "cuda":
+        import torch
+
+        prov["gpus_used"] = args.gpus
+        prov["gpu_count"] = torch.cuda.device_count()
+    artifact = {
+        "schema": SCHEMA, "provenance": prov, "profile": args.profile,
+        "model": {"shape": profile["shape"], "weights": "random bf16 (kernellab.bench.synthetic, seed 0)",
+                  "tokenizer": "synthetic byte-level BPE, vocabulary = the model's (kernellab.bench.synthetic)"},
+        "config": {k: v for k, v in profile.items() if k not in ("nanovllm", "interactive")},
+        "workloads": {"nanovllm": profile["nanovllm"], "interactive": profile["interactive"],
+                      "request": "POST /v1/completions, token-id prompt, stream, temperature 0, ignore_eos, "
+                                 "stream_options.include_usage; all requests of a run written at one instant",
+                      "engine": "LLMEngine in a child process, same EngineConfig as the workers, all requests added "
+                                "at t0"},
+        "targets": TARGETS, "figures": compute_figures(runs, args.gpus), "runs": runs,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(artifact, indent=1) + "\n")
+    return artifact
+
+
+def _median(runs: list[dict], key) -> float | None:
+    vals = [key(r) for r in runs]
+    vals = [v for v in vals if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def compute_figures(runs: list[dict], gpus: int) -> dict:
+    def sel(phase, wl):
+        return [r for r in runs if r["phase"] == phase and r["workload"] == wl]
+
+    eng_nano = _median(sel("engine", "nanovllm"), lambda r: r["throughput_tok_s"])
+    eng_ttft = _median(sel("engine", "interactive"), lambda r: r["ttft_ms"]["p50"])
+    stacks = sorted({r["gateway_processes"] for r in runs if r["phase"].startswith("stack-g")})
+    per_tier = {}
+    for g in stacks:
+        nano = _median(sel(f"stack-g{g}", "nanovllm"), lambda r: r["throughput_tok_s"])
+        ttft = _median(sel(f"stack-g{g}", "interactive"), lambda r: r["ttft_ms"]["p50"])
+        per_tier[str(g)] = {
+            "nanovllm_tok_s": nano, "throughput_ratio": round(nano / eng_nano, 4) if nano and eng_nano else None,
+            "interactive_ttft_p50_ms": ttft,
+            "interactive_added_ttft_p50_ms": round(ttft - eng_ttft, 3) if ttft is not None and eng_ttft else None}
+    best = str(stacks[-1]) if stacks else None
+    out = {"engine_nanovllm_tok_s": eng_nano, "engine_interactive_ttft_p50_ms": eng_ttft, "stack_by_gateway_processes":
+           per_tier, "product_gateway_processes": int(best) if best else None}
+    if best:
+        out["throughput_ratio"] = per_tier[best]["throughput_ratio"]
+        out["interactive_added_ttft_p50_ms"] = per_tier[best]["interactive_added_ttft_p50_ms"]
+    two = [r for r in runs if r.get("gpus", 1) > 1]
+    if two and best:
+        tok = _median(two, lambda r: r["throughput_tok_s"])
+        out["two_gpu_nanovllm_x2_tok_s"] = tok
+        out["two_gpu_scaling"] = round(tok / per_tier[best]["nanovllm_tok_s"], 4) if per_tier[best]["nanovllm_tok_s"] \
+            else None
+    out["all_requests_exact"] = all(r["num_bad"] == 0 for r in runs)
+    out["clients_saturated"] = any(r.get("clients_saturated") for r in runs)
+    out["max_client_cpu_util"] = max((r.get("max_client_cpu_util") or 0 for r in runs), default=0)
+    met = {"throughput_ratio": (out.get("throughput_ratio") or 0) >= TARGETS["throughput_ratio_min"],
+           "interactive_ttft": out.get("interactive_added_ttft_p50_ms") is not None and
+           out["interactive_added_ttft_p50_ms"] <= TARGETS["interactive_added_ttft_p50_ms_max"],
+           "exact_tokens": out["all_requests_exact"]}
+    if gpus > 1:
+        met["two_gpu_scaling"] = (out.get("two_gpu_scaling") or 0) >= TARGETS["two_gpu_scaling_min"]
+    out["met"] = met
+    return out
+
+
+def print_table(a: dict) -> None:
+    f = a["figures"]
+    print(f"\n{'run':22}{'workload':14}{'tok/s':>10}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'E2E p50':>10}"
+          f"{'bad':>5}{'cli cpu':>8}")
+    for r in a["runs"]:
+        print(f"{r['phase']:22}{r['workload']:14}{r['throughput_tok_s']:10.1f}{r['ttft_ms']['p50'] or 0:10.1f}"
+              f"{r['ttft_ms']['p99'] or 0:9.1f}{r['tpot_ms']['p50'] or 0:10.2f}{r['e2e_ms']['p50'] or 0:10.0f}"
+              f"{r['num_bad']:5d}{r.get('max_client_cpu_util') or 0:8.2f}")
+    print(f"\nstack/engine throughput {f.get('throughput_ratio')} (target ≥ {TARGETS['throughput_ratio_min']}); "
+          f"interactive TTFT p50 added {f.get('interactive_added_ttft_p50_ms')} ms (≤ "
+          f"{TARGETS['interactive_added_ttft_p50_ms_max']}); 2-GPU scaling {f.get('two_gpu_scaling')} (≥ "
+          f"{TARGETS['two_gpu_scaling_min']}); exact tokens {f['all_requests_exact']}; met {f['met']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
