@@ -107,7 +107,7 @@ def summarize(records: list[dict], expected: list[int], t0: float) -> dict:
     e2e = [(r["end"] - r["sent"]) * 1e3 for r in ok]
 
     def dist(v):
-        return {f"p{q}": None if not v else round(pct(v, q), 3) for q in (50, 90, 99)}
+        return {f"p{q}": None if not v else round(pct(v, q), 3) for q in (0, 50, 90, 99)}
 
     return {"requests": len(records), "requests_ok": len(ok), "bad_requests": bad[:20], "num_bad": len(bad),
             "output_tokens": tokens, "expected_tokens": sum(expected), "wall_s": round(end - t0, 4),
@@ -201,8 +201,8 @@ class StackProcs:
                         KERNELLAB_DEVICE=profile["device"], KERNELLAB_DTYPE=profile["dtype"],
                         KERNELLAB_MAX_NUM_SEQS=str(profile["max_num_seqs"]),
                         KERNELLAB_MAX_NUM_BATCHED_TOKENS=str(profile["max_num_batched_tokens"]),
-                        KERNELLAB_MAX_MODEL_LEN=str(profile["max_model_len"]), KERNELLAB_MAX_WAITING="8192",
-                        KERNELLAB_GATEWAY_METRICS_PORT="0")
+                        KERNELLAB_MAX_MODEL_LEN=str(profile["max_model_len"]), KERNELLAB_MAX_WAITING="8192")
+        self.metrics_urls: dict[str, str] = {}
         if profile["num_kv_blocks"]:
             self.env["KERNELLAB_NUM_KV_BLOCKS"] = str(profile["num_kv_blocks"])
         if profile["device"] == "cpu":
@@ -222,14 +222,18 @@ class StackProcs:
                                            str(self.workdir)], self.env)
 
     def start_worker(self, gpu: int) -> None:
-        env = dict(self.env, KERNELLAB_WORKER_METRICS_PORT=str(free_port()), KERNELLAB_WORKER_ID=f"bench-w{gpu}")
+        port = free_port()
+        self.metrics_urls[f"worker{gpu}"] = f"http://127.0.0.1:{port}/metrics"
+        env = dict(self.env, KERNELLAB_WORKER_METRICS_PORT=str(port), KERNELLAB_WORKER_ID=f"bench-w{gpu}")
         if self.env["KERNELLAB_DEVICE"] == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         self.workers.append(self._spawn(f"worker{gpu}", [sys.executable, "-m", "kernellab.services.worker"], env))
 
     def start_gateway(self, processes: int) -> None:
+        port = free_port()
+        self.metrics_urls["gateway"] = f"http://127.0.0.1:{port}/metrics"
         env = dict(self.env, KERNELLAB_HOST=self.host, KERNELLAB_PORT=str(self.port),
-                   KERNELLAB_GATEWAY_PROCESSES=str(processes))
+                   KERNELLAB_GATEWAY_PROCESSES=str(processes), KERNELLAB_GATEWAY_METRICS_PORT=str(port))
         self.gateway = self._spawn(f"gateway-g{processes}", [sys.executable, "-m", "kernellab.services.gateway"], env)
 
     def stop_gateway(self) -> None:
@@ -312,17 +316,54 @@ class CpuMeter:
         self.cores = {k: round((end[k] - self.start[k]) / wall, 3) for k in end}
 
 
+TTFT_METRICS = {"gateway": "kernellab_gateway_time_to_first_token_seconds",
+                "worker": "kernellab:time_to_first_token_seconds"}
+
+
+def ttft_sums(stack: StackProcs) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the TTFT histograms the gateway tier and the workers export: where a request's wait went
+    (gateway receipt → first token sent; worker receipt → first token out of the engine)."""
+    import httpx
+
+    out: dict[str, tuple[float, float]] = {}
+    for name, url in stack.metrics_urls.items():
+        if name == "gateway" and stack.gateway is None:
+            continue
+        metric = TTFT_METRICS["gateway" if name == "gateway" else "worker"]
+        total = count = 0.0
+        try:
+            text = httpx.get(url, timeout=5).text
+        except httpx.HTTPError:
+            continue
+        for line in text.splitlines():
+            if line.startswith(metric + "_sum"):
+                total += float(line.rsplit(" ", 1)[1])
+            elif line.startswith(metric + "_count"):
+                count += float(line.rsplit(" ", 1)[1])
+        out["gateway" if name == "gateway" else "workers"] = (
+            out.get("workers", (0.0, 0.0))[0] + total if name != "gateway" else total,
+            out.get("workers", (0.0, 0.0))[1] + count if name != "gateway" else count)
+    return out
+
+
 def stack_run(stack: StackProcs, model: str, requests, processes: int, timeout_s: float) -> dict:
     from kernellab.bench.stream_clients import completion_request, run_clients
 
     raws = [completion_request(stack.host, stack.port, model, p, n) for p, n in requests]
+    before = ttft_sums(stack)
     with CpuMeter(stack.pids()) as cpu:
         out = run_clients(stack.host, stack.port, raws, processes, timeout_s)
+    after = ttft_sums(stack)
+    layers = {k: round((after[k][0] - before.get(k, (0, 0))[0]) / (after[k][1] - before.get(k, (0, 0))[1]) * 1e3, 3)
+              for k in after if after[k][1] > before.get(k, (0, 0))[1]}
     recs = [{"sent": r.sent, "first": r.first, "end": r.end, "chunk_times": r.chunk_times,
              "tokens": r.completion_tokens, "error": r.error} for r in out["records"]]
     s = summarize(recs, [n for _p, n in requests], out["t0"])
     s.update(clients=out["clients"], max_client_cpu_util=out["max_client_cpu_util"],
-             clients_saturated=out["clients_saturated"], server_cpu_cores=cpu.cores)
+             clients_saturated=out["clients_saturated"], server_cpu_cores=cpu.cores,
+             mean_ttft_ms_by_layer={"client": round(statistics.mean(
+                 (r["first"] - r["sent"]) * 1e3 for r in recs if r["first"] is not None), 3) if recs else None,
+                 **layers})
     return s
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 from kernellab.runtime.errors import InvalidRequestError
 
@@ -96,9 +96,14 @@ class SamplingParams:
                 raise bad("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        # Flat fields (lists of str/int at most): a shallow copy per list, not asdict's recursive deep copy,
+        # which the gateway paid on every request.
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), list) else v) for f in _FIELDS}
 
     @classmethod
     def from_dict(cls, data: dict) -> SamplingParams:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+
+_FIELDS = fields(SamplingParams)

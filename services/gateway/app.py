@@ -39,8 +39,8 @@ from kernellab.services.gateway.state import Gateway
 
 log = logging.getLogger("kernellab.gateway")
 
-# Prompts longer than this (characters) are tokenized in a thread so they do not stall other streams.
-_THREAD_TOKENIZE_CHARS = 20_000
+# Bodies larger than this (bytes) are validated and tokenized in a thread so they do not stall other streams.
+_THREAD_PREPARE_BYTES = 20_000
 
 
 class ClientGone(Exception):
@@ -136,9 +136,8 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
         request.state.tenant = hashlib.sha256(token.encode()).hexdigest()[:32]
         return request.state.tenant
 
-    app.include_router(create_batch_router(settings), dependencies=[Depends(check_auth)])
-
-    async def read_json(request: Request):
+    async def read_json(request: Request) -> tuple[object, int]:
+        """(the decoded body, its size in bytes)."""
         limit = settings.max_body_bytes
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > limit:
@@ -152,7 +151,7 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
             data = json.loads(body)
             if b"\\u" in body:  # only escapes can make lone surrogates, which no tokenizer or encoder accepts
                 json.dumps(data, ensure_ascii=False).encode()
-            return data
+            return data, len(body)
         except (ValueError, RecursionError) as exc:  # ValueError covers UnicodeDecode/EncodeError
             raise InvalidRequestError(f"the body is not valid JSON text: {type(exc).__name__}: {exc}") from None
 
@@ -213,11 +212,10 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
         g = gw()
         if g.draining:
             raise ServiceUnavailable("the gateway is shutting down", code="draining")
-        data = await read_json(request)
-        size = len(json.dumps(data.get("messages") or data.get("prompt") or "")) if isinstance(data, dict) else 0
+        data, size = await read_json(request)  # a large body is tokenized (or validated) off the event loop
         args = (kind, data, g.tokenizer)
         kwargs = {"served_model": g.model, "max_model_len": g.max_model_len, "max_n": settings.max_n}
-        if size > _THREAD_TOKENIZE_CHARS:
+        if size > _THREAD_PREPARE_BYTES:
             p = await asyncio.to_thread(prepare, *args, **kwargs)
         else:
             p = prepare(*args, **kwargs)
@@ -289,4 +287,6 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
         rs.close()
         yield tail + R.SSE_DONE
 
+    # Last: the router tries routes in order, and the generation routes carry the traffic.
+    app.include_router(create_batch_router(settings), dependencies=[Depends(check_auth)])
     return app

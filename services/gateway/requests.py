@@ -186,9 +186,10 @@ def prepare(kind: str, data, tokenizer, *, served_model: str, max_model_len: int
         if isinstance(prompt[0], int):
             prompt = [prompt]
         prompts = []
+        vocab = tokenizer.vocab_size
         for p in prompt:
             ids = tokenizer.encode(p) if isinstance(p, str) else list(p)
-            if any(not 0 <= t < tokenizer.vocab_size for t in ids):
+            if ids and (min(ids) < 0 or max(ids) >= vocab):  # ints already (the body model checked them)
                 raise InvalidRequestError(f"token ids must be in [0, {tokenizer.vocab_size})", param="prompt")
             prompts.append(ids)
             if body.echo:
