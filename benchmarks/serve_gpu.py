@@ -4,10 +4,13 @@ SSE) against the in-process engine, on the same workloads, in one run.
 Phases, in this order (each a set of real processes on this machine, torn down after it):
 1. ``engine``: a child process holds ``LLMEngine`` with the workers' configuration; each workload's requests are
    all added at t0 (token ids in, as the stack gets them) and stepped to the end.
-2. ``stack-g<N>``: a private redis-server, one ``kernellab worker`` on GPU 0 and ``kernellab gateway`` with N
-   processes, for each N in ``--gateway-processes`` (the worker stays up; only the gateway tier restarts).
-3. ``stack-2gpu-g<N>`` (``--gpus 2``): a second worker on GPU 1 joins the same consumer group, and the
-   nano-vllm workload runs at twice the requests (each worker again holds a full batch): scale-out.
+2. ``stack-<phase>``, for each phase of ``--phases``: a private redis-server, one ``kernellab worker`` on GPU 0
+   and ``kernellab gateway`` with N processes (``g<N>``); suffixes set worker settings (``VARIANTS``), e.g.
+   ``-nogather`` runs the worker without the burst gather (the behaviour before it), so the artifact holds the
+   before and after of each change. The worker restarts only when its settings change; the gateway tier every phase.
+3. ``stack-2gpu-<phase>`` (``--gpus 2``): with the last phase's settings, a second worker on GPU 1 joins the
+   same consumer group, and the nano-vllm workload runs at twice the requests (each worker again holds a full
+   batch): scale-out.
 
 Workloads: ``nanovllm`` (nano-vllm's benchmark: 256 prompts of 100–1,024 random token ids, outputs of 100–1,024
 tokens, seed 0) and ``interactive`` (64 clients, 512 → 128 tokens), greedy with ``ignore_eos`` so every request
@@ -22,7 +25,7 @@ The model: a checkpoint folder written by ``kernellab.bench.synthetic`` (random 
 Qwen3-0.6B shape and a byte-level BPE tokenizer of Qwen3's vocabulary size), loaded by the engine, the worker
 and the gateway as any local checkpoint. ``--profile ci`` runs the same path on a CPU with a tiny model (CI).
 
-    python benchmarks/serve_gpu.py --profile h200 --gpus 2 --output results/gpu/serve_h200.json
+    bash benchmarks/gpu/serve_h200.sh "$OUT" --gpus 2     # on the GPU machine (scripts/gpu-carry.sh first)
     python benchmarks/serve_gpu.py --profile ci --output /tmp/serve_ci.json
 """
 
@@ -48,13 +51,17 @@ PROFILES = {
              "max_num_batched_tokens": 16384, "num_kv_blocks": None, "max_model_len": 4096,
              "nanovllm": {"num_seqs": 256, "min_len": 100, "max_len": 1024},
              "interactive": {"clients": 64, "prompt_tokens": 512, "output_tokens": 128},
-             "gateway_processes": [1, 4], "client_processes": 4, "run_timeout_s": 240},
+             "phases": ["g1-nogather", "g16-nogather", "g16"], "client_processes": 4, "run_timeout_s": 240},
     "ci": {"shape": "tiny-qwen3", "device": "cpu", "dtype": "float32", "max_num_seqs": 16,
            "max_num_batched_tokens": 512, "num_kv_blocks": 256, "max_model_len": 512,
            "nanovllm": {"num_seqs": 12, "min_len": 8, "max_len": 40},
            "interactive": {"clients": 6, "prompt_tokens": 48, "output_tokens": 12},
-           "gateway_processes": [1, 2], "client_processes": 2, "run_timeout_s": 240},
+           "phases": ["g1-nogather", "g2"], "client_processes": 2, "run_timeout_s": 240},
 }
+# Phase suffixes: worker settings for before/after comparisons of a change.
+VARIANTS = {"nogather": {"KERNELLAB_GATHER_BURST_GAP_S": "0"},  # no burst gather (before it existed)
+            "noflush": {"KERNELLAB_FIRST_TOKEN_FLUSH_S": "0"},  # first tokens not awaited before the next step
+            "flush": {"KERNELLAB_FIRST_TOKEN_FLUSH_S": "0.005"}}
 TARGETS = {"throughput_ratio_min": 0.90, "interactive_added_ttft_p50_ms_max": 5.0, "two_gpu_scaling_min": 1.85}
 
 
@@ -221,10 +228,11 @@ class StackProcs:
                                            "127.0.0.1", "--save", "", "--appendonly", "no", "--dir",
                                            str(self.workdir)], self.env)
 
-    def start_worker(self, gpu: int) -> None:
+    def start_worker(self, gpu: int, overrides: dict | None = None) -> None:
         port = free_port()
         self.metrics_urls[f"worker{gpu}"] = f"http://127.0.0.1:{port}/metrics"
-        env = dict(self.env, KERNELLAB_WORKER_METRICS_PORT=str(port), KERNELLAB_WORKER_ID=f"bench-w{gpu}")
+        env = dict(self.env, KERNELLAB_WORKER_METRICS_PORT=str(port), KERNELLAB_WORKER_ID=f"bench-w{gpu}",
+                   **(overrides or {}))
         if self.env["KERNELLAB_DEVICE"] == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         self.workers.append(self._spawn(f"worker{gpu}", [sys.executable, "-m", "kernellab.services.worker"], env))
@@ -235,6 +243,12 @@ class StackProcs:
         env = dict(self.env, KERNELLAB_HOST=self.host, KERNELLAB_PORT=str(self.port),
                    KERNELLAB_GATEWAY_PROCESSES=str(processes), KERNELLAB_GATEWAY_METRICS_PORT=str(port))
         self.gateway = self._spawn(f"gateway-g{processes}", [sys.executable, "-m", "kernellab.services.gateway"], env)
+
+    def stop_workers(self) -> None:
+        for w in self.workers:
+            _stop(w, 60)
+        self.workers = []
+        self.metrics_urls = {k: v for k, v in self.metrics_urls.items() if not k.startswith("worker")}
 
     def stop_gateway(self) -> None:
         if self.gateway is not None:
@@ -372,10 +386,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", choices=sorted(PROFILES), default="h200")
     ap.add_argument("--gpus", type=int, default=1, help="2: add the two-GPU scale-out phase")
-    ap.add_argument("--gateway-processes", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                    help="comma-separated gateway process counts to run, e.g. 1,4")
+    ap.add_argument("--phases", type=lambda s: s.split(","), default=None,
+                    help="comma-separated stack phases, e.g. g1-nogather,g16 (gN: N gateway processes)")
     ap.add_argument("--client-processes", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=1, help="measured runs per workload and phase")
+    ap.add_argument("--repeats", type=int, default=1, help="measured nano-vllm runs per phase")
+    ap.add_argument("--interactive-repeats", type=int, default=3, help="measured interactive runs per phase")
     ap.add_argument("--redis-server", default=shutil.which("redis-server") or "redis-server")
     ap.add_argument("--model-dir", default=None, help="reuse a checkpoint folder written by an earlier run")
     ap.add_argument("--output", default="results/gpu/serve_h200.json")
@@ -385,8 +400,8 @@ def main() -> int:
         engine_child(json.loads(args.engine_child))
         return 0
     profile = dict(PROFILES[args.profile])
-    if args.gateway_processes:
-        profile["gateway_processes"] = args.gateway_processes
+    if args.phases:
+        profile["phases"] = args.phases
     if args.client_processes:
         profile["client_processes"] = args.client_processes
     from kernellab.bench.synthetic import write_checkpoint
@@ -422,8 +437,8 @@ def main() -> int:
     prov.update(engine.hello["provenance"])
     try:
         engine.run(workload(profile, "warmup", next(run_id)))
-        for wl in ("nanovllm", "interactive"):
-            for rep in range(args.repeats):
+        for wl, repeats in (("nanovllm", args.repeats), ("interactive", args.interactive_repeats)):
+            for rep in range(repeats):
                 reqs = workload(profile, wl, next(run_id))
                 out = engine.run(reqs)
                 record("engine", wl, summarize(out["records"], [n for _p, n in reqs], out["t0"]), repeat=rep)
@@ -434,32 +449,40 @@ def main() -> int:
     stack = StackProcs(args, profile, model_dir, workdir)
     try:
         stack.start_redis()
-        stack.start_worker(0)
-        for g in profile["gateway_processes"]:
+        worker_env: dict | None = None
+        for phase in profile["phases"]:
+            g, *variants = phase.removeprefix("g").split("-")
+            g, env_over = int(g), {}
+            for v in variants:
+                env_over.update(VARIANTS[v])
+            if env_over != worker_env:
+                stack.stop_workers()
+                stack.start_worker(0, env_over)
+                worker_env = env_over
             t = time.perf_counter()
             stack.start_gateway(g)
             stack.wait_ready(1)
-            log(f"stack ready (gateway x{g}) in {time.perf_counter() - t:.1f}s")
+            log(f"stack ready ({phase}) in {time.perf_counter() - t:.1f}s")
             stack_run(stack, str(model_dir), workload(profile, "warmup", next(run_id)), profile["client_processes"],
                       timeout)
-            for wl in ("nanovllm", "interactive"):
-                for rep in range(args.repeats):
+            for wl, repeats in (("nanovllm", args.repeats), ("interactive", args.interactive_repeats)):
+                for rep in range(repeats):
                     s = stack_run(stack, str(model_dir), workload(profile, wl, next(run_id)),
                                   profile["client_processes"], timeout)
-                    record(f"stack-g{g}", wl, s, gateway_processes=g, gpus=1, repeat=rep)
-            if args.gpus > 1 and g == profile["gateway_processes"][-1]:
+                    record(f"stack-{phase}", wl, s, gateway_processes=g, gpus=1, repeat=rep)
+            if args.gpus > 1 and phase == profile["phases"][-1]:
                 for i in range(1, args.gpus):
-                    stack.start_worker(i)
+                    stack.start_worker(i, env_over)
                 t = time.perf_counter()
                 stack.wait_ready(args.gpus)
                 log(f"{args.gpus} workers ready in {time.perf_counter() - t:.1f}s")
                 stack_run(stack, str(model_dir), workload(profile, "warmup", next(run_id)),
                           profile["client_processes"], timeout)
+                clients = profile["client_processes"] * (args.gpus if profile["device"] == "cuda" else 1)
                 for rep in range(args.repeats):
                     s = stack_run(stack, str(model_dir), workload(profile, "nanovllm", next(run_id), scale=args.gpus),
-                                  profile["client_processes"] * args.gpus if args.profile != "ci" else
-                                  profile["client_processes"], timeout)
-                    record(f"stack-{args.gpus}gpu-g{g}", f"nanovllm-x{args.gpus}", s, gateway_processes=g,
+                                  clients, timeout)
+                    record(f"stack-{args.gpus}gpu-{phase}", f"nanovllm-x{args.gpus}", s, gateway_processes=g,
                            gpus=args.gpus, repeat=rep)
             stack.stop_gateway()
     finally:
@@ -519,27 +542,26 @@ def compute_figures(runs: list[dict], gpus: int) -> dict:
 
     eng_nano = _median(sel("engine", "nanovllm"), lambda r: r["throughput_tok_s"])
     eng_ttft = _median(sel("engine", "interactive"), lambda r: r["ttft_ms"]["p50"])
-    stacks = sorted({r["gateway_processes"] for r in runs if r["phase"].startswith("stack-g")})
-    per_tier = {}
-    for g in stacks:
-        nano = _median(sel(f"stack-g{g}", "nanovllm"), lambda r: r["throughput_tok_s"])
-        ttft = _median(sel(f"stack-g{g}", "interactive"), lambda r: r["ttft_ms"]["p50"])
-        per_tier[str(g)] = {
+    phases = list(dict.fromkeys(r["phase"] for r in runs if r["phase"].startswith("stack-") and r["gpus"] == 1))
+    per_phase = {}
+    for ph in phases:
+        nano = _median(sel(ph, "nanovllm"), lambda r: r["throughput_tok_s"])
+        ttft = _median(sel(ph, "interactive"), lambda r: r["ttft_ms"]["p50"])
+        per_phase[ph.removeprefix("stack-")] = {
             "nanovllm_tok_s": nano, "throughput_ratio": round(nano / eng_nano, 4) if nano and eng_nano else None,
             "interactive_ttft_p50_ms": ttft,
             "interactive_added_ttft_p50_ms": round(ttft - eng_ttft, 3) if ttft is not None and eng_ttft else None}
-    best = str(stacks[-1]) if stacks else None
-    out = {"engine_nanovllm_tok_s": eng_nano, "engine_interactive_ttft_p50_ms": eng_ttft, "stack_by_gateway_processes":
-           per_tier, "product_gateway_processes": int(best) if best else None}
+    best = phases[-1].removeprefix("stack-") if phases else None
+    out = {"engine_nanovllm_tok_s": eng_nano, "engine_interactive_ttft_p50_ms": eng_ttft, "stack_by_phase": per_phase,
+           "product_phase": best}
     if best:
-        out["throughput_ratio"] = per_tier[best]["throughput_ratio"]
-        out["interactive_added_ttft_p50_ms"] = per_tier[best]["interactive_added_ttft_p50_ms"]
+        out["throughput_ratio"] = per_phase[best]["throughput_ratio"]
+        out["interactive_added_ttft_p50_ms"] = per_phase[best]["interactive_added_ttft_p50_ms"]
     two = [r for r in runs if r.get("gpus", 1) > 1]
-    if two and best:
+    if two and best and per_phase[best]["nanovllm_tok_s"]:
         tok = _median(two, lambda r: r["throughput_tok_s"])
         out["two_gpu_nanovllm_x2_tok_s"] = tok
-        out["two_gpu_scaling"] = round(tok / per_tier[best]["nanovllm_tok_s"], 4) if per_tier[best]["nanovllm_tok_s"] \
-            else None
+        out["two_gpu_scaling"] = round(tok / per_phase[best]["nanovllm_tok_s"], 4)
     out["all_requests_exact"] = all(r["num_bad"] == 0 for r in runs)
     out["clients_saturated"] = any(r.get("clients_saturated") for r in runs)
     out["max_client_cpu_util"] = max((r.get("max_client_cpu_util") or 0 for r in runs), default=0)

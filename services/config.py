@@ -80,9 +80,13 @@ class WorkerSettings(StackSettings):
     max_deliveries: int = Field(3, ge=1)  # deliveries beyond this send a request to the dead-letter stream
     drain_timeout_s: float = Field(30.0, ge=0)
     batch_share: float = Field(0.75, gt=0, le=1)  # at most this share of max_num_seqs goes to batch requests
-    # An idle engine that receives a request waits while more keep arriving (gaps ≤ gather_gap_s, at most
-    # gather_max_s in all), so a burst is prefilled in one step instead of paying an extra step for its head.
+    # An idle engine that receives a request waits while more keep arriving, so a burst is prefilled in full
+    # steps instead of a small step for its head that the rest then waits behind. The first wait is short
+    # (gather_gap_s: what a lone request pays); once a second request has come, the quiet gap that ends the
+    # gather is gather_burst_gap_s (a burst reaches a worker in pieces, one per gateway process's Redis flush),
+    # and the whole gather is at most gather_max_s.
     gather_gap_s: float = Field(0.001, ge=0)
+    gather_burst_gap_s: float = Field(0.004, ge=0)
     gather_max_s: float = Field(0.05, ge=0)
     # After a step that produced first tokens, wait (at most this long) until they are written to Redis.
     first_token_flush_s: float = Field(0.005, ge=0)

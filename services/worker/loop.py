@@ -125,9 +125,9 @@ class Worker:
             self._check_stall(last)
             last = time.monotonic()
             idle = not self.engine.has_unfinished_requests()
-            self._drain_inbox(block=idle)
+            taken = self._drain_inbox(block=idle)
             if idle and self.engine.has_unfinished_requests():
-                self._gather()
+                self._gather(burst=taken > 1)
             if self.draining.is_set():
                 drain_deadline = drain_deadline or time.monotonic() + self.settings.drain_timeout_s
                 if not self.active or time.monotonic() >= drain_deadline:
@@ -171,27 +171,35 @@ class Worker:
                 log.error("engine integrity check failed: %s", exc)
             self.integrity = str(exc)
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _drain_inbox(self, block: bool) -> int:
+        """Handle what the I/O threads delivered; returns how many items."""
         batch = WriteBatch()
+        n = 0
         try:
             item = self.inbox.get(timeout=0.1) if block else self.inbox.get_nowait()
             while True:
                 self._handle(item, batch)
+                n += 1
                 item = self.inbox.get_nowait()
         except queue.Empty:
             pass
         if batch.messages or batch.acks:
             self.io.outbox.put(batch)
+        return n
 
-    def _gather(self) -> None:
-        """Idle → busy: wait while a burst is still arriving, so its requests share the first step."""
-        gap, end = self.settings.gather_gap_s, time.monotonic() + self.settings.gather_max_s
+    def _gather(self, burst: bool) -> None:
+        """Idle → busy: wait while a burst is still arriving, so its requests share the first steps (see
+        ``WorkerSettings.gather_burst_gap_s``). ``burst``: more than one request came at once already."""
+        s = self.settings
+        burst_gap = max(s.gather_gap_s, s.gather_burst_gap_s)
+        gap, end = burst_gap if burst else s.gather_gap_s, time.monotonic() + s.gather_max_s
         batch = WriteBatch()
-        while gap > 0 and time.monotonic() < end:
+        while gap > 0 and (left := end - time.monotonic()) > 0:
             try:
-                self._handle(self.inbox.get(timeout=gap), batch)
+                self._handle(self.inbox.get(timeout=min(gap, left)), batch)
             except queue.Empty:
                 break
+            gap = burst_gap
         if batch.messages or batch.acks:
             self.io.outbox.put(batch)
 
