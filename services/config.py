@@ -84,7 +84,7 @@ class WorkerSettings(StackSettings):
     # steps instead of a small step for its head that the rest then waits behind. The first wait is short
     # (gather_gap_s: what a lone request pays); once a second request has come, the quiet gap that ends the
     # gather is gather_burst_gap_s (a burst reaches a worker in pieces, one per gateway process's Redis flush),
-    # and the whole gather is at most gather_max_s.
+    # and the whole gather is at most gather_max_s, and ends as soon as the first step's token budget is full.
     gather_gap_s: float = Field(0.001, ge=0)
     gather_burst_gap_s: float = Field(0.004, ge=0)
     gather_max_s: float = Field(0.05, ge=0)

@@ -194,7 +194,10 @@ class Worker:
         burst_gap = max(s.gather_gap_s, s.gather_burst_gap_s)
         gap, end = burst_gap if burst else s.gather_gap_s, time.monotonic() + s.gather_max_s
         batch = WriteBatch()
-        while gap > 0 and (left := end - time.monotonic()) > 0:
+        # Once the first step's token budget is full, waiting longer only delays it: later arrivals would run in
+        # the second step anyway, and they arrive while the first one runs.
+        budget = s.max_num_batched_tokens
+        while gap > 0 and (left := end - time.monotonic()) > 0 and self._new_prompt_tokens() < budget:
             try:
                 self._handle(self.inbox.get(timeout=min(gap, left)), batch)
             except queue.Empty:
@@ -202,6 +205,10 @@ class Worker:
             gap = burst_gap
         if batch.messages or batch.acks:
             self.io.outbox.put(batch)
+
+    def _new_prompt_tokens(self) -> int:
+        """Prompt tokens of the requests not started yet (while gathering: all of them)."""
+        return sum(len(a.delivery.message.prompt_token_ids) for a in self.active.values() if a.first is None)
 
     def _handle(self, item, batch: WriteBatch) -> None:
         kind, payload = item
