@@ -3,7 +3,9 @@ SSE) against the in-process engine, on the same workloads, in one run.
 
 Phases, in this order (each a set of real processes on this machine, torn down after it):
 1. ``engine``: a child process holds ``LLMEngine`` with the workers' configuration; each workload's requests are
-   all added at t0 (token ids in, as the stack gets them) and stepped to the end.
+   all added at t0 (token ids in, as the stack gets them) and stepped to the end. It stays up beside the stack
+   (both on GPU 0, fixed KV pools): every stack run is paired with an engine run on the same prompts, in
+   alternating order, and the stack-vs-engine figures are medians over those pairs.
 2. ``stack-<phase>``, for each phase of ``--phases``: a private redis-server, one ``kernellab worker`` on GPU 0
    and ``kernellab gateway`` with N processes (``g<N>``); suffixes set worker settings (``VARIANTS``), e.g.
    ``-nogather`` runs the worker without the burst gather (the behaviour before it), so the artifact holds the
@@ -48,7 +50,7 @@ from pathlib import Path
 SCHEMA = "kernellab.bench.serve_gpu/v1"
 PROFILES = {
     "h200": {"shape": "qwen3-0.6b", "device": "cuda", "dtype": "bfloat16", "max_num_seqs": 256,
-             "max_num_batched_tokens": 16384, "num_kv_blocks": None, "max_model_len": 4096,
+             "max_num_batched_tokens": 16384, "num_kv_blocks": 20480, "max_model_len": 4096,
              "nanovllm": {"num_seqs": 256, "min_len": 100, "max_len": 1024},
              "interactive": {"clients": 64, "prompt_tokens": 512, "output_tokens": 128},
              "phases": ["g1-nogather", "g16-nogather", "g16"], "client_processes": 4, "run_timeout_s": 240},
@@ -430,24 +432,23 @@ def main() -> int:
         log(f"{phase:18} {wl:12} {s['throughput_tok_s']:9.1f} tok/s  TTFT p50 {s['ttft_ms']['p50']} ms  "
             f"bad {s['num_bad']}  client cpu {s.get('max_client_cpu_util', '-')}  server {s.get('server_cpu_cores', '')}")
 
-    # 1. the engine alone
+    # The engine child and the stack's worker share GPU 0 (fixed KV pools, one of them idle at a time), so every
+    # stack run is paired with an engine run on the same prompts, back to back, in alternating order: drift of
+    # the machine between runs hits both sides of a pair alike, and the figures are medians over pairs.
     t = time.perf_counter()
     engine = EngineChild(engine_cfg, env, str(workdir))
     log(f"engine ready in {time.perf_counter() - t:.1f}s")
     prov.update(engine.hello["provenance"])
+    stack = StackProcs(args, profile, model_dir, workdir)
+    pair = iter(range(1 << 20))
+
+    def engine_run(wl: str, rid: int, phase: str, **extra) -> None:
+        reqs = workload(profile, wl, rid)
+        out = engine.run(reqs)
+        record("engine", wl, summarize(out["records"], [n for _p, n in reqs], out["t0"]), paired_with=phase, **extra)
+
     try:
         engine.run(workload(profile, "warmup", next(run_id)))
-        for wl, repeats in (("nanovllm", args.repeats), ("interactive", args.interactive_repeats)):
-            for rep in range(repeats):
-                reqs = workload(profile, wl, next(run_id))
-                out = engine.run(reqs)
-                record("engine", wl, summarize(out["records"], [n for _p, n in reqs], out["t0"]), repeat=rep)
-    finally:
-        engine.stop()
-
-    # 2. the stack on one GPU, per gateway tier size; 3. two GPUs
-    stack = StackProcs(args, profile, model_dir, workdir)
-    try:
         stack.start_redis()
         worker_env: dict | None = None
         for phase in profile["phases"]:
@@ -467,9 +468,14 @@ def main() -> int:
                       timeout)
             for wl, repeats in (("nanovllm", args.repeats), ("interactive", args.interactive_repeats)):
                 for rep in range(repeats):
-                    s = stack_run(stack, str(model_dir), workload(profile, wl, next(run_id)),
-                                  profile["client_processes"], timeout)
-                    record(f"stack-{phase}", wl, s, gateway_processes=g, gpus=1, repeat=rep)
+                    rid, k = next(run_id), next(pair)
+                    for side in (("engine", "stack") if k % 2 == 0 else ("stack", "engine")):
+                        if side == "engine":
+                            engine_run(wl, rid, f"stack-{phase}", pair=k, repeat=rep)
+                        else:
+                            s = stack_run(stack, str(model_dir), workload(profile, wl, rid),
+                                          profile["client_processes"], timeout)
+                            record(f"stack-{phase}", wl, s, gateway_processes=g, gpus=1, repeat=rep, pair=k)
             if args.gpus > 1 and phase == profile["phases"][-1]:
                 for i in range(1, args.gpus):
                     stack.start_worker(i, env_over)
@@ -487,6 +493,7 @@ def main() -> int:
             stack.stop_gateway()
     finally:
         stack.stop()
+        engine.stop()
 
     artifact = write_artifact(args, profile, prov, runs, started)
     print_table(artifact)
@@ -541,16 +548,24 @@ def compute_figures(runs: list[dict], gpus: int) -> dict:
         return [r for r in runs if r["phase"] == phase and r["workload"] == wl]
 
     eng_nano = _median(sel("engine", "nanovllm"), lambda r: r["throughput_tok_s"])
-    eng_ttft = _median(sel("engine", "interactive"), lambda r: r["ttft_ms"]["p50"])
+    eng_ttft = _median(sel("engine", "interactive"), lambda r: r["ttft_ms"]["p50"])  # all pairs, for reference
     phases = list(dict.fromkeys(r["phase"] for r in runs if r["phase"].startswith("stack-") and r["gpus"] == 1))
+    engine_by_pair = {r["pair"]: r for r in runs if r["phase"] == "engine" and "pair" in r}
     per_phase = {}
     for ph in phases:
+        pairs = {wl: [(engine_by_pair[r["pair"]], r) for r in sel(ph, wl) if r.get("pair") in engine_by_pair]
+                 for wl in ("nanovllm", "interactive")}
         nano = _median(sel(ph, "nanovllm"), lambda r: r["throughput_tok_s"])
         ttft = _median(sel(ph, "interactive"), lambda r: r["ttft_ms"]["p50"])
+        ratio = _median(pairs["nanovllm"], lambda er: er[1]["throughput_tok_s"] / er[0]["throughput_tok_s"])
+        added = _median(pairs["interactive"], lambda er: None if None in (er[1]["ttft_ms"]["p50"], er[0]["ttft_ms"]["p50"])
+                        else er[1]["ttft_ms"]["p50"] - er[0]["ttft_ms"]["p50"])
         per_phase[ph.removeprefix("stack-")] = {
-            "nanovllm_tok_s": nano, "throughput_ratio": round(nano / eng_nano, 4) if nano and eng_nano else None,
-            "interactive_ttft_p50_ms": ttft,
-            "interactive_added_ttft_p50_ms": round(ttft - eng_ttft, 3) if ttft is not None and eng_ttft else None}
+            "nanovllm_tok_s": nano, "interactive_ttft_p50_ms": ttft, "pairs": {k: len(v) for k, v in pairs.items()},
+            "engine_nanovllm_tok_s": _median(pairs["nanovllm"], lambda er: er[0]["throughput_tok_s"]),
+            "engine_interactive_ttft_p50_ms": _median(pairs["interactive"], lambda er: er[0]["ttft_ms"]["p50"]),
+            "throughput_ratio": round(ratio, 4) if ratio is not None else None,
+            "interactive_added_ttft_p50_ms": round(added, 3) if added is not None else None}
     best = phases[-1].removeprefix("stack-") if phases else None
     out = {"engine_nanovllm_tok_s": eng_nano, "engine_interactive_ttft_p50_ms": eng_ttft, "stack_by_phase": per_phase,
            "product_phase": best}
