@@ -1,0 +1,41 @@
+"""The GPU serving benchmark's own path, small, on this CPU: ``benchmarks/serve_gpu.py --profile ci`` writes a
+checkpoint, runs the engine and the stack (real redis-server, gateway tier, workers, client processes) in
+paired runs, adds a second worker, and writes an artifact that validates. Figures are not checked here (CPU,
+shared machine); what is checked is that the script does not rot between GPU runs and that no request lost,
+duplicated or cut tokens."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernellab.results import validate
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_serve_gpu_benchmark_runs_end_to_end_on_the_cpu(tmp_path):
+    out = tmp_path / "serve_ci.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_gpu.py"), "--profile", "ci", "--gpus", "2",
+                           "--phases", "g1-nogather,g2", "--interactive-repeats", "1", "--output", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    art = json.loads(out.read_text())
+    assert validate(art) == "kernellab.bench.serve_gpu/v1"
+    phases = {r["phase"] for r in art["runs"]}
+    assert phases == {"engine", "stack-g1-nogather", "stack-g2", "stack-2gpu-g2"}
+    for r in art["runs"]:
+        assert r["num_bad"] == 0 and r["output_tokens"] == r["expected_tokens"], r["bad_requests"]
+    assert art["figures"]["all_requests_exact"] is True
+    stack = [r for r in art["runs"] if r["phase"].startswith("stack-")]
+    assert all(len(r["clients"]) >= 1 and r["server_cpu_cores"]["gateway"] >= 0 for r in stack)
+    # Every stack run has its engine twin on the same prompts.
+    pairs = {r["pair"] for r in art["runs"] if r["phase"] == "engine" and "pair" in r}
+    assert {r["pair"] for r in stack if "pair" in r} <= pairs
+    assert "exact tokens True" in proc.stdout  # the printed table ends with the checks
