@@ -117,6 +117,55 @@ def serve_table() -> str:
     return "\n".join(lines)
 
 
+def gpu_serve_table() -> str:
+    data = load("results/gpu/serve_h200.json")
+    if not data:
+        return "_no GPU serving artifact yet (`bash benchmarks/gpu/serve_h200.sh` on the GPU machine)_"
+    f, p, t, c = data["figures"], data["provenance"], data["targets"], data["config"]
+    nano, inter = data["workloads"]["nanovllm"], data["workloads"]["interactive"]
+    lines = [f"`results/gpu/serve_h200.json` — {p.get('gpu_count', 1)}× {p.get('gpu', '')}, {p.get('cpu_count')} CPU "
+             f"cores, torch {p['torch']}, commit `{p['commit'][:12]}`, {p['date']}. Random weights of the exact "
+             f"Qwen3-0.6B shape, synthetic tokenizer of its vocabulary; {c['client_processes']} client processes "
+             f"(busiest at {f['max_client_cpu_util'] * 100:.0f} % of a core). nano-vllm workload: "
+             f"{nano['num_seqs']} streaming completions, {nano['min_len']}–{nano['max_len']} tokens in and out; "
+             f"interactive: {inter['clients']} clients, {inter['prompt_tokens']} → {inter['output_tokens']} tokens. "
+             "Each stack run is paired with an engine run on the same prompts; figures are medians over pairs.", "",
+             "| stack configuration | nano-vllm tok/s | vs engine (paired) | interactive TTFT p50 | added vs engine |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for name, ph in f["stack_by_phase"].items():
+        g, *variants = name.removeprefix("g").split("-")
+        label = f"{g} gateway process{'es' if g != '1' else ''}" + (", no burst gather" if "nogather" in variants else
+                                                                    ", burst gather")
+        lines.append(f"| {label} | {ph['nanovllm_tok_s']:,.0f} | {ph['throughput_ratio'] * 100:.1f} % | "
+                     f"{ph['interactive_ttft_p50_ms']:.1f} ms | {ph['interactive_added_ttft_p50_ms']:+.1f} ms |")
+    best = f"stack-{f['product_phase']}"
+    if "two_gpu_scaling" in f:
+        lines.append(f"| 2 GPUs, 2 workers, {f['product_phase'].split('-')[0][1:]} gateway processes, 2× the requests "
+                     f"| {f['two_gpu_nanovllm_x2_tok_s']:,.0f} | {f['two_gpu_scaling']:.2f}× one GPU's stack | | |")
+
+    def inter_row(label, phase):
+        rs = [r for r in data["runs"] if r["phase"] == phase and r["workload"] == "interactive"]
+        if not rs:
+            return None
+        r = sorted(rs, key=lambda r: r["ttft_ms"]["p50"])[len(rs) // 2]
+        d = lambda k: " / ".join(f"{r[k][q]:.1f}" for q in ("p50", "p90", "p99"))  # noqa: E731
+        return f"| {label} | {d('ttft_ms')} | {d('tpot_ms')} | {d('itl_chunk_ms')} | {d('e2e_ms')} |"
+
+    lines += ["", "Interactive mix, the median run (ms, p50 / p90 / p99):", "",
+              "| side | TTFT | TPOT | gap between SSE chunks | E2E |", "| --- | --- | --- | --- | --- |"]
+    lines += [x for x in (inter_row("engine in-process", "engine"), inter_row(f"stack ({f['product_phase']})", best))
+              if x]
+    met = f["met"]
+    miss = [k for k, v in met.items() if not v]
+    lines += ["", f"Targets: throughput ≥ {t['throughput_ratio_min'] * 100:.0f} % of the engine "
+              f"({'met' if met['throughput_ratio'] else 'missed'}); interactive TTFT p50 within "
+              f"+{t['interactive_added_ttft_p50_ms_max']:.0f} ms ({'met' if met['interactive_ttft'] else 'missed'}); "
+              f"2 GPUs ≥ {t['two_gpu_scaling_min']}× ({'met' if met.get('two_gpu_scaling') else 'missed'}); every "
+              f"request returned exactly its max_tokens ({'yes' if f['all_requests_exact'] else 'NO'})."
+              + (f" Missed: {', '.join(miss)}." if miss else "")]
+    return "\n".join(lines)
+
+
 def batch_table() -> str:
     data = load("results/batch_interactive_ttft.json")
     if not data:
@@ -133,7 +182,8 @@ def batch_table() -> str:
 
 def main() -> None:
     text = README.read_text()
-    for name, fn in (("CPU", cpu_table), ("GPU", gpu_table), ("SERVE", serve_table), ("BATCH", batch_table)):
+    for name, fn in (("CPU", cpu_table), ("GPU", gpu_table), ("SERVE", serve_table), ("GPUSERVE", gpu_serve_table),
+                     ("BATCH", batch_table)):
         block = f"<!-- BEGIN {name} TABLE -->\n{fn()}\n<!-- END {name} TABLE -->"
         pattern = re.compile(rf"<!-- BEGIN {name} TABLE -->.*?<!-- END {name} TABLE -->", re.S)
         text = pattern.sub(lambda _m, b=block: b, text) if pattern.search(text) else text
