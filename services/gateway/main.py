@@ -21,6 +21,8 @@ from kernellab.services.config import GatewaySettings
 log = logging.getLogger("kernellab.gateway")
 
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)  # a child that keeps dying is restarted ever more slowly
+QUICK_DEATH_S = 10.0  # a child that exits this soon after its start did not come up …
+QUICK_DEATHS_FATAL = 3  # … and this many times in a row means it cannot: the supervisor exits non-zero
 
 
 def _configure_logging(settings: GatewaySettings) -> None:
@@ -85,10 +87,15 @@ def supervise(settings: GatewaySettings) -> int:
     import shutil
     import tempfile
 
+    from kernellab.runtime.registry import resolve_model
+
+    resolve_model(settings.model)  # a configuration error stops here, not N times in the children
     n = settings.gateway_processes
     if settings.port == 0:
         raise SystemExit("gateway_processes > 1 needs a fixed port (the processes share it)")
-    _listen_socket(settings.host, settings.port).close()  # fail here, once, if the port is taken
+    with socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((settings.host, settings.port))  # fails here, once, if anything (another tier too) holds it
     metrics_dir = tempfile.mkdtemp(prefix="kernellab-gateway-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before any child imports prometheus_client
     child_settings = settings.model_copy(update={
@@ -96,12 +103,13 @@ def supervise(settings: GatewaySettings) -> int:
         "max_waiting": -(-settings.max_waiting // n) if settings.max_waiting else 0})
     ctx = mp.get_context("spawn")
     procs: list = [None] * n
-    deaths = [0] * n
+    started_at = [0.0] * n
+    quick_deaths = [0] * n  # deaths in a row within QUICK_DEATH_S of a start
 
     def start(i: int) -> None:
         p = ctx.Process(target=_child, args=(child_settings, i), name=f"gateway-{i}", daemon=False)
         p.start()
-        procs[i] = p
+        procs[i], started_at[i] = p, time.monotonic()
 
     stopping = {"sig": None}
 
@@ -115,8 +123,9 @@ def supervise(settings: GatewaySettings) -> int:
         start(i)
     log.info("gateway supervisor: %d processes on %s:%d (SO_REUSEPORT), metrics on :%s", n, settings.host,
              settings.port, settings.gateway_metrics_port or "off")
+    code = 0
     try:
-        while stopping["sig"] is None:
+        while stopping["sig"] is None and code == 0:
             time.sleep(0.2)
             for i, p in enumerate(procs):
                 if p.exitcode is None or stopping["sig"] is not None:
@@ -124,8 +133,14 @@ def supervise(settings: GatewaySettings) -> int:
                 from prometheus_client import multiprocess
 
                 multiprocess.mark_process_dead(p.pid)
-                delay = RESTART_BACKOFF_S[min(deaths[i], len(RESTART_BACKOFF_S) - 1)]
-                deaths[i] += 1
+                quick = time.monotonic() - started_at[i] < QUICK_DEATH_S
+                quick_deaths[i] = quick_deaths[i] + 1 if quick else 0
+                if quick_deaths[i] >= QUICK_DEATHS_FATAL:  # it cannot start (configuration, model): say so, exit
+                    log.error("gateway process %d exited with %s %d times in a row right after starting; stopping",
+                              i, p.exitcode, quick_deaths[i])
+                    code = 1
+                    break
+                delay = RESTART_BACKOFF_S[min(quick_deaths[i], len(RESTART_BACKOFF_S) - 1)]
                 log.error("gateway process %d (pid %d) exited with %s; restarting in %.1fs", i, p.pid, p.exitcode,
                           delay)
                 time.sleep(delay)
@@ -145,7 +160,7 @@ def supervise(settings: GatewaySettings) -> int:
         if metrics_server is not None:
             metrics_server.stop()
         shutil.rmtree(metrics_dir, ignore_errors=True)
-    return 0
+    return code
 
 
 def _metrics_server(settings: GatewaySettings, procs: list):
