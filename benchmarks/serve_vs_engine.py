@@ -33,6 +33,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from kernellab.bench.stream_clients import RequestRecord, SSEConnection, post_request
+
 TOPICS = ["the sea", "volcanoes", "bees", "the moon", "bread", "trains", "chess", "rivers", "owls", "glass",
           "deserts", "music", "coffee", "maps", "bridges", "rain", "paper", "clocks", "whales", "salt", "kites",
           "tea", "forests", "copper", "snow", "bicycles", "honey", "lighthouses", "cotton", "ants", "ice", "wind",
@@ -200,68 +202,19 @@ class Stack:
                 p.kill()
 
 
-class SSEConnection:
-    """A keep-alive HTTP/1.1 connection that posts a pre-serialized request and reads the SSE reply.
+def chat_request(host: str, port: int, messages, max_tokens: int) -> bytes:
+    return post_request(host, port, "/v1/chat/completions", {
+        "model": "smollm2-135m", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
 
-    A benchmark client must not be the bottleneck: httpx spends about 2 ms of Python per request, so 32
-    "simultaneous" requests would leave it over 60 ms; writing prepared bytes on open sockets takes
-    microseconds, and TTFT is taken from the moment each request's bytes are written."""
 
-    def __init__(self, host: str, port: int):
-        self.host, self.port = host, port
-
-    async def open(self) -> SSEConnection:
-        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        return self
-
-    def close(self) -> None:
-        self.writer.close()
-
-    async def health(self) -> None:
-        """A GET on the open connection (warms it; uvicorn closes keep-alive connections idle for 5 s)."""
-        self.writer.write(f"GET /health HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n\r\n".encode())
-        length = 0
-        if b" 200 " not in await self.reader.readline():
-            raise RuntimeError("/health failed")
-        while (line := await self.reader.readline()) not in (b"\r\n", b""):
-            if line.lower().startswith(b"content-length:"):
-                length = int(line.split(b":")[1])
-        await self.reader.readexactly(length)
-
-    @staticmethod
-    def request(host: str, port: int, messages, max_tokens: int) -> bytes:
-        body = json.dumps({"model": "smollm2-135m", "messages": messages, "max_tokens": max_tokens,
-                           "temperature": 0, "ignore_eos": True, "stream": True,
-                           "stream_options": {"include_usage": True}}).encode()
-        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n")
-        return head.encode() + body
-
-    async def stream(self, raw: bytes) -> tuple[float, float | None, int]:
-        """(send time, TTFT from it, completion tokens)."""
-        sent = time.perf_counter()
-        self.writer.write(raw)
-        status = await self.reader.readline()
-        if b" 200 " not in status:
-            raise RuntimeError(f"HTTP status {status!r}")
-        while (await self.reader.readline()) not in (b"\r\n", b""):
-            pass  # headers: uvicorn streams with chunked transfer encoding
-        ttft, tokens, buf = None, 0, b""
-        while True:
-            size = int((await self.reader.readline()).strip(), 16)
-            data = await self.reader.readexactly(size + 2)
-            if size == 0:
-                return sent, ttft, tokens
-            buf += data[:-2]
-            while b"\n\n" in buf:
-                event, buf = buf.split(b"\n\n", 1)
-                if not event.startswith(b"data: {"):
-                    continue
-                obj = json.loads(event[6:])
-                if ttft is None and obj["choices"] and obj["choices"][0]["delta"].get("content"):
-                    ttft = time.perf_counter() - sent
-                if obj.get("usage"):
-                    tokens = obj["usage"]["completion_tokens"]
+async def stream(conn: SSEConnection, raw: bytes) -> tuple[float, float | None, int]:
+    """(send time, TTFT from it, completion tokens) of one request on an open connection."""
+    rec = RequestRecord(0)
+    await conn.stream(raw, rec)
+    if rec.error is not None:
+        raise RuntimeError(rec.error)
+    return rec.sent, None if rec.first is None else rec.first - rec.sent, rec.completion_tokens
 
 
 class StackClient:
@@ -275,20 +228,20 @@ class StackClient:
         for c in self.conns:
             c.close()
         self.conns = [await SSEConnection(self.host, self.port).open() for _ in range(n)]
-        await asyncio.gather(*(c.health() for c in self.conns))
+        await asyncio.gather(*(c.warm() for c in self.conns))
 
     async def concurrent(self, run: int) -> dict:
-        raws = [SSEConnection.request(self.host, self.port, m, self.max_tokens) for m in chats(self.clients, run)]
+        raws = [chat_request(self.host, self.port, m, self.max_tokens) for m in chats(self.clients, run)]
         await self.fresh(self.clients)
         t0 = time.perf_counter()
-        outs = await asyncio.gather(*(c.stream(r) for c, r in zip(self.conns, raws, strict=True)))
+        outs = await asyncio.gather(*(stream(c, r) for c, r in zip(self.conns, raws, strict=True)))
         return {"ttft_s": [o[1] for o in outs], "tokens": sum(o[2] for o in outs),
                 "wall_s": time.perf_counter() - t0, "send_spread_s": max(o[0] for o in outs) - t0}
 
     async def single(self, run: int) -> dict:
-        raw = SSEConnection.request(self.host, self.port, chats(1, run)[0], 2)
+        raw = chat_request(self.host, self.port, chats(1, run)[0], 2)
         await self.fresh(1)
-        _sent, ttft, _n = await self.conns[0].stream(raw)
+        _sent, ttft, _n = await stream(self.conns[0], raw)
         return {"ttft_s": [ttft]}
 
 

@@ -15,14 +15,8 @@ cat > "$RR/redis-server" <<SH
 LD_LIBRARY_PATH=$RR/usr/lib/x86_64-linux-gnu exec $RR/usr/bin/redis-server "\$@"
 SH
 chmod +x "$RR/redis-server"
-# The package without installing it: a folder named kernellab whose subpackages are the repo's folders.
-SHIM=$(mktemp -d)
-mkdir -p "$SHIM/kernellab"
-for f in "$ROOT"/kernellab/*; do ln -s "$f" "$SHIM/kernellab/"; done
-ln -s "$ROOT/kernels" "$SHIM/kernellab/kernels"
-ln -s "$ROOT/runtime" "$SHIM/kernellab/runtime"
-ln -s "$ROOT/services" "$SHIM/kernellab/services"
-export PYTHONPATH="$SHIM:/tmp/site" PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+source "$ROOT/tests/gpu/shim.sh"  # the package without installing it
 mkdir -p "$OUT_DIR"
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader || true
 cd /tmp  # not the repo root: there `python -m kernellab…` would find the bare kernellab/ folder first

@@ -35,24 +35,31 @@ class RequestRecord:
     error: str | None = None
 
 
+def post_request(host: str, port: int, path: str, body: dict, api_key: str | None = None) -> bytes:
+    """The bytes of a JSON POST on a keep-alive connection."""
+    data = json.dumps(body, separators=(",", ":")).encode()
+    auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n{auth}"
+            f"Content-Length: {len(data)}\r\n\r\n")
+    return head.encode() + data
+
+
 def completion_request(host: str, port: int, model: str, prompt_ids: list[int], max_tokens: int,
                        api_key: str | None = None) -> bytes:
     """A streaming /v1/completions request with token-id prompt (the OpenAI API allows arrays of ints), greedy
     and ``ignore_eos`` so the output length is exactly ``max_tokens``."""
-    body = json.dumps({"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}},
-                      separators=(",", ":")).encode()
-    auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n{auth}"
-            f"Content-Length: {len(body)}\r\n\r\n")
-    return head.encode() + body
+    return post_request(host, port, "/v1/completions", {
+        "model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True}}, api_key)
 
 
-class _Conn:
+class SSEConnection:
+    """A keep-alive HTTP/1.1 connection that writes prepared request bytes and times the SSE reply."""
+
     def __init__(self, host: str, port: int):
         self.host, self.port = host, port
 
-    async def open(self) -> _Conn:
+    async def open(self) -> SSEConnection:
         self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 22)
         return self
 
@@ -114,7 +121,7 @@ class _Conn:
 
 
 async def _run_client(host: str, port: int, requests: list[tuple[int, bytes]], pipe) -> None:
-    conns = [await _Conn(host, port).open() for _ in requests]
+    conns = [await SSEConnection(host, port).open() for _ in requests]
     await asyncio.gather(*(c.warm() for c in conns))
     pipe.send("ready")
     start_at = pipe.recv()  # a shared perf_counter instant (CLOCK_MONOTONIC: one clock for all processes)

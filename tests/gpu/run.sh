@@ -5,13 +5,8 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT_DIR=${1:-${OUT:-$ROOT/out}}
-SHIM=$(mktemp -d)
-mkdir -p "$SHIM/kernellab"
-for f in "$ROOT"/kernellab/*; do ln -s "$f" "$SHIM/kernellab/"; done
-ln -s "$ROOT/kernels" "$SHIM/kernellab/kernels"
-ln -s "$ROOT/runtime" "$SHIM/kernellab/runtime"
-ln -s "$ROOT/services" "$SHIM/kernellab/services"
-export PYTHONPATH="$SHIM:$ROOT" PYTHONUNBUFFERED=1
+export PYTHONPATH="$ROOT" PYTHONUNBUFFERED=1
+source "$ROOT/tests/gpu/shim.sh"
 mkdir -p "$OUT_DIR"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader || true
 python3 "$ROOT/tests/gpu/run_engine.py" --out "$OUT_DIR" "${@:2}" 2>&1 | tee "$OUT_DIR/engine_log.txt"
