@@ -40,8 +40,8 @@ bench-cpu: install  ## the CPU offline benchmark artifact (issue figures); run o
 stress: install  ## every fault scenario at full scale against a private local stack (~20 min on 2 cores)
 	$(BIN)/kernellab stress --scenario all --requests 5000 --fault-requests 1000 --concurrency 32
 
-compose-smoke: install  ## as root: build the images, run the compose cpu profile end to end (~15-25 min), write results/compose_smoke.json
-	$(BIN)/python scripts/compose_smoke.py
+compose-smoke: install  ## as root: build the images, run the compose cpu profile end to end, write results/compose_smoke.json
+	$(BIN)/python scripts/compose_smoke.py $(SMOKE_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
