@@ -530,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"schema": SCHEMA, "passed": False, "project": project, "inputs_digest": inputs_digest(),
                     "inputs": [p.relative_to(REPO).as_posix() for p in input_files()], "not_covered": NOT_COVERED,
                     "steps": {}}  # fmt: skip
-    dockerd, stack, wheel = Dockerd(workdir), None, None
+    dockerd, stack, wheel, images_before = Dockerd(workdir), None, None, None
     signal.signal(signal.SIGTERM, _interrupted)  # `kill PID` tears down like Ctrl-C
 
     def step(name: str, function, *fargs, **fkwargs):
@@ -576,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
         if not hygiene_ok:
             raise SmokeFailure(f"image hygiene: {json.dumps(result['images'], indent=1)}")
         result["passed"] = True
-    except (SmokeFailure, subprocess.SubprocessError, OSError, KeyboardInterrupt) as error:
+    except (Exception, KeyboardInterrupt) as error:  # any failure (the openai client's too) is recorded
         result["error"] = f"{type(error).__name__}: {error}"[-4000:]
         log(f"FAILED: {result['error']}")
     finally:
@@ -594,9 +594,12 @@ def main(argv: list[str] | None = None) -> int:
                 result.setdefault("error", f"left behind: {result['teardown_leftovers']}")
         if wheel is not None:
             wheel.unlink(missing_ok=True)
-        with contextlib.suppress(SmokeFailure, subprocess.SubprocessError, NameError):
-            result["replaced_images_removed"] = remove_replaced_images(images_before)
+        if images_before is not None:
+            with contextlib.suppress(SmokeFailure, subprocess.SubprocessError):
+                result["replaced_images_removed"] = remove_replaced_images(images_before)
         dockerd.stop()
+        if result["passed"]:  # kept for its logs when the run failed
+            shutil.rmtree(workdir, ignore_errors=True)
         result["duration_s"] = round(time.monotonic() - started, 1)
     result.setdefault("provenance", {"date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "commit": "unknown"})
     from kernellab.results import write
