@@ -224,21 +224,26 @@ def image_size(image: str) -> int:
 
 def host_torch_wheel(wheels: Path, given: str | None) -> tuple[Path, str]:
     """The host's CPU torch wheel for the base's Python, copied into images/wheels/ (see compose.smoke.yml)."""
-    if given:
-        source = Path(given)
-    else:
-        from importlib.metadata import version
+    download = None
+    try:
+        if given:
+            source = Path(given)
+        else:
+            from importlib.metadata import version
 
-        download = Path(tempfile.mkdtemp(prefix="kl-torch-"))
-        run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", download,
-             f"torch=={version('torch')}"], 900)  # fmt: skip
-        source = next(download.glob("torch-*.whl"))
-    match = re.match(r"torch-([^-]+)-", source.name)
-    if not match or "+cpu" not in match.group(1):
-        raise SmokeFailure(f"{source.name} is not a CPU build of torch: hand one in with --torch-wheel")
-    target = wheels / source.name
-    shutil.copy2(source, target)
-    return target, match.group(1)
+            download = Path(tempfile.mkdtemp(prefix="kl-torch-"))
+            run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", download,
+                 f"torch=={version('torch')}"], 900)  # fmt: skip
+            source = next(download.glob("torch-*.whl"))
+        match = re.match(r"torch-([^-]+)-", source.name)
+        if not match or "+cpu" not in match.group(1):
+            raise SmokeFailure(f"{source.name} is not a CPU build of torch: hand one in with --torch-wheel")
+        target = wheels / source.name
+        shutil.copy2(source, target)
+        return target, match.group(1)
+    finally:
+        if download is not None:
+            shutil.rmtree(download, ignore_errors=True)
 
 
 class Stack:
