@@ -190,7 +190,7 @@ def prepare(kind: str, data, tokenizer, *, served_model: str, max_model_len: int
         for p in prompt:
             ids = tokenizer.encode(p) if isinstance(p, str) else list(p)
             if ids and (min(ids) < 0 or max(ids) >= vocab):  # ints already (the body model checked them)
-                raise InvalidRequestError(f"token ids must be in [0, {tokenizer.vocab_size})", param="prompt")
+                raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="prompt")
             prompts.append(ids)
             if body.echo:
                 echo.append(p if isinstance(p, str) else tokenizer.decode(ids))

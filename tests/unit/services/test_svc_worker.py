@@ -180,3 +180,48 @@ def test_n_choices_and_priorities(ctx):
     for eid in ("b-0", "c-0", "c-1"):
         tokens, _last = collect(r, keys, eid)
         assert tokens == expected(6)
+
+
+def _delivery(rid, prompt_len):
+    from kernellab.services.queue.broker import Delivery
+
+    return Delivery("stream", f"{rid}-0", RequestMessage(rid, 0, "smollm2-135m", list(range(1, prompt_len + 1)),
+                                                          {"max_tokens": 4}))
+
+
+def test_gather_stops_once_the_first_steps_token_budget_is_full(redis_url, prefix):
+    """An idle worker gathers a burst, but a first step that is already full does not wait for the rest: they
+    would run in the second step anyway (the engine has them as soon as the loop drains the inbox again)."""
+    w = Worker(settings(redis_url, prefix, max_num_batched_tokens=100, gather_burst_gap_s=5.0, gather_max_s=5.0),
+               engine=FakeEngine(step_s=0))
+    for i in range(4):
+        w.inbox.put(("add", _delivery(f"r{i}", 60)))
+    t = time.monotonic()
+    assert w._drain_inbox(block=False) == 4  # all four were there already: 240 prompt tokens ≥ 100
+    w.inbox.put(("add", _delivery("late", 60)))
+    w._gather(burst=True)
+    assert time.monotonic() - t < 1.0  # not the 5 s burst gap
+    assert "late" not in {eid.rsplit("-", 1)[0] for eid in w.active}  # left for the next drain
+
+
+def test_gather_waits_out_a_burst_arriving_in_pieces(redis_url, prefix):
+    """Pieces of a burst closer than gather_burst_gap_s join the first step; the gather ends at the first
+    quiet gap."""
+    w = Worker(settings(redis_url, prefix, max_num_batched_tokens=10_000, gather_gap_s=0.5,
+                        gather_burst_gap_s=1.0, gather_max_s=10.0), engine=FakeEngine(step_s=0))
+    w.inbox.put(("add", _delivery("first", 10)))
+    w._drain_inbox(block=False)
+
+    def pieces():
+        for i in range(3):
+            time.sleep(0.1)
+            w.inbox.put(("add", _delivery(f"piece{i}", 10)))
+
+    feeder = threading.Thread(target=pieces)
+    t = time.monotonic()
+    feeder.start()
+    w._gather(burst=False)
+    feeder.join()
+    took = time.monotonic() - t
+    assert {eid.rsplit("-", 1)[0] for eid in w.active} == {"first", "piece0", "piece1", "piece2"}
+    assert 0.3 + 1.0 - 0.05 <= took < 6.0  # three pieces, then one quiet burst gap
