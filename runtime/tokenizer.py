@@ -61,13 +61,19 @@ class TextTokenizer:
         validate_messages(messages)
         if self._template is None:
             self._template = _compile_template(self.chat_template)
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            **kwargs,
-        )
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **kwargs,
+            )
+        except TemplateError as exc:  # e.g. a message without content where the template reads it: the input
+            raise InvalidRequestError(f"the model's chat template cannot render these messages: "
+                                      f"{type(exc).__name__}: {exc}", param="messages") from None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         # The rendered template already carries any BOS text, as transformers assumes.

@@ -47,6 +47,40 @@ class ClientGone(Exception):
     pass
 
 
+class InternalErrorMiddleware:
+    """An unexpected exception becomes an OpenAI error object (500) on a connection that stays usable.
+
+    Starlette's last-resort handler answers and then re-raises, and uvicorn drops a keep-alive connection
+    whose application raised, so the client's next request on it failed with "Server disconnected". Once a
+    response has started (a stream), nothing can be answered any more and the exception goes on."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_wrapper(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("unexpected error")
+            body = json.dumps(KernellabError(f"internal error: {type(exc).__name__}").to_openai()).encode()
+            await send({"type": "http.response.start", "status": 500,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+
+
 class _Stream(StreamingResponse):
     """A StreamingResponse that always runs ``on_close``, even when the client left before the body began."""
 
@@ -94,6 +128,7 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
 
     app = FastAPI(title="kernellab", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
+    app.add_middleware(InternalErrorMiddleware)  # added last: outside the metrics, which count the 500
 
     def gw() -> Gateway:
         return state["gw"]

@@ -198,3 +198,75 @@ def test_context_limit_follows_what_live_workers_serve(redis_url, prefix, tokeni
     assert gateway(8192, 4096, 0).max_model_len == 4096  # a worker started with a shorter context
     assert gateway(0, 2048, 4096).max_model_len == 2048  # a hub id the registry does not know
     assert gateway(0).max_model_len == 1 << 30  # unknown: the worker checks
+
+
+def test_a_message_the_template_cannot_render_is_a_400(client):
+    """A chat message without content: SmolLM2's template reads message['content'] (UndefinedError), which is
+    the client's input, not a server fault."""
+    resp = client.post("/v1/chat/completions", headers=AUTH, json={"model": MODEL, "messages": [{"role": "user"}]})
+    is_openai_error(resp, 400)
+    assert resp.json()["error"]["param"] == "messages"
+
+
+class _FailingTemplate:
+    """The real tokenizer, except that a chat message "boom" raises an unexpected error (an internal fault)."""
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def apply_chat_template(self, messages, *a, **kw):
+        if any(m.get("content") == "boom" for m in messages):
+            raise RuntimeError("boom")
+        return self._tok.apply_chat_template(messages, *a, **kw)
+
+
+def _http(sock, body: dict, path: str) -> tuple[int, dict]:
+    data = json.dumps(body).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json"
+                 f"\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    f = sock.makefile("rb")
+    status = int(f.readline().split()[1])
+    length = 0
+    while (line := f.readline()) not in (b"\r\n", b""):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return status, json.loads(f.read(length))
+
+
+def test_an_internal_error_is_an_openai_500_and_the_connection_stays_usable(redis_url, prefix, tokenizer, worker):
+    import socket
+
+    import uvicorn
+
+    app = create_app(gateway_settings(redis_url, prefix), tokenizer=_FailingTemplate(tokenizer))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            while True:  # the worker's heartbeat must reach the gateway first
+                status, body = _http(sock, {"model": MODEL, "prompt": "hi", "max_tokens": 2}, "/v1/completions")
+                if status != 503:
+                    break
+                assert time.monotonic() < deadline, body
+                time.sleep(0.05)
+            assert status == 200, body
+            status, body = _http(sock, {"model": MODEL, "messages": [{"role": "user", "content": "boom"}]},
+                                 "/v1/chat/completions")
+            assert status == 500 and body["error"]["message"] == "internal error: RuntimeError"
+            # The same connection answers the next request.
+            status, body = _http(sock, {"model": MODEL, "prompt": "hello", "max_tokens": 3}, "/v1/completions")
+            assert status == 200 and body["usage"]["completion_tokens"] == 3
+    finally:
+        server.should_exit = True
+        thread.join(10)
