@@ -22,5 +22,8 @@ for p in "${PKGS[@]}"; do
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d "$OUT/wheels" "$p$v" 2>&1 | grep -v "is ignored" || true
 done
-(cd "$OUT/debs" && apt-get download -q redis-server redis-tools libjemalloc2 liblzf1 >/dev/null)
+DEBS=(redis-server redis-tools libjemalloc2 liblzf1)
+# A fresh machine may have no package lists yet: update them once and try again.
+(cd "$OUT/debs" && { apt-get download -q "${DEBS[@]}" >/dev/null 2>&1 \
+  || { apt-get update -qq && apt-get download -q "${DEBS[@]}" >/dev/null; }; })
 du -sh "$OUT"

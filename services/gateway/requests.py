@@ -150,10 +150,32 @@ def _check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, 
                                  "the completion)", param="max_tokens")
 
 
+# OpenAI parameters that would change the answer and that this server does not honour yet: a request that sets
+# one gets a 400 naming it, never a 200 that silently ignored it. Each maps to the values that ask for nothing
+# (an empty or "off" value is accepted).
+_UNSUPPORTED = {
+    "chat": {"tools": ([], None), "tool_choice": ("none", None), "functions": ([], None), "function_call": ("none", None),
+             "response_format": ({"type": "text"}, None), "logit_bias": ({}, None), "audio": (None,),
+             "modalities": (["text"], None), "prediction": (None,), "web_search_options": (None,)},
+    "completion": {"logit_bias": ({}, None), "suffix": (None, "")},
+}
+
+
+def _refuse_unsupported(kind: str, data: dict) -> None:
+    for name, neutral in _UNSUPPORTED[kind].items():
+        if name in data and data[name] not in neutral:
+            raise InvalidRequestError(f"'{name}' is not supported by this server; leave it out", param=name,
+                                      code="unsupported_parameter")
+    if kind == "completion" and data.get("best_of") not in (None, data.get("n", 1) or 1):
+        raise InvalidRequestError("'best_of' is supported only equal to n (no server-side candidates)",
+                                  param="best_of", code="unsupported_parameter")
+
+
 def prepare(kind: str, data, tokenizer, *, served_model: str, max_model_len: int, max_n: int) -> Prepared:
     """Validate a decoded JSON body of /v1/chat/completions (``kind="chat"``) or /v1/completions."""
     if not isinstance(data, dict):
         raise InvalidRequestError("the request body must be a JSON object")
+    _refuse_unsupported(kind, data)
     try:
         body = (ChatBody if kind == "chat" else CompletionBody).model_validate(data)
     except ValidationError as exc:

@@ -135,3 +135,31 @@ def test_every_validation_error_is_4xx(tokenizer):
         with pytest.raises(KernellabError) as info:
             chat(tokenizer, **body)
         assert 400 <= info.value.status_code < 500
+
+
+@pytest.mark.parametrize("kind, body, param", [
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+     "response_format"),
+    ("chat", {"logit_bias": {"50256": -100}}, "logit_bias"),
+    ("chat", {"functions": [{"name": "f"}]}, "functions"),
+    ("chat", {"modalities": ["text", "audio"]}, "modalities"),
+    ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("completion", {"logit_bias": {"1": 5}}, "logit_bias"),
+    ("completion", {"suffix": " end"}, "suffix"),
+    ("completion", {"best_of": 3}, "best_of"),
+])
+def test_parameters_not_honoured_are_refused_by_name(tokenizer, kind, body, param):
+    """No silent drops: a parameter that would change the answer and is not implemented is a 400 naming it."""
+    with pytest.raises(InvalidRequestError) as info:
+        (chat if kind == "chat" else completion)(tokenizer, **body)
+    assert info.value.param == param and info.value.code == "unsupported_parameter"
+
+
+def test_neutral_values_of_unsupported_parameters_are_accepted(tokenizer):
+    chat(tokenizer, tools=[], tool_choice="none", response_format={"type": "text"}, logit_bias={},
+         modalities=["text"])
+    completion(tokenizer, logit_bias={}, suffix=None, best_of=2, n=2)
+    completion(tokenizer, best_of=1)
