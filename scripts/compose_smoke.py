@@ -602,6 +602,10 @@ def main(argv: list[str] | None = None) -> int:
         if images_before is not None:
             with contextlib.suppress(SmokeFailure, subprocess.SubprocessError):
                 result["replaced_images_removed"] = remove_replaced_images(images_before)
+                # Every cold (--no-cache) build adds its layers to BuildKit's cache, which nothing else frees:
+                # 65 GB after a day of runs filled this machine's disk and failed a build. The warm build is
+                # measured within the run, so the cache is not needed afterwards.
+                run([docker_cli(), "builder", "prune", "--all", "--force"], 600, check=False, quiet=True)
         dockerd.stop()
         if result["passed"]:  # kept for its logs when the run failed
             shutil.rmtree(workdir, ignore_errors=True)
