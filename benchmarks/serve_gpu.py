@@ -39,13 +39,14 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from kernellab.services.stress import free_port
 
 SCHEMA = "kernellab.bench.serve_gpu/v1"
 PROFILES = {
@@ -192,12 +193,6 @@ class EngineChild:
 
 
 # ------------------------------------------------------------------------------------------------ stack side
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class StackProcs:
     """A private redis-server, workers (one per GPU) and a gateway tier, as real processes on 127.0.0.1."""
 

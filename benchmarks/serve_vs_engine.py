@@ -34,6 +34,7 @@ from importlib import metadata
 from pathlib import Path
 
 from kernellab.bench.stream_clients import RequestRecord, SSEConnection, post_request
+from kernellab.services.stress import free_port
 
 TOPICS = ["the sea", "volcanoes", "bees", "the moon", "bread", "trains", "chess", "rivers", "owls", "glass",
           "deserts", "music", "coffee", "maps", "bridges", "rain", "paper", "clocks", "whales", "salt", "kites",
@@ -147,14 +148,6 @@ class EngineChild:
 
 
 # --------------------------------------------------------------------------------------------- stack side
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Stack:
     def __init__(self, model: str, workdir: Path):
         self.redis_port, self.port = free_port(), free_port()
