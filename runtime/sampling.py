@@ -9,6 +9,8 @@ from kernellab.runtime.errors import InvalidRequestError
 
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries per request
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "lark")
 
 
 @dataclass
@@ -27,6 +29,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; n ≥ 0: the chosen token's plus the top n
     include_stop_str_in_output: bool = False
+    # token id → bias added to its logit before sampling (OpenAI's logit_bias; -100 bans, 100 forces)
+    logit_bias: dict[int, float] | None = None
+    # Constrained decoding (runtime/structured.py): exactly one of {"json_schema": {...}}, {"json_object": True},
+    # {"regex": "..."}, {"lark": "..."}; every sampled token keeps the output a prefix of the grammar's language.
+    structured: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -36,6 +43,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """Anything that changes the logits before sampling beyond temperature and filtering."""
+        return bool(self.logit_bias) or self.structured is not None or self.has_penalties
 
     @property
     def has_penalties(self) -> bool:
@@ -90,6 +102,19 @@ class SamplingParams:
             raise bad("stop", "strings must be at most 512 characters")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise bad("logit_bias", f"must be a map of at most {MAX_LOGIT_BIAS} token ids to biases")
+            for token, bias in self.logit_bias.items():
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    raise bad("logit_bias", f"keys must be token ids (non-negative integers), got {token!r}")
+                number("logit_bias", bias)
+                if not -100.0 <= bias <= 100.0:
+                    raise bad("logit_bias", f"values must be in [-100, 100], got {bias}")
+        if self.structured is not None:
+            if not isinstance(self.structured, dict) or len(self.structured) != 1 \
+                    or next(iter(self.structured)) not in STRUCTURED_KINDS:
+                raise bad("structured", f"must be one of {{{', '.join(k + ': ...' for k in STRUCTURED_KINDS)}}}")
         if self.logprobs is not None:
             number("logprobs", self.logprobs, int)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -98,12 +123,20 @@ class SamplingParams:
     def to_dict(self) -> dict:
         # Flat fields (lists of str/int at most): a shallow copy per list, not asdict's recursive deep copy,
         # which the gateway paid on every request.
-        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), list) else v) for f in _FIELDS}
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), list) else dict(v) if isinstance(v, dict)
+                         else v) for f in _FIELDS}
 
     @classmethod
     def from_dict(cls, data: dict) -> SamplingParams:
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        kwargs = {k: v for k, v in data.items() if k in names}
+        bias = kwargs.get("logit_bias")
+        if isinstance(bias, dict):  # JSON (batch files, RunPod input) has string keys; msgpack keeps ints
+            try:
+                kwargs["logit_bias"] = {int(k): v for k, v in bias.items()}
+            except (TypeError, ValueError):
+                raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias") from None
+        return cls(**kwargs)
 
 
 _FIELDS = fields(SamplingParams)
