@@ -111,10 +111,9 @@ class SamplingParams:
                 number("logit_bias", bias)
                 if not -100.0 <= bias <= 100.0:
                     raise bad("logit_bias", f"values must be in [-100, 100], got {bias}")
-        if self.structured is not None:
-            if not isinstance(self.structured, dict) or len(self.structured) != 1 \
-                    or next(iter(self.structured)) not in STRUCTURED_KINDS:
-                raise bad("structured", f"must be one of {{{', '.join(k + ': ...' for k in STRUCTURED_KINDS)}}}")
+        if self.structured is not None and (not isinstance(self.structured, dict) or len(self.structured) != 1
+                                            or next(iter(self.structured)) not in STRUCTURED_KINDS):
+            raise bad("structured", f"must be one of {{{', '.join(k + ': ...' for k in STRUCTURED_KINDS)}}}")
         if self.logprobs is not None:
             number("logprobs", self.logprobs, int)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from datetime import datetime
 from functools import lru_cache
@@ -21,6 +22,7 @@ from pathlib import Path
 from kernellab.runtime.errors import InvalidRequestError, ModelNotAvailableError
 from kernellab.runtime.registry import ModelSpec, local_snapshot, resolve_model
 
+log = logging.getLogger(__name__)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -40,6 +42,10 @@ class TextTokenizer:
         self.eos_token = _token_str(config.get("eos_token"))
         self.all_special_ids = sorted(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
         self._template = None
+        self.generation_config: dict = {}  # the model's generation_config.json (sampling defaults), if any
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
 
     @property
     def vocab_size(self) -> int:
@@ -54,24 +60,42 @@ class TextTokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return [self._tok.id_to_token(i) or "" for i in ids]
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """The chat template applied to validated messages, as text."""
+    @property
+    def template_knows_tools(self) -> bool:
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    **kwargs) -> str:
+        """The chat template applied to validated messages, as text. ``tools`` (OpenAI function tools) go to a
+        template that renders them; a template that does not (SmolLM2's) gets them described in a system turn
+        in the same ``<tool_call>`` format the gateway parses. ``kwargs`` are the template's own switches
+        (``enable_thinking``); they cannot replace the arguments above."""
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
-        validate_messages(messages)
+        messages = validate_messages(messages)
+        if "developer" not in self.chat_template:  # OpenAI's newer name for the system role
+            messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+        if tools and not self.template_knows_tools:
+            messages = _with_tool_system_turn(messages, tools)
+            tools = None
         if self._template is None:
             self._template = _compile_template(self.chat_template)
-        from jinja2.exceptions import TemplateError
-
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"} & kwargs.keys()
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}",
+                                      param="chat_template_kwargs")
         try:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
+                **({"tools": tools} if tools else {}),
                 **kwargs,
             )
-        except TemplateError as exc:  # e.g. a message without content where the template reads it: the input
+        except InvalidRequestError:
+            raise
+        except Exception as exc:  # the template met input it cannot render (TemplateError, TypeError, ...)
             raise InvalidRequestError(f"the model's chat template cannot render these messages: "
                                       f"{type(exc).__name__}: {exc}", param="messages") from None
 
@@ -80,9 +104,12 @@ class TextTokenizer:
         return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
 
 
-def validate_messages(messages) -> None:
+def validate_messages(messages) -> list[dict]:
+    """Checked messages, as the template should see them: text content (``None`` only where OpenAI allows it, on
+    an assistant turn that calls tools, and then rendered as ""), tool calls and tool-call ids kept."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
+    out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise InvalidRequestError(f"messages[{i}] must be an object", param=f"messages[{i}]")
@@ -94,6 +121,45 @@ def validate_messages(messages) -> None:
         content = message.get("content")
         if not isinstance(content, str) and content is not None:
             raise InvalidRequestError(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
+        tool_calls = message.get("tool_calls")
+        if tool_calls is not None:
+            if role != "assistant":
+                raise InvalidRequestError(f"messages[{i}]: only assistant messages carry tool_calls",
+                                          param=f"messages[{i}].tool_calls")
+            _validate_tool_calls(tool_calls, i)
+        if content is None:
+            if not (role == "assistant" and tool_calls):
+                raise InvalidRequestError(f"messages[{i}].content is required (a {role} message without content)",
+                                          param=f"messages[{i}].content")
+            message = {**message, "content": ""}
+        if role == "tool" and not isinstance(message.get("tool_call_id", ""), str):
+            raise InvalidRequestError(f"messages[{i}].tool_call_id must be a string", param=f"messages[{i}].tool_call_id")
+        out.append(message)
+    return out
+
+
+def _validate_tool_calls(tool_calls, i: int) -> None:
+    param = f"messages[{i}].tool_calls"
+    if not isinstance(tool_calls, list):
+        raise InvalidRequestError(f"{param} must be a list", param=param)
+    for j, call in enumerate(tool_calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments", ""), str | dict):
+            raise InvalidRequestError(f"{param}[{j}] must be {{'type': 'function', 'function': {{'name': str, "
+                                      "'arguments': str}}}", param=param)
+
+
+def _with_tool_system_turn(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """Describe the tools in the system turn for a template that has no place for them."""
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    text = ("You can call functions. Their signatures are inside <tools></tools>:\n<tools>\n" + listing +
+            "\n</tools>\nTo call one, answer with a JSON object holding the function's name and its arguments "
+            "inside <tool_call></tool_call> tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+            "<args-json-object>}\n</tool_call>")
+    if messages[0]["role"] == "system":
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def _token_str(value) -> str | None:
@@ -206,7 +272,14 @@ def _load_from_dir(path: str) -> TextTokenizer:
     template_file = root / "chat_template.jinja"
     if not config.get("chat_template") and template_file.exists():
         config["chat_template"] = template_file.read_text()
-    return TextTokenizer(tok, config, _eos_ids_from_dir(root, config, tok))
+    out = TextTokenizer(tok, config, _eos_ids_from_dir(root, config, tok))
+    gen = root / "generation_config.json"
+    if gen.exists():
+        try:
+            out.generation_config = json.loads(gen.read_text())
+        except ValueError:
+            log.warning("%s is not valid JSON: no sampling defaults from it", gen)
+    return out
 
 
 def load_tokenizer(model: str | ModelSpec) -> TextTokenizer:

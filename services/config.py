@@ -11,6 +11,7 @@ import os
 import socket
 import uuid
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -30,6 +31,25 @@ class StackSettings(BaseSettings):
     output_ttl_s: int = Field(600, ge=1)  # lifetime of kl:out:{id} after its last write
     request_timeout_s: float = Field(600.0, gt=0)  # per-request deadline from its arrival at the gateway
     log_level: str = "info"
+    # Request-layer choices shared by the gateway, the batch runner and the RunPod handler:
+    # KERNELLAB_GENERATION_CONFIG: "auto" takes sampling defaults (temperature, top_p, top_k, ...) from the model's
+    # generation_config.json for requests that leave them out; "none": temperature 1, no filtering.
+    generation_config: Literal["auto", "none"] = "auto"
+    # KERNELLAB_CHAT_TEMPLATE_KWARGS, JSON: default template switches, e.g. '{"enable_thinking": false}'; a
+    # request's chat_template_kwargs override them key by key.
+    chat_template_kwargs: dict = Field(default_factory=dict)
+    # KERNELLAB_REASONING_PARSER: "auto" splits <think> blocks into the reasoning field when the chat template
+    # has them (Qwen3); "qwen3" always; "none" leaves them in the content.
+    reasoning_parser: Literal["auto", "qwen3", "none"] = "auto"
+    # KERNELLAB_TOOL_PARSER: "hermes" (= "auto") parses <tool_call> blocks (Qwen3's format); "none" refuses tools.
+    tool_parser: Literal["auto", "hermes", "none"] = "auto"
+
+    def serving_options(self, tokenizer):
+        from kernellab.services.gateway.requests import ServingOptions
+
+        return ServingOptions.build(tokenizer, generation_config=self.generation_config,
+                                    chat_template_kwargs=self.chat_template_kwargs,
+                                    reasoning_parser=self.reasoning_parser, tool_parser=self.tool_parser)
 
     @field_validator("key_prefix")
     @classmethod

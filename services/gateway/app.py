@@ -32,9 +32,9 @@ from kernellab.services.gateway.errors import (
     Unauthorized,
     error_headers,
 )
-from kernellab.services.gateway.generation import NOT_READY, collect
+from kernellab.services.gateway.generation import NOT_READY, chat_delta, collect, usage_of
 from kernellab.services.gateway.metrics import GatewayMetrics, HTTPMetricsMiddleware
-from kernellab.services.gateway.requests import prepare
+from kernellab.services.gateway.requests import detokenize_request, prepare, tokenize_request
 from kernellab.services.gateway.state import Gateway
 
 log = logging.getLogger("kernellab.gateway")
@@ -226,6 +226,23 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
         return {"object": "list", "data": [{"id": g.model, "object": "model", "created": 0, "owned_by": "kernellab",
                                             "root": spec.hub_id or spec.source, "max_model_len": g.max_model_len}]}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's shape: {prompt} or {messages, ...} → {count, max_model_len, tokens[, token_strs]}."""
+        check_auth(request)
+        g = gw()
+        data, _ = await read_json(request)
+        return await asyncio.to_thread(tokenize_request, data, g.tokenizer, served_model=g.model,
+                                       max_model_len=g.max_model_len, options=g.options)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """{tokens} → {prompt}: the text of token ids (special tokens kept, as vLLM does)."""
+        check_auth(request)
+        g = gw()
+        data, _ = await read_json(request)
+        return detokenize_request(data, g.tokenizer, served_model=g.model)
+
     @app.post("/v1/requests/{request_id}/cancel")
     async def cancel(request_id: str, request: Request):
         tenant = check_auth(request)
@@ -249,7 +266,8 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
             raise ServiceUnavailable("the gateway is shutting down", code="draining")
         data, size = await read_json(request)  # a large body is tokenized (or validated) off the event loop
         args = (kind, data, g.tokenizer)
-        kwargs = {"served_model": g.model, "max_model_len": g.max_model_len, "max_n": settings.max_n}
+        kwargs = {"served_model": g.model, "max_model_len": g.max_model_len, "max_n": settings.max_n,
+                  "options": g.options}
         if size > _THREAD_PREPARE_BYTES:
             p = await asyncio.to_thread(prepare, *args, **kwargs)
         else:
@@ -279,16 +297,21 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
             if not handed_over:
                 rs.close()
 
-    def chunk_for(p, created: int, u, sent: set, offsets: dict) -> dict:
+    def chunk_for(p, rs, created: int, u, sent: set, offsets: dict) -> dict | None:
+        """The chunk of one update, or None when it has nothing to say yet (a parser holding back a tag)."""
         first = u.index not in sent
         sent.add(u.index)
         text = u.text
         if first and p.echo_text:
             text = p.echo_text[u.index // (p.n_choices // len(p.prompts))] + text
         if p.kind == "chat":
-            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            delta, reason = chat_delta(rs.choices[u.index], u)
+            if first:
+                delta = {"role": "assistant", "content": "", **delta}
+            elif not delta and u.logprobs is None and reason is None:
+                return None
             lp = R.chat_logprobs(u.logprobs, g_text()) if u.logprobs is not None else None
-            return R.chat_chunk(p, created, u.index, delta, lp, u.finish_reason, with_usage_field=p.include_usage)
+            return R.chat_chunk(p, created, u.index, delta, lp, reason, with_usage_field=p.include_usage)
         lp = None
         if u.logprobs is not None:
             lp = R.completion_logprobs(u.logprobs, g_text(), offsets.get(u.index, 0))
@@ -306,16 +329,19 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
             while update is not None:
                 # Events that queued up while we were busy go out as one write (one ASGI message, one send
                 # syscall): a gateway that falls behind catches up instead of paying per event.
-                events = [R.sse(chunk_for(p, created, update, sent, offsets))]
-                while (update := rs.ready()) is not NOT_READY and update is not None:
-                    events.append(R.sse(chunk_for(p, created, update, sent, offsets)))
-                yield b"".join(events) if len(events) > 1 else events[0]
+                events = []
+                while update is not NOT_READY and update is not None:
+                    chunk = chunk_for(p, rs, created, update, sent, offsets)
+                    if chunk is not None:
+                        events.append(R.sse(chunk))
+                    update = rs.ready()
+                if events:
+                    yield b"".join(events) if len(events) > 1 else events[0]
                 if update is NOT_READY:
                     update = await rs.next()
             tail = b""
             if p.include_usage:
-                usage = R.usage(sum(len(x) for x in p.prompts), rs.completion_tokens, rs.cached_tokens)
-                tail = R.sse(R.usage_chunk(p, created, usage))
+                tail = R.sse(R.usage_chunk(p, created, usage_of(p, rs)))
         except KernellabError as exc:  # after the 200 went out: an error event, as OpenAI streams do
             tail = R.sse(exc.to_openai())
         done["ok"] = True

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from kernellab.runtime.detokenizer import IncrementalDetokenizer
 from kernellab.services.gateway import responses as R
 from kernellab.services.gateway.errors import DeadlineExceeded, ServiceUnavailable, UpstreamError
+from kernellab.services.gateway.output_parsers import ChatOutputParser
 from kernellab.services.gateway.requests import Prepared
 from kernellab.services.gateway.router import RouterFailure, Subscription
 from kernellab.services.queue.protocol import ErrorMessage, OutputChunk, engine_request_id
@@ -34,6 +35,7 @@ class Update:
     text: str
     logprobs: list | None  # wire-format entries for the new tokens
     finish_reason: str | None
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -44,6 +46,32 @@ class ChoiceState:
     finish_reason: str | None = None
     cached_tokens: int = 0
     logprobs: list = field(default_factory=list)
+    parser: ChatOutputParser | None = None  # chat: reasoning / content / tool calls
+
+
+def chat_delta(st: ChoiceState, u: Update) -> tuple[dict, str | None]:
+    """(the delta fields, the finish reason) of one update of a chat choice, through its output parser."""
+    if st.parser is None:
+        return ({"content": u.text} if u.text else {}), u.finish_reason
+    delta = st.parser.feed(u.text, u.token_ids)
+    if u.finish_reason is None:
+        return _with_alias(delta), None
+    for key, value in st.parser.finish().items():
+        delta[key] = delta[key] + value if key in delta else value
+    reason = "tool_calls" if st.parser.tool_calls and u.finish_reason == "stop" else u.finish_reason
+    return _with_alias(delta), reason
+
+
+def _with_alias(delta: dict) -> dict:
+    if "reasoning" in delta:  # the field's older name, which many clients still read
+        delta["reasoning_content"] = delta["reasoning"]
+    return delta
+
+
+def usage_of(p: Prepared, rs: ResultStream) -> dict:
+    reasoning = sum(c.parser.reasoning_tokens for c in rs.choices.values() if c.parser is not None)
+    return R.usage(sum(len(x) for x in p.prompts), rs.completion_tokens, rs.cached_tokens,
+                   reasoning if p.parser is not None and p.parser.reasoning else None)
 
 
 class ResultStream:
@@ -54,9 +82,11 @@ class ResultStream:
         self.deadline = deadline + DEADLINE_GRACE_S
         self.started = started
         tok = gateway.tokenizer
+        parse = p.parser is not None and (p.parser.reasoning or p.parser.tools)
         self.choices = {
             c.index: ChoiceState(IncrementalDetokenizer(tok, p.prompts[c.prompt_index], c.params.stop,
-                                                        c.params.include_stop_str_in_output))
+                                                        c.params.include_stop_str_in_output),
+                                 parser=ChatOutputParser(p.parser) if parse else None)
             for c in p.choices
         }
         self.remaining = len(self.choices)
@@ -135,11 +165,11 @@ class ResultStream:
                 raise DeadlineExceeded()
             st.finished, st.finish_reason = True, reason
             self.remaining -= 1
-        if not text and not logprobs and reason is None:
+        if not text and not logprobs and reason is None and not (tokens and st.parser is not None):
             return None
         if logprobs and self.p.logprobs is not None:
             st.logprobs.extend(logprobs)
-        return Update(index, text, logprobs if self.p.logprobs is not None else None, reason)
+        return Update(index, text, logprobs if self.p.logprobs is not None else None, reason, tokens)
 
     def close(self) -> None:
         """Idempotent: drop the subscription; cancel what has not finished (client gone, error)."""
@@ -164,9 +194,14 @@ async def collect(p: Prepared, rs: ResultStream, first: Update | None, token_tex
     texts, reasons = defaultdict(list), {}
     update = first
     while update is not None:
-        texts[update.index].append(update.text)
-        if update.finish_reason is not None:
-            reasons[update.index] = update.finish_reason
+        st = rs.choices[update.index]
+        if st.parser is not None:
+            _, reason = chat_delta(st, update)  # the parser keeps the parts; the result is read below
+        else:
+            texts[update.index].append(update.text)
+            reason = update.finish_reason
+        if reason is not None:
+            reasons[update.index] = reason
         update = await rs.next()
     choices = []
     per_prompt = p.n_choices // len(p.prompts)
@@ -177,9 +212,10 @@ async def collect(p: Prepared, rs: ResultStream, first: Update | None, token_tex
         entries = rs.choices[c.index].logprobs
         if p.kind == "chat":
             lp = R.chat_logprobs(entries, token_text) if p.logprobs is not None else None
-            choices.append(R.chat_choice(c.index, text, lp, reasons.get(c.index)))
+            parser = rs.choices[c.index].parser
+            message = parser.result() if parser is not None else None
+            choices.append(R.chat_choice(c.index, text, lp, reasons.get(c.index), message))
         else:
             lp = R.completion_logprobs(entries, token_text, 0) if p.logprobs is not None else None
             choices.append(R.completion_choice(c.index, text, lp, reasons.get(c.index)))
-    usage = R.usage(sum(len(x) for x in p.prompts), rs.completion_tokens, rs.cached_tokens)
-    return R.final_response(p, int(time.time()), choices, usage)
+    return R.final_response(p, int(time.time()), choices, usage_of(p, rs))

@@ -56,10 +56,14 @@ def completion_logprobs(entries: list, text: TokenText, offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning_tokens: int | None = None
+          ) -> dict:
+    u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+         "total_tokens": prompt_tokens + completion_tokens,
+         "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if reasoning_tokens is not None:
+        u["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return u
 
 
 def chat_chunk(p: Prepared, created: int, index: int, delta: dict, logprobs, finish_reason, *,
@@ -94,9 +98,17 @@ def final_response(p: Prepared, created: int, choices: list[dict], u: dict) -> d
             "choices": choices, "usage": u}
 
 
-def chat_choice(index: int, text: str, logprobs, finish_reason) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
-            "logprobs": logprobs, "finish_reason": finish_reason}
+def chat_choice(index: int, text: str, logprobs, finish_reason, parsed=None) -> dict:
+    """``parsed``: the output parser's ParsedMessage (reasoning / content / tool calls), or None: all content."""
+    if parsed is None:
+        message = {"role": "assistant", "content": text, "refusal": None}
+    else:
+        message = {"role": "assistant", "content": parsed.content, "refusal": None}
+        if parsed.reasoning is not None:
+            message["reasoning"] = message["reasoning_content"] = parsed.reasoning
+        if parsed.tool_calls:
+            message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in parsed.tool_calls]
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def completion_choice(index: int, text: str, logprobs, finish_reason) -> dict:

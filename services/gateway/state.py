@@ -61,6 +61,7 @@ class Gateway:
         self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.metrics = metrics or GatewayMetrics(served_model)
         self.token_text = TokenText(tokenizer)
+        self.options = settings.serving_options(tokenizer)  # sampling defaults, template switches, parsers
         self.api_keys = settings.keys_in_use()
         self.redis = redis_client(settings.redis_url)
         self.router = OutputRouter(redis_client(settings.redis_url, blocking_ms=5000), self.keys.wake(self.id))

@@ -201,11 +201,15 @@ def test_context_limit_follows_what_live_workers_serve(redis_url, prefix, tokeni
 
 
 def test_a_message_the_template_cannot_render_is_a_400(client):
-    """A chat message without content: SmolLM2's template reads message['content'] (UndefinedError), which is
-    the client's input, not a server fault."""
+    """A chat message without content is the client's input, not a server fault: a 400 naming the message, and
+    an assistant turn without content or tool calls likewise."""
     resp = client.post("/v1/chat/completions", headers=AUTH, json={"model": MODEL, "messages": [{"role": "user"}]})
     is_openai_error(resp, 400)
-    assert resp.json()["error"]["param"] == "messages"
+    assert resp.json()["error"]["param"] == "messages[0].content"
+    two = [{"role": "user", "content": "hi"}, {"role": "assistant"}, {"role": "assistant"}]
+    resp = client.post("/v1/chat/completions", headers=AUTH, json={"model": MODEL, "messages": two})
+    is_openai_error(resp, 400)
+    assert resp.json()["error"]["param"] == "messages[1].content"
 
 
 class _FailingTemplate:
@@ -217,10 +221,10 @@ class _FailingTemplate:
     def __getattr__(self, name):
         return getattr(self._tok, name)
 
-    def apply_chat_template(self, messages, *a, **kw):
+    def render_chat(self, messages, *a, **kw):
         if any(m.get("content") == "boom" for m in messages):
             raise RuntimeError("boom")
-        return self._tok.apply_chat_template(messages, *a, **kw)
+        return self._tok.render_chat(messages, *a, **kw)
 
 
 def _http(sock, body: dict, path: str) -> tuple[int, dict]:

@@ -138,16 +138,11 @@ def test_every_validation_error_is_4xx(tokenizer):
 
 
 @pytest.mark.parametrize("kind, body, param", [
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ("chat", {"tool_choice": "required"}, "tool_choice"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-     "response_format"),
-    ("chat", {"logit_bias": {"50256": -100}}, "logit_bias"),
     ("chat", {"functions": [{"name": "f"}]}, "functions"),
+    ("chat", {"function_call": {"name": "f"}}, "function_call"),
     ("chat", {"modalities": ["text", "audio"]}, "modalities"),
     ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
-    ("completion", {"logit_bias": {"1": 5}}, "logit_bias"),
+    ("chat", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
     ("completion", {"suffix": " end"}, "suffix"),
     ("completion", {"best_of": 3}, "best_of"),
 ])
@@ -159,7 +154,7 @@ def test_parameters_not_honoured_are_refused_by_name(tokenizer, kind, body, para
 
 
 def test_neutral_values_of_unsupported_parameters_are_accepted(tokenizer):
-    chat(tokenizer, tools=[], tool_choice="none", response_format={"type": "text"}, logit_bias={},
+    chat(tokenizer, functions=[], function_call="none", response_format={"type": "text"}, logit_bias={},
          modalities=["text"])
-    completion(tokenizer, logit_bias={}, suffix=None, best_of=2, n=2)
+    completion(tokenizer, suffix=None, best_of=2, n=2)
     completion(tokenizer, best_of=1)
