@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 from kernellab.runtime.errors import InvalidRequestError, KernellabError
 from kernellab.runtime.sampling import SamplingParams
 from kernellab.services.gateway import responses
+from kernellab.services.gateway.output_parsers import ChatOutputParser, finish_delta, with_alias
 from kernellab.services.gateway.requests import Prepared, prepare
 
 CHAT_ROUTE = "/v1/chat/completions"
@@ -129,6 +130,9 @@ class ResponseBuilder:
         self.logprobs: list = []  # every entry so far (non-streaming answers)
         self._unsent_logprobs: list = []  # entries not yet in a chunk
         self._text_offset = 0  # completion logprobs' text_offset
+        cfg = request.prepared.parser if request.prepared is not None else None
+        # Chat: reasoning / content / tool calls split as the gateway splits them.
+        self.parser = ChatOutputParser(cfg) if cfg is not None and (cfg.reasoning or cfg.tools) else None
 
     # ---- streaming pieces
     def opening(self) -> str | None:
@@ -148,6 +152,9 @@ class ResponseBuilder:
             return None
         if self.request.kind == "native":
             return {"text": text, "token_ids": list(token_ids)}
+        if self.parser is not None:
+            delta = with_alias(self.parser.feed(text, token_ids))
+            return self._sse(self._chunk(text, None, delta)) if delta else None
         if not text:  # tokens of a character that is not complete yet: they go out with the next text
             return None
         return self._sse(self._chunk(text, None))
@@ -165,27 +172,37 @@ class ResponseBuilder:
             if not stream:
                 out["token_ids"] = self.token_ids
             return [out]
-        usage = responses.usage(num_prompt, num_output, num_cached)
         prepared = self.request.prepared
+        delta = None
+        if self.parser is not None:
+            # A stream fed the parser piece by piece; a whole response parses its text once, here.
+            pending = self.parser.feed(tail, []) if stream else self.parser.feed("".join(self.text), self.token_ids)
+            delta, reason = finish_delta(self.parser, pending, reason)
+        reasoning = self.parser.reasoning_tokens if self.parser is not None and prepared.parser.reasoning else None
+        usage = responses.usage(num_prompt, num_output, num_cached, reasoning)
         if not stream:
             text = "".join(self.text)
             logprobs = self._format_logprobs(self.logprobs, offset=0)
-            choice = (responses.chat_choice if kind == "chat" else responses.completion_choice)(0, text, logprobs,
-                                                                                                reason)  # fmt: skip
+            if kind == "chat":
+                parsed = self.parser.result() if self.parser is not None else None
+                choice = responses.chat_choice(0, text, logprobs, reason, parsed)
+            else:
+                choice = responses.completion_choice(0, text, logprobs, reason)
             return [responses.final_response(prepared, self.created, [choice], usage)]
-        outputs = [self._sse(self._chunk(tail, reason))]
+        outputs = [self._sse(self._chunk(tail, reason, with_alias(delta) if delta is not None else None))]
         if prepared.include_usage:
             outputs.append(self._sse(responses.usage_chunk(prepared, self.created, usage)))
         outputs.append(responses.SSE_DONE.decode())
         return outputs
 
-    def _chunk(self, text: str, finish_reason: str | None) -> dict:
+    def _chunk(self, text: str, finish_reason: str | None, delta: dict | None = None) -> dict:
         logprobs = self._format_logprobs(self._unsent_logprobs, self._text_offset)
         self._unsent_logprobs = []
         self._text_offset += len(text)
         with_usage = self.request.prepared.include_usage
         if self.request.kind == "chat":
-            delta = {"content": text} if text else {}
+            if delta is None:
+                delta = {"content": text} if text else {}
             return responses.chat_chunk(self.request.prepared, self.created, 0, delta, logprobs, finish_reason,
                                         with_usage_field=with_usage)  # fmt: skip
         return responses.completion_chunk(self.request.prepared, self.created, 0, text, logprobs, finish_reason,

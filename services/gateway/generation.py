@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from kernellab.runtime.detokenizer import IncrementalDetokenizer
 from kernellab.services.gateway import responses as R
 from kernellab.services.gateway.errors import DeadlineExceeded, ServiceUnavailable, UpstreamError
-from kernellab.services.gateway.output_parsers import ChatOutputParser
+from kernellab.services.gateway.output_parsers import ChatOutputParser, finish_delta, with_alias
 from kernellab.services.gateway.requests import Prepared
 from kernellab.services.gateway.router import RouterFailure, Subscription
 from kernellab.services.queue.protocol import ErrorMessage, OutputChunk, engine_request_id
@@ -55,17 +55,9 @@ def chat_delta(st: ChoiceState, u: Update) -> tuple[dict, str | None]:
         return ({"content": u.text} if u.text else {}), u.finish_reason
     delta = st.parser.feed(u.text, u.token_ids)
     if u.finish_reason is None:
-        return _with_alias(delta), None
-    for key, value in st.parser.finish().items():
-        delta[key] = delta[key] + value if key in delta else value
-    reason = "tool_calls" if st.parser.tool_calls and u.finish_reason == "stop" else u.finish_reason
-    return _with_alias(delta), reason
-
-
-def _with_alias(delta: dict) -> dict:
-    if "reasoning" in delta:  # the field's older name, which many clients still read
-        delta["reasoning_content"] = delta["reasoning"]
-    return delta
+        return with_alias(delta), None
+    delta, reason = finish_delta(st.parser, delta, u.finish_reason)
+    return with_alias(delta), reason
 
 
 def usage_of(p: Prepared, rs: ResultStream) -> dict:

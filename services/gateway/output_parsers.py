@@ -196,6 +196,21 @@ class ChatOutputParser:
         self.content.append(text)
 
 
+def with_alias(delta: dict) -> dict:
+    """A delta (or message) with its reasoning also under ``reasoning_content``, the older name many clients read."""
+    if "reasoning" in delta:
+        delta["reasoning_content"] = delta["reasoning"]
+    return delta
+
+
+def finish_delta(parser: ChatOutputParser, delta: dict, finish_reason: str | None) -> tuple[dict, str | None]:
+    """``delta`` completed with what the parser held back, and the finish reason a client sees: "tool_calls"
+    when the model stopped after calling tools."""
+    for key, value in parser.finish().items():
+        delta[key] = delta[key] + value if key in delta else value
+    return delta, "tool_calls" if parser.tool_calls and finish_reason == "stop" else finish_reason
+
+
 def _tool_call(body: str) -> dict | None:
     try:
         obj = json.loads(body)

@@ -209,10 +209,13 @@ def _params(body: _Common, max_tokens: int | None, logprobs: int | None, opts: S
 def _logit_bias(bias: dict, vocab: int) -> dict[int, float]:
     out = {}
     for key, value in bias.items():
-        if not key.strip().isdigit() or int(key) >= vocab:
+        token = key.strip()
+        if not (token.isascii() and token.isdigit()) or int(token) >= vocab:
             raise InvalidRequestError(f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}",
                                       param="logit_bias")
-        out[int(key)] = float(value)
+        if not -100 <= value <= 100:  # before float(): an int beyond a float's range would overflow there
+            raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias")
+        out[int(token)] = float(value)
     return out
 
 

@@ -210,3 +210,27 @@ def test_engine_loop_exits_non_zero_after_a_cuda_fault(tmp_path):
     )
     assert done.returncode == 1, done.stdout + done.stderr
     assert "job saw: CUDA error: an illegal memory access" in done.stdout
+
+
+TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+CALL_TEXT = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_calls_come_back_parsed_as_the_gateway_parses_them(tokenizer, stream):
+    request = _parse(_chat(tools=[TOOL], tool_choice="required", stream=stream), tokenizer)
+    assert "lark" in request.params.structured  # forced: the engine decodes under the tool-call grammar
+    builder = ResponseBuilder(request, tokenizer)
+    outputs = [builder.opening(), builder.piece(CALL_TEXT[:15], [1, 2]), builder.piece(CALL_TEXT[15:], [3])]
+    outputs = [o for o in outputs if o is not None] + builder.closing("", "stop", 3, 3)
+    if not stream:
+        [full] = outputs
+        choice = full["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_time"]
+        return
+    chunks = [json.loads(p) for p in _sse_payloads(outputs)[:-1]]
+    calls = [c for ch in chunks for c in ch["choices"][0]["delta"].get("tool_calls", [])]
+    assert [c["function"]["name"] for c in calls] == ["get_time"] and calls[0]["index"] == 0
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks) == ""
