@@ -105,7 +105,7 @@ class GrammarState:
     def __init__(self, lltok: llguidance.LLTokenizer, spec: dict, output_token_ids=()):
         self.matcher = llguidance.LLMatcher(lltok, grammar_for(spec), log_level=0)
         if self.matcher.is_error():
-            raise _invalid(f"invalid {next(iter(spec))} for structured output: {self.matcher.get_error()}")
+            raise _invalid(f"invalid {next(iter(spec))} for structured output: {self.error}")
         if output_token_ids and not self.matcher.consume_tokens(list(output_token_ids)):
             raise _invalid(f"the tokens already emitted do not match the grammar: {self.error}")
 
@@ -128,8 +128,8 @@ class GrammarState:
 
     @property
     def error(self) -> str:
-        # The first line: get_error() appends a dump of the parser state.
-        return self.matcher.get_error().split("\n", 1)[0]
+        # Without the dump of the parser state that get_error() appends to a rejected token.
+        return self.matcher.get_error().split("\n<state>", 1)[0].strip()
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> np.ndarray:
