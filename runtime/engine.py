@@ -152,16 +152,34 @@ class LLMEngine:
                 f"{self.max_model_len} tokens", param="max_tokens")
         else:
             max_tokens = params.max_tokens
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias keys must be token ids in [0, {vocab})", param="logit_bias")
         seq = Sequence(request_id, prompt, params, max_tokens, priority, deadline, output_token_ids)
+        if params.structured is not None:
+            seq.grammar = self._grammar_state(params.structured, output_token_ids)
         if params.stop:
             detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop, params.include_stop_str_in_output)
             detok.push(list(output_token_ids))
             self._detokenizers[request_id] = detok
         self.scheduler.add(seq)
 
+    def _grammar_state(self, spec: dict, output_token_ids):
+        from kernellab.runtime import structured
+
+        try:
+            tokenizer = self.tokenizer
+        except (ModelNotAvailableError, FileNotFoundError):
+            raise InvalidRequestError(f"structured output needs {self.spec.name}'s tokenizer, which is not here",
+                                      param=structured.PARAM) from None
+        lltok = structured.ll_tokenizer(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        return structured.GrammarState(lltok, spec, output_token_ids)
+
     def abort(self, request_id: str) -> bool:
         self._detokenizers.pop(request_id, None)
-        return self.scheduler.abort(request_id) is not None
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            seq.grammar = None
+        return seq is not None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -183,20 +201,23 @@ class LLMEngine:
             if token is None:
                 continue
             self._check_stop_strings(seq, token)
+            if seq.grammar is not None:
+                self._advance_grammar(seq, token)
             lp = logprobs.get(seq.request_id)
             results.append(self._output(seq, [token], [lp] if lp else None))
         return results
 
     def _multi_step_width(self, out) -> int:
         """How many greedy decode steps to run in one go: only for all-decode, all-greedy steps without
-        logprobs, on captured graphs, and only as far as every sequence's blocks can be reserved now."""
+        logprobs, penalties, logit_bias or grammars (the device-side loop takes the raw argmax), on captured
+        graphs, and only as far as every sequence's blocks can be reserved now."""
         runner, cfg = self.runner, self.config
         steps = cfg.num_scheduler_steps or (8 if runner.graphs is not None else 1)
         if steps <= 1 or not runner.use_graphs or not runner.graphs.decode_bucket(len(out.scheduled)):
             return 1
         for seq, n in out.scheduled:
             p = seq.params
-            if n != 1 or not out.samples(seq, n) or not p.greedy or p.has_penalties or p.logprobs is not None:
+            if n != 1 or not out.samples(seq, n) or not p.greedy or p.has_logits_processors or p.logprobs is not None:
                 return 1
         steps = min(steps, runner.graphs.max_steps)
         for seq, _ in out.scheduled:
@@ -240,9 +261,26 @@ class LLMEngine:
         else:
             self.scheduler.finish_by_stop_string(seq, detok.stop_reason)
 
+    def _advance_grammar(self, seq: Sequence, token: int) -> None:
+        """Feed the sampled token to the sequence's grammar; a completed grammar ends the sequence with "stop"
+        (also when its last allowed token completed it). A matcher error ends it too, never the step."""
+        if seq.is_finished and seq.finish_reason != "length":
+            return  # EOS, a stop token or a stop string ended it
+        grammar = seq.grammar
+        if grammar.consume([token]) and not grammar.is_stopped:
+            return
+        if grammar.is_error:
+            log.warning("request %s: grammar matcher failed after token %d, stopping it: %s", seq.request_id,
+                        token, grammar.error)
+        if seq.is_finished:
+            seq.finish_reason, seq.stop_reason = "stop", None
+        else:
+            self.scheduler.finish_by_grammar(seq)
+
     def _output(self, seq: Sequence, tokens: list[int], logprobs) -> RequestOutput:
         if seq.is_finished:
             self._detokenizers.pop(seq.request_id, None)
+            seq.grammar = None
         return RequestOutput(seq.request_id, tokens, logprobs, seq.is_finished, seq.finish_reason, seq.stop_reason,
                              seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
 

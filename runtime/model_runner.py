@@ -177,6 +177,8 @@ class ModelRunner:
         tokens: list[int] = []
         logprobs: list[TokenLogprob] | None = None
         if sampling:
+            # The sampler's host work (grammar masks) runs before it touches the logits: on a GPU, while the forward
+            # launched above still runs.
             tokens, logprobs = self.sampler(logits, sampling)
         by_seq = {id(s): t for s, t in zip(sampling, tokens, strict=True)}
         sampled = [by_seq.get(id(seq)) for seq, _ in out.scheduled]

@@ -1,9 +1,10 @@
 """Sampling from a step's logits: penalties, temperature, min-p / top-k / top-p, seeded draws, logprobs.
 
-Seeded rows draw their noise from a generator keyed on ``(seed, output index)``, so a request's tokens do not
-depend on what else is in the batch, and a request resumed elsewhere from its emitted tokens continues
-exactly. Logprobs are those of the raw model distribution (before temperature and filtering), as vLLM and
-OpenAI report them.
+Order on a row's logits: logit_bias, then the grammar mask (disallowed tokens → -inf), then penalties,
+temperature and filters. Seeded rows draw their noise from a generator keyed on ``(seed, output index)``, so a
+request's tokens do not depend on what else is in the batch, and a request resumed elsewhere from its emitted
+tokens continues exactly. Logprobs are those of the raw model distribution (before bias, mask, temperature and
+filtering), as vLLM and OpenAI report them.
 """
 
 from __future__ import annotations
@@ -12,9 +13,19 @@ from dataclasses import dataclass
 
 import torch
 
+from kernellab.runtime import structured
 from kernellab.runtime.sequence import Sequence
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier to spread (seed, index) pairs
+
+
+@dataclass
+class Constraints:
+    """A step's logit_bias and grammar masks, prepared on the host."""
+
+    bias: tuple[list[int], list[int], list[float]] | None  # (rows, token ids, biases) of the rows with a bias
+    mask_rows: list[int]  # rows with a grammar, in bitmask row order
+    bitmask: torch.Tensor | None  # host int32 (len(mask_rows), ceil(V/32)): bit t of a row set = t allowed
 
 
 @dataclass
@@ -36,18 +47,67 @@ class Sampler:
         self.argmax = argmax  # the dispatcher's (Triton on a GPU where accepted)
         self.generator = torch.Generator(device=device)
         self.generator.seed()
+        self._bitmask_host: torch.Tensor | None = None  # grown to the most constrained rows seen; pinned on CUDA
+        self._bit_shifts = torch.arange(32, dtype=torch.int32, device=device)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob] | None]:
-        """``logits: (S, V)`` fp32, one row per sequence that samples this step."""
+        """``logits: (S, V)`` fp32, one row per sequence that samples this step. Called right after the forward
+        is launched: the host work (grammar masks) comes first, before anything waits for the device, so on a
+        GPU it overlaps the forward."""
+        constraints = self.constraints(seqs, logits.shape[-1])
         want_logprobs = any(s.params.logprobs is not None for s in seqs)
-        raw = logits
+        raw = processed = logits
+        if constraints is not None:
+            processed = logits.clone()
+            self._apply_constraints(processed, constraints)
         if all(s.params.greedy and not s.params.has_penalties for s in seqs):
-            tokens = self.argmax(logits)
+            tokens = self.argmax(processed)
         else:
-            tokens = self._sample(logits.clone(), seqs)
+            tokens = self._sample(processed.clone() if processed is raw else processed, seqs)
         token_list = tokens.tolist()
         return token_list, (self._logprobs(raw, token_list, seqs) if want_logprobs else None)
+
+    def constraints(self, seqs: list[Sequence], vocab_size: int) -> Constraints | None:
+        """Host half of logit_bias and grammars; None (no work) when no row has either."""
+        if not any(s.params.logit_bias or s.grammar is not None for s in seqs):
+            return None
+        rows, ids, values = [], [], []
+        for i, seq in enumerate(seqs):
+            for token, bias in (seq.params.logit_bias or {}).items():
+                rows.append(i)
+                ids.append(token)
+                values.append(bias)
+        mask_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        bitmask = None
+        if mask_rows:
+            words = -(-vocab_size // 32)
+            host = self._bitmask_host
+            if host is None or host.shape[0] < len(mask_rows) or host.shape[1] != words:
+                rows_cap = max(len(mask_rows), host.shape[0] if host is not None else 0)
+                host = torch.empty((rows_cap, words), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+                self._bitmask_host = host
+            bitmask = host[: len(mask_rows)]
+            structured.fill_bitmasks([seqs[i].grammar for i in mask_rows], bitmask.numpy())
+        return Constraints((rows, ids, values) if rows else None, mask_rows, bitmask)
+
+    def _apply_constraints(self, logits: torch.Tensor, c: Constraints) -> None:
+        dev = logits.device
+        if c.bias is not None:
+            rows, ids, values = c.bias
+            index = (torch.tensor(rows, device=dev), torch.tensor(ids, device=dev))
+            logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=dev), accumulate=True)
+        if c.bitmask is not None:
+            # The host buffer is rewritten next step only after this step's tokens came back (.tolist()), so the
+            # asynchronous copy has finished by then.
+            words = c.bitmask.to(dev, non_blocking=True)
+            vocab = logits.shape[-1]
+            allowed = ((words.unsqueeze(-1) >> self._bit_shifts) & 1).view(len(c.mask_rows), -1)[:, :vocab].bool()
+            if len(c.mask_rows) == logits.shape[0]:
+                logits.masked_fill_(~allowed, float("-inf"))
+            else:
+                rows = torch.tensor(c.mask_rows, device=dev)
+                logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         self._apply_penalties(logits, seqs)

@@ -173,6 +173,10 @@ class Scheduler:
     def finish_by_stop_string(self, seq: Sequence, stop: str) -> None:
         self._finish(seq, "stop", stop)
 
+    def finish_by_grammar(self, seq: Sequence) -> None:
+        """The output completed its grammar (or the matcher failed): "stop" with no stop string or token."""
+        self._finish(seq, "stop")
+
     def check_integrity(self) -> None:
         live = list(self.requests.values())
         self.block_manager.check_integrity(live)

@@ -48,6 +48,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.num_preemptions = 0
+        # The request's structured.GrammarState, or None. It lives with the sequence (preemption keeps it: the
+        # tokens it consumed are kept); the engine drops it when the sequence ends.
+        self.grammar = None
 
     def __repr__(self) -> str:
         return f"Sequence({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"
