@@ -53,8 +53,8 @@ def qwen3(tokenizer):
 def hf_tokenizer():
     from transformers import AutoTokenizer
 
-    from kernellab.runtime.tokenizer import tokenizer_dir
     from kernellab.runtime.registry import resolve_model
+    from kernellab.runtime.tokenizer import tokenizer_dir
 
     return AutoTokenizer.from_pretrained(str(tokenizer_dir(resolve_model(MODEL))))
 
