@@ -7,7 +7,8 @@ Phases, in this order (each a set of real processes on this machine, torn down a
    (both on GPU 0, fixed KV pools): every stack run is paired with an engine run on the same prompts, in
    alternating order, and the stack-vs-engine figures are medians over those pairs.
 2. ``stack-<phase>``, for each phase of ``--phases``: a private redis-server, one ``kernellab worker`` on GPU 0
-   and ``kernellab gateway`` with N processes (``g<N>``); suffixes set worker settings (``VARIANTS``), e.g.
+   and ``kernellab gateway`` with N processes (``g<N>``); suffixes set worker (``VARIANTS``) or gateway
+   (``GATEWAY_VARIANTS``) settings, e.g.
    ``-nogather`` runs the worker without the burst gather (the behaviour before it), so the artifact holds the
    before and after of each change. The worker restarts only when its settings change; the gateway tier every phase.
 3. ``stack-2gpu-<phase>`` (``--gpus 2``): with the last phase's settings, a second worker on GPU 1 joins the
@@ -61,10 +62,11 @@ PROFILES = {
            "interactive": {"clients": 6, "prompt_tokens": 48, "output_tokens": 12},
            "phases": ["g1-nogather", "g2"], "client_processes": 2, "run_timeout_s": 240},
 }
-# Phase suffixes: worker settings for before/after comparisons of a change.
+# Phase suffixes: worker (VARIANTS) or gateway (GATEWAY_VARIANTS) settings for before/after comparisons.
 VARIANTS = {"nogather": {"KERNELLAB_GATHER_BURST_GAP_S": "0"},  # no burst gather (before it existed)
             "noflush": {"KERNELLAB_FIRST_TOKEN_FLUSH_S": "0"},  # first tokens not awaited before the next step
             "flush": {"KERNELLAB_FIRST_TOKEN_FLUSH_S": "0.005"}}
+GATEWAY_VARIANTS = {"slowpath": {"KERNELLAB_GATEWAY_FAST_PATH": "0"}}  # generation routes through FastAPI
 TARGETS = {"throughput_ratio_min": 0.90, "interactive_added_ttft_p50_ms_max": 5.0, "two_gpu_scaling_min": 1.85}
 
 
@@ -234,11 +236,12 @@ class StackProcs:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         self.workers.append(self._spawn(f"worker{gpu}", [sys.executable, "-m", "kernellab.services.worker"], env))
 
-    def start_gateway(self, processes: int) -> None:
+    def start_gateway(self, processes: int, overrides: dict | None = None) -> None:
         port = free_port()
         self.metrics_urls["gateway"] = f"http://127.0.0.1:{port}/metrics"
         env = dict(self.env, KERNELLAB_HOST=self.host, KERNELLAB_PORT=str(self.port),
-                   KERNELLAB_GATEWAY_PROCESSES=str(processes), KERNELLAB_GATEWAY_METRICS_PORT=str(port))
+                   KERNELLAB_GATEWAY_PROCESSES=str(processes), KERNELLAB_GATEWAY_METRICS_PORT=str(port),
+                   **(overrides or {}))
         self.gateway = self._spawn(f"gateway-g{processes}", [sys.executable, "-m", "kernellab.services.gateway"], env)
 
     def stop_workers(self) -> None:
@@ -448,15 +451,15 @@ def main() -> int:
         worker_env: dict | None = None
         for phase in profile["phases"]:
             g, *variants = phase.removeprefix("g").split("-")
-            g, env_over = int(g), {}
+            g, env_over, gateway_over = int(g), {}, {}
             for v in variants:
-                env_over.update(VARIANTS[v])
+                (gateway_over if v in GATEWAY_VARIANTS else env_over).update({**VARIANTS, **GATEWAY_VARIANTS}[v])
             if env_over != worker_env:
                 stack.stop_workers()
                 stack.start_worker(0, env_over)
                 worker_env = env_over
             t = time.perf_counter()
-            stack.start_gateway(g)
+            stack.start_gateway(g, gateway_over)
             stack.wait_ready(1)
             log(f"stack ready ({phase}) in {time.perf_counter() - t:.1f}s")
             stack_run(stack, str(model_dir), workload(profile, "warmup", next(run_id)), profile["client_processes"],

@@ -11,15 +11,15 @@ rm -rf "$OUT"
 mkdir -p "$OUT/wheels" "$OUT/debs"
 grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >> .git/info/exclude
 # Not on the GPU image (its package list is in the device tool's KINDS.md): the web stack, redis-py and what
-# redis-py imports (opentelemetry-api), jsonschema for artifact validation.
+# redis-py imports (opentelemetry-api), jsonschema for artifact validation, llguidance for constrained decoding.
 PKGS=(fastapi starlette uvicorn sse-starlette pydantic pydantic-core pydantic-settings python-dotenv
       typing-inspection annotated-types annotated-doc opentelemetry-api redis httptools
-      jsonschema jsonschema-specifications referencing rpds-py)
+      jsonschema jsonschema-specifications referencing rpds-py llguidance)
 for p in "${PKGS[@]}"; do
   # the version installed here, else the newest
   v=$("$PY" -c "import importlib.metadata as m; print('==' + m.version('$p'))" 2>/dev/null || true)
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d "$OUT/wheels" "$p$v" 2>&1 | grep -v "is ignored" || true
 done
 DEBS=(redis-server redis-tools libjemalloc2 liblzf1)
