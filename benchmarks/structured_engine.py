@@ -63,6 +63,7 @@ def run_variant(engine, variant: str, prompts: list[list[int]], output_tokens: i
                                 structured=structured_for(variant, i))
         engine.add_request(f"{tag}-{i}", p, params)
     sync = _sync(engine)
+    timers = _instrument(engine)
     sync()
     t0 = time.perf_counter()
     tokens, steps, reasons = 0, 0, {}
@@ -80,12 +81,41 @@ def run_variant(engine, variant: str, prompts: list[list[int]], output_tokens: i
             first_decode = (time.perf_counter(), tokens)
     sync()
     wall = time.perf_counter() - t0
+    _restore(engine)
     out = {"variant": variant, "output_tokens": tokens, "wall_s": round(wall, 4), "engine_steps": steps,
-           "output_tok_s": round(tokens / wall, 1), "finish_reasons": reasons, **_check(engine, variant, produced)}
+           "output_tok_s": round(tokens / wall, 1), "finish_reasons": reasons,
+           # host time per engine step in the constrained parts: mask fill (overlaps the forward on a GPU) and
+           # feeding the sampled tokens to the matchers (after the step's tokens came back)
+           "host_ms_per_step": {k: round(v * 1e3 / max(steps, 1), 3) for k, v in timers.items()},
+           **_check(engine, variant, produced)}
     if first_decode is not None and tokens > first_decode[1]:
         decode_s = wall - (first_decode[0] - t0)
         out["decode_tok_s"] = round((tokens - first_decode[1]) / decode_s, 1)
     return out
+
+
+def _instrument(engine) -> dict:
+    """Time the sampler's host half (constraints: logit_bias lists and grammar masks) and the grammar advance."""
+    timers = {"mask_fill": 0.0, "grammar_advance": 0.0}
+    sampler = engine.runner.sampler
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                timers[name] += time.perf_counter() - t
+        return wrapper
+
+    sampler.constraints = timed("mask_fill", type(sampler).constraints.__get__(sampler))
+    engine._advance_grammars = timed("grammar_advance", type(engine)._advance_grammars.__get__(engine))
+    return timers
+
+
+def _restore(engine) -> None:
+    del engine.runner.sampler.constraints
+    del engine._advance_grammars
 
 
 def _check(engine, variant: str, produced: dict[str, list[int]]) -> dict:

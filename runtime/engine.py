@@ -197,14 +197,19 @@ class LLMEngine:
         self.prompt_tokens += sum(n for (s, n), t in zip(out.scheduled, sampled, strict=True)
                                   if s.num_computed_tokens < s.num_prompt_tokens)
         self.scheduler.postprocess(out, sampled)
+        constrained = []  # (seq, token) whose grammar takes the token: consumed together, in parallel
         for (seq, _), token in zip(out.scheduled, sampled, strict=True):
             if token is None:
                 continue
             self._check_stop_strings(seq, token)
-            if seq.grammar is not None:
-                self._advance_grammar(seq, token)
-            lp = logprobs.get(seq.request_id)
-            results.append(self._output(seq, [token], [lp] if lp else None))
+            if seq.grammar is not None and not (seq.is_finished and seq.finish_reason != "length"):
+                constrained.append((seq, token))
+        if constrained:
+            self._advance_grammars(constrained)
+        for (seq, _), token in zip(out.scheduled, sampled, strict=True):
+            if token is not None:
+                lp = logprobs.get(seq.request_id)
+                results.append(self._output(seq, [token], [lp] if lp else None))
         return results
 
     def _multi_step_width(self, out) -> int:
@@ -261,21 +266,24 @@ class LLMEngine:
         else:
             self.scheduler.finish_by_stop_string(seq, detok.stop_reason)
 
-    def _advance_grammar(self, seq: Sequence, token: int) -> None:
-        """Feed the sampled token to the sequence's grammar; a completed grammar ends the sequence with "stop"
-        (also when its last allowed token completed it). A matcher error ends it too, never the step."""
-        if seq.is_finished and seq.finish_reason != "length":
-            return  # EOS, a stop token or a stop string ended it
-        grammar = seq.grammar
-        if grammar.consume([token]) and not grammar.is_stopped:
-            return
-        if grammar.is_error:
-            log.warning("request %s: grammar matcher failed after token %d, stopping it: %s", seq.request_id,
-                        token, grammar.error)
-        if seq.is_finished:
-            seq.finish_reason, seq.stop_reason = "stop", None
-        else:
-            self.scheduler.finish_by_grammar(seq)
+    def _advance_grammars(self, pairs: list[tuple[Sequence, int]]) -> None:
+        """Feed each sampled token to its sequence's grammar (llguidance's thread pool when there are many); a
+        completed grammar ends the sequence with "stop" (also when its last allowed token completed it). A matcher
+        error ends that sequence too, never the step. EOS, stop tokens and stop strings were checked first."""
+        from kernellab.runtime import structured
+
+        accepted = structured.consume_all([(seq.grammar, token) for seq, token in pairs])
+        for (seq, token), ok in zip(pairs, accepted, strict=True):
+            grammar = seq.grammar
+            if ok and not grammar.is_stopped:
+                continue
+            if grammar.is_error:
+                log.warning("request %s: grammar matcher failed after token %d, stopping it: %s", seq.request_id,
+                            token, grammar.error)
+            if seq.is_finished:
+                seq.finish_reason, seq.stop_reason = "stop", None
+            else:
+                self.scheduler.finish_by_grammar(seq)
 
     def _output(self, seq: Sequence, tokens: list[int], logprobs) -> RequestOutput:
         if seq.is_finished:

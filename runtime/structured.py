@@ -147,3 +147,14 @@ def fill_bitmasks(states: list[GrammarState], bitmask: np.ndarray) -> None:
     if _executor is None:
         _executor = llguidance.LLExecutor()
     llnp.fill_next_token_bitmask_par(_executor, [(s.matcher, row) for row, s in enumerate(states)], bitmask)
+
+
+def consume_all(pairs: list[tuple[GrammarState, int]]) -> list[bool]:
+    """Advance each state by its sampled token; many go to llguidance's thread pool (a JSON matcher takes a few
+    µs to tens of µs a token, 256 rows of them are milliseconds on one thread). False: that matcher failed."""
+    global _executor
+    if len(pairs) < PARALLEL_ROWS:
+        return [state.consume([token]) for state, token in pairs]
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    return llnp.consume_token_par(_executor, [(state.matcher, token) for state, token in pairs])
