@@ -16,6 +16,6 @@ LD_LIBRARY_PATH=$RR/usr/lib/x86_64-linux-gnu exec $RR/usr/bin/redis-server "\$@"
 SH
   chmod +x "$RR/redis-server"
 fi
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PATH="$RR:$PATH"  # redis-server for the benchmarks' private stacks
 source "$ROOT/tests/gpu/shim.sh"  # the package without installing it
 cd /tmp

@@ -39,3 +39,17 @@ def test_serve_gpu_benchmark_runs_end_to_end_on_the_cpu(tmp_path):
     pairs = {r["pair"] for r in art["runs"] if r["phase"] == "engine" and "pair" in r}
     assert {r["pair"] for r in stack if "pair" in r} <= pairs
     assert "exact tokens True" in proc.stdout  # the printed table ends with the checks
+
+
+def test_structured_stack_benchmark_gpu_path_runs_on_the_cpu(tmp_path):
+    """``benchmarks/structured_overhead.py`` as its GPU profile runs it (a synthetic checkpoint, plain HTTP), small:
+    the tiny shape on this CPU, one pair of phases; the artifact validates."""
+    out = tmp_path / "structured_tiny.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "structured_overhead.py"), "--profile", "tiny",
+                           "--concurrency", "4", "--max-tokens", "16", "--output", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    art = json.loads(out.read_text())
+    assert validate(art) == "kernellab.bench.structured/v1"
+    assert [p["kind"] for p in art["phases"]] == ["plain", "json_schema"]
+    assert all(p["requests"] == 4 and p["completion_tokens"] > 0 for p in art["phases"])
