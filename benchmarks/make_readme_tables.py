@@ -180,18 +180,24 @@ def gpu_serve_table() -> str:
 
 def structured_table() -> str:
     cpu, gpu = load("results/structured_overhead_cpu.json"), load("results/gpu/structured_h200.json")
+    stack_gpu = load("results/gpu/structured_stack_h200.json")
     if not cpu and not gpu:
         return "_no constrained-decoding artifacts yet_"
     lines = []
-    if cpu:
-        p, w = cpu["provenance"], cpu["workload"]
-        lines += [f"`results/structured_overhead_cpu.json` — {p['cpu']}, {p['cpu_count']} cores, commit "
-                  f"`{p['commit'][:12]}`, {p['date']}. The stack (one worker, SmolLM2) under {w['concurrency']} "
-                  f"closed-loop clients at temperature 1, with and without a JSON schema (a list of six records), "
-                  f"{w['rounds']} alternating pairs: json_schema throughput is **{cpu['ratio_median'] * 100:.0f} %** "
-                  f"of the unconstrained load (bound ≥ {cpu['bound'] * 100:.0f} %; pairs "
-                  f"{', '.join(f'{x * 100:.0f} %' for x in cpu['ratios'])}); {cpu['structured_valid']} of "
-                  f"{cpu['structured_validated']} finished answers validate.", ""]
+    for art, rel, where in ((cpu, "results/structured_overhead_cpu.json", "one worker, SmolLM2 on the CPU"),
+                            (stack_gpu, "results/gpu/structured_stack_h200.json",
+                             "one worker on the H200, Qwen3-0.6B shape with random weights")):
+        if not art:
+            continue
+        p, w = art["provenance"], art["workload"]
+        machine = p.get("gpu") or f"{p['cpu']}, {p['cpu_count']} cores"
+        lines += [f"`{rel}` — {machine}, commit `{p['commit'][:12]}`, {p['date']}. The stack ({where}) under "
+                  f"{w['concurrency']} closed-loop clients at temperature 1, {w['max_tokens']} tokens at most, with "
+                  f"and without a JSON schema (six records), {w['rounds']} alternating pairs: json_schema throughput "
+                  f"is **{art['ratio_median'] * 100:.0f} %** of the unconstrained load (bound ≥ "
+                  f"{art['bound'] * 100:.0f} %; pairs {', '.join(f'{x * 100:.0f} %' for x in art['ratios'])}); "
+                  f"{art['structured_valid']} of {art['structured_validated']} answers the grammar finished "
+                  "validate (the others reached max_tokens).", ""]
     if gpu:
         p, w, sm = gpu["provenance"], gpu["workload"], gpu["summary"]
         labels = {"plain": "no constraint (multi-step decode windows)", "plain-1step": "no constraint, one step per "
