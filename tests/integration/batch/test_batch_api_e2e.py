@@ -102,3 +102,29 @@ def test_malformed_lines_land_in_the_error_file_and_offline_writes_the_same_line
     assert [comparable(x) for x in offline_out] == [comparable(x) for x in out]
     assert [comparable(x) for x in offline_errors] == [comparable(x) for x in errors]
     assert logprob_values(offline_out[2]) == pytest.approx(logprob_values(out[2]), abs=1e-3)
+
+
+def test_structured_and_tool_call_lines_answer_as_the_api_does(client, tmp_path):
+    """A batch line with a JSON schema answers JSON that validates; one with a forced tool call answers
+    ``tool_calls`` with ``finish_reason: "tool_calls"``: the same request layer and output parser as the API."""
+    import jsonschema
+
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 16}}, "required": ["city"],
+        "additionalProperties": False}}}
+    lines = [chat_line("json", "Describe a person.", 80, temperature=0,
+                       response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": person}}),
+             chat_line("tool", "What is the weather in Paris?", 80, temperature=0, tools=[weather],
+                       tool_choice="required", parallel_tool_calls=False)]
+    b = wait_batch(client, start_batch(client, write_jsonl(tmp_path / "structured.jsonl", lines)).id, timeout=180)
+    assert b.status == "completed" and b.request_counts.completed == 2
+    out = {x["custom_id"]: x["response"]["body"]["choices"][0] for x in file_lines(client, b.output_file_id)}
+    assert out["json"]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(out["json"]["message"]["content"]), person)
+    assert out["tool"]["finish_reason"] == "tool_calls"
+    [call] = out["tool"]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), weather["function"]["parameters"])
