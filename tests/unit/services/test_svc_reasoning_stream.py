@@ -29,7 +29,7 @@ def qwen3(tokenizer):
 
 
 @pytest.fixture
-def client(redis_url, prefix, qwen3, worker):
+def client(redis_url, prefix, qwen3, worker):  # noqa: F811 (the imported fixture, requested by name)
     with TestClient(create_app_for(redis_url, prefix, qwen3)) as c:
         wait_ready(c)
         yield c
