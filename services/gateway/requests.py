@@ -174,6 +174,10 @@ def _normalize_messages(messages: list) -> list[dict]:
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") == "refusal" and isinstance(part.get("refusal"), str) \
+                        and m.get("role") == "assistant":
+                    texts.append(part["refusal"])  # an earlier assistant turn's refusal: its text
+                    continue
                 if not isinstance(part, dict) or part.get("type") not in _TEXT_PART_TYPES \
                         or not isinstance(part.get("text"), str):
                     raise InvalidRequestError(f"messages[{i}].content[{j}]: only text parts are supported",

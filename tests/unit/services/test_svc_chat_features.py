@@ -208,3 +208,13 @@ def test_incoming_reasoning_and_developer_role(qwen3, tokenizer):
     dev = chat(tokenizer, messages=[{"role": "developer", "content": "Be terse."}, {"role": "user", "content": "Hi"}])
     sys_ = chat(tokenizer, messages=[{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}])
     assert dev.prompts == sys_.prompts
+
+
+def test_an_assistant_refusal_part_is_its_text(tokenizer):
+    msgs = [{"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]},
+            {"role": "user", "content": "Why?"}]
+    text = tokenizer.decode(chat(tokenizer, messages=msgs).prompts[0])
+    assert "I can't help with that." in text
+    with pytest.raises(InvalidRequestError):
+        chat(tokenizer, messages=[{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}])
