@@ -22,6 +22,10 @@ CHATS = [
     [{"role": "user", "content": "What is two plus two?"}],
 ]
 N = 10
+# A structured stream killed mid-way must continue exactly: the survivor rebuilds the grammar from the emitted tokens.
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +34,17 @@ def reference(offline_llm):
     return [offline_llm.generate([m], greedy)[0].text for m in CHATS]
 
 
-def stream_chat(stack, messages, max_tokens, record: dict, key: str):
+@pytest.fixture(scope="module")
+def structured_reference(offline_llm):
+    params = SamplingParams(max_tokens=N, temperature=0, structured={"json_schema": PERSON})
+    return [offline_llm.generate([m], params)[0].text for m in CHATS]
+
+
+def stream_chat(stack, messages, max_tokens, record: dict, key: str, **extra):
     """Stream one chat completion over raw SSE; record every content delta in order."""
     record[key] = {"deltas": [], "done": False, "error": None}
-    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            **extra}
     try:
         with httpx.Client(timeout=180) as http, http.stream(
                 "POST", f"{stack.url}/v1/chat/completions", json=body,
@@ -52,18 +63,20 @@ def stream_chat(stack, messages, max_tokens, record: dict, key: str):
         record[key]["error"] = repr(exc)
 
 
-def test_kill_9_of_one_worker_mid_stream_loses_and_duplicates_nothing(stack, reference):
+def test_kill_9_of_one_worker_mid_stream_loses_and_duplicates_nothing(stack, reference, structured_reference):
     wait_for(lambda: stack.ready(2), 30, "two live workers")
     record: dict = {}
     threads = [threading.Thread(target=stream_chat, args=(stack, CHATS[i % 2], N, record, f"s{i}"))
                for i in range(4)]
+    threads += [threading.Thread(target=stream_chat, args=(stack, CHATS[i % 2], N, record, f"j{i}"),
+                                 kwargs={"response_format": FORMAT}) for i in range(2)]
     for t in threads:
         t.start()
 
     def running(i):
         return metric(stack.worker_metrics(i), "kernellab:num_requests_running")
 
-    wait_for(lambda: len(record) == 4 and all(len(r["deltas"]) >= 2 for r in record.values()), 120,
+    wait_for(lambda: len(record) == 6 and all(len(r["deltas"]) >= 2 for r in record.values()), 120,
              "every stream to emit tokens")
     busy = [i for i in stack.live_workers() if running(i) > 0]
     assert busy, "no worker is running the streams"
@@ -76,6 +89,10 @@ def test_kill_9_of_one_worker_mid_stream_loses_and_duplicates_nothing(stack, ref
         r = record[f"s{i}"]
         assert r["error"] is None and r["done"], r
         assert "".join(r["deltas"]) == reference[i % 2], (i, r["deltas"])
+    for i in range(2):
+        r = record[f"j{i}"]
+        assert r["error"] is None and r["done"], r
+        assert "".join(r["deltas"]) == structured_reference[i % 2], (i, r["deltas"])
     assert metric(stack.worker_metrics(survivor), "kernellab:requests_reclaimed_total") >= 1
     wait_for(lambda: metric(stack.worker_metrics(survivor), "kernellab:kv_cache_usage_perc") == 0, 30, "idle")
 
