@@ -500,22 +500,28 @@ class DetokenizeBody(BaseModel):
     tokens: list[int]
 
 
-def tokenize_request(data, tokenizer, *, served_model: str, max_model_len: int, options: ServingOptions) -> dict:
-    """POST /tokenize: a prompt, or chat messages rendered by the chat template as a chat request would be."""
+def _utility_body(model: type[BaseModel], data, served_model: str):
+    """A /tokenize or /detokenize body, validated; its optional model must be the served one."""
     if not isinstance(data, dict):
         raise InvalidRequestError("the request body must be a JSON object")
     try:
-        body = TokenizeBody.model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as exc:
         raise _validation_error(exc) from None
     if body.model is not None:
         check_model(body.model, served_model)
+    return body
+
+
+def tokenize_request(data, tokenizer, *, served_model: str, max_model_len: int, options: ServingOptions) -> dict:
+    """POST /tokenize: a prompt, or chat messages rendered by the chat template as a chat request would be."""
+    body = _utility_body(TokenizeBody, data, served_model)
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
     if body.prompt is not None:
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
     else:
-        kwargs = {**options.chat_template_kwargs, **(body.chat_template_kwargs or {})}
+        kwargs = _template_kwargs(options, body.chat_template_kwargs)  # reserved names are a 400 here too
         text = tokenizer.render_chat(_normalize_messages(body.messages), body.add_generation_prompt,
                                      tools=_tools(body.tools) or None, **kwargs)
         ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
@@ -527,14 +533,7 @@ def tokenize_request(data, tokenizer, *, served_model: str, max_model_len: int, 
 
 def detokenize_request(data, tokenizer, *, served_model: str) -> dict:
     """POST /detokenize."""
-    if not isinstance(data, dict):
-        raise InvalidRequestError("the request body must be a JSON object")
-    try:
-        body = DetokenizeBody.model_validate(data)
-    except ValidationError as exc:
-        raise _validation_error(exc) from None
-    if body.model is not None:
-        check_model(body.model, served_model)
+    body = _utility_body(DetokenizeBody, data, served_model)
     vocab = tokenizer.vocab_size
     if body.tokens and (min(body.tokens) < 0 or max(body.tokens) >= vocab):
         raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="tokens")
