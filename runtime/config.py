@@ -117,6 +117,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # While interactive requests are live, background (Batch API) prefill takes at most this many tokens per
+    # step and none in a step that prefills an interactive request (runtime/scheduler.py). None: a sixteenth of
+    # max_num_batched_tokens.
+    background_prefill_tokens: int | None = None
     backend: str = "auto"  # "auto" (Triton dispatcher on GPU, torch on CPU) | "torch" | "triton"
     kernels: str = "accepted"  # "accepted" | "experimental" | "none": which Triton ops the dispatcher enables
     disabled_kernels: tuple[str, ...] = ()  # ops kept on torch whatever their status (ablations)
@@ -137,6 +141,8 @@ class EngineConfig:
             raise InvalidRequestError("block_size must be a power of two")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise InvalidRequestError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.background_prefill_tokens is not None and self.background_prefill_tokens < 1:
+            raise InvalidRequestError("background_prefill_tokens must be positive")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}")
         if self.weight_quant not in ("none", "int4"):

@@ -110,6 +110,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             enable_chunked_prefill=cfg.enable_chunked_prefill,
+            background_prefill_tokens=cfg.background_prefill_tokens,
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.prompt_tokens = 0

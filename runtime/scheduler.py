@@ -5,6 +5,12 @@ Order of a step: expire deadlines → running requests by priority (decode first
 when none is free preempts the lowest-priority running request, which is recomputed later) → waiting requests
 by (priority, arrival) while the token budget, ``max_num_seqs`` and free blocks allow. No new request is
 admitted in a step that had to preempt.
+
+Background requests (priority above 0: the Batch API's) yield step time to interactive ones. While an
+interactive request is in the engine or came within ``foreground_window_s``, background prefill takes at most
+``background_prefill_tokens`` per step, and none in a step that prefills an interactive request: an
+interactive arrival then waits behind a short step, and its own first step is not lengthened by a wave of
+batch prompts. Background decode rows always run. With background work alone the whole budget is theirs.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
         enable_chunked_prefill: bool = True,
+        background_prefill_tokens: int | None = None,
+        foreground_window_s: float = 5.0,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -51,6 +59,12 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.chunked_prefill = enable_chunked_prefill
+        # None: a sixteenth of the step budget (at least one block's worth of tokens).
+        self.background_prefill_tokens = (max(16, max_num_batched_tokens // 16) if background_prefill_tokens is None
+                                          else background_prefill_tokens)
+        self.foreground_window_s = foreground_window_s
+        self._foreground_seen = float("-inf")  # time.monotonic() of the latest interactive request
+        self._foreground = 0  # interactive requests in the engine
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
@@ -61,6 +75,9 @@ class Scheduler:
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already running")
         self.requests[seq.request_id] = seq
+        if seq.priority <= 0:
+            self._foreground += 1
+            self._foreground_seen = time.monotonic()
         self._enqueue(seq)
 
     def _enqueue(self, seq: Sequence) -> None:
@@ -77,7 +94,8 @@ class Scheduler:
         return seq
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
-        self.requests.pop(seq.request_id, None)
+        if self.requests.pop(seq.request_id, None) is not None and seq.priority <= 0:
+            self._foreground -= 1
         if seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.RUNNING:
@@ -107,10 +125,18 @@ class Scheduler:
             out.finished.append(seq)
 
         budget = self.max_num_batched_tokens
+        # Background prefill allowance this step (see the module docstring); None: unlimited.
+        background = self._background_allowance()
+        foreground_prefill = False
         candidates = sorted(self.running, key=Sequence.sort_key)
         while candidates and budget > 0:
             seq = candidates.pop(0)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n > 1 and seq.priority > 0 and background is not None:  # a background prompt's next chunk
+                n = min(n, 0 if foreground_prefill else background)
+                if n == 0:
+                    continue
+                background -= n
             while not self.block_manager.allocate_slots(seq, n):
                 victim = candidates.pop() if candidates else seq
                 self._preempt(victim)
@@ -120,14 +146,20 @@ class Scheduler:
             else:
                 out.scheduled.append((seq, n))
                 budget -= n
+                foreground_prefill |= n > 1 and seq.priority <= 0
 
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            cap = budget
+            if seq.priority > 0 and background is not None:
+                cap = min(cap, 0 if foreground_prefill else background)
+                if cap <= 0:
+                    break  # the waiting list is sorted: only background requests follow
             computed = self.block_manager.get_computed_blocks(seq)
             remaining = seq.num_tokens - len(computed) * self.block_manager.block_size
             if self.chunked_prefill:
-                n = min(remaining, budget)
-            elif remaining <= budget or not out.scheduled:
+                n = min(remaining, cap)
+            elif remaining <= cap or not out.scheduled:
                 n = remaining  # unchunked: a long prompt runs whole, alone if it must
             else:
                 break
@@ -140,7 +172,17 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append((seq, n))
             budget -= n
+            if seq.priority > 0 and background is not None:
+                background -= n
+            foreground_prefill |= seq.priority <= 0 and n > 1
         return out
+
+    def _background_allowance(self) -> int | None:
+        """Prefill tokens background requests may take this step: unlimited unless interactive traffic is live
+        (an interactive request in the engine, or one added within ``foreground_window_s``)."""
+        if not self._foreground and time.monotonic() - self._foreground_seen > self.foreground_window_s:
+            return None
+        return self.background_prefill_tokens
 
     def postprocess(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
         """Advance each scheduled sequence by the tokens it computed and append its sampled token (None for a

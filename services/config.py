@@ -98,6 +98,9 @@ class WorkerSettings(StackSettings):
     max_model_len: int | None = None
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
+    # While interactive traffic is live, Batch API prefill takes at most this many tokens per step (None: a
+    # sixteenth of max_num_batched_tokens), so interactive requests wait behind short steps.
+    background_prefill_tokens: int | None = Field(None, ge=1)
     num_kv_blocks: int | None = None
     block_size: int = 16
     max_deliveries: int = Field(3, ge=1)  # deliveries beyond this send a request to the dead-letter stream

@@ -58,7 +58,7 @@ class Worker:
             engine = load_engine_factory(s.engine)(EngineConfig(
                 model=s.model, device=s.device, dtype=s.dtype, max_model_len=s.max_model_len,
                 max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-                num_kv_blocks=s.num_kv_blocks, block_size=s.block_size, weight_quant=s.weight_quant))
+                background_prefill_tokens=s.background_prefill_tokens, num_kv_blocks=s.num_kv_blocks, block_size=s.block_size, weight_quant=s.weight_quant))
         self.engine = engine
         self.model_name = getattr(getattr(engine, "spec", None), "name", None) or s.model
         self.keys = Keys(s.key_prefix, self.model_name)

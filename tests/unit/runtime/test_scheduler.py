@@ -158,3 +158,28 @@ def test_prefix_cache_hit_skips_cached_tokens():
     out, _ = run_step(s)
     assert ("b", 1) in plan(out)  # 12 cached tokens (3 full blocks), only the last runs
     assert s.requests["b"].num_cached_tokens == 12
+
+
+def test_background_prefill_yields_step_time_to_interactive_requests():
+    bm = BlockManager(64, BS, enable_prefix_caching=True)
+    s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, eos_token_ids=(EOS,),
+                  background_prefill_tokens=8, foreground_window_s=60.0)
+    # Background work alone takes the whole budget.
+    s.add(seq("b1", 40, priority=1, arrival=1.0, start=100, max_tokens=50))
+    out, _ = run_step(s)
+    assert plan(out) == [("b1", 40)]
+    # An interactive request arrives with more background prompts: its prefill step carries no background
+    # prefill (b1 keeps decoding), and later steps give background prompts at most 8 tokens each.
+    s.add(seq("b2", 30, priority=1, arrival=2.0, start=200, max_tokens=50))
+    s.add(seq("i1", 12, priority=0, arrival=3.0, start=300, max_tokens=2))
+    out, _ = run_step(s)
+    assert plan(out) == [("b1", 1), ("i1", 12)]
+    out, _ = run_step(s)
+    assert plan(out) == [("i1", 1), ("b1", 1), ("b2", 8)]
+    out, _ = run_step(s)  # i1 finished (2 tokens); it came within the window, so the cap holds
+    assert plan(out) == [("b1", 1), ("b2", 8)]
+    # Once interactive traffic is older than the window, background prefill has the budget again.
+    s.foreground_window_s = 0.0
+    out, _ = run_step(s)
+    assert plan(out) == [("b1", 1), ("b2", 14)]
+    s.check_integrity()
