@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kernellab.runtime.errors import InvalidRequestError
 
@@ -134,7 +134,6 @@ class EngineConfig:
     int4_max_rows: int = 4
     random_weights: bool = False  # build the model's exact shape with random weights (GPU benchmarks)
     seed: int = 0
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
