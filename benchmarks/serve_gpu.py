@@ -131,6 +131,7 @@ def summarize(records: list[dict], expected: list[int], t0: float) -> dict:
 # ------------------------------------------------------------------------------------------------ engine side
 def engine_child(cfg: dict) -> None:
     """Child process: one engine, runs on request (JSON lines on stdin), records as JSON lines on stdout."""
+    from kernellab.bench.timeline import timeline
     from kernellab.results import provenance
     from kernellab.runtime.config import EngineConfig
     from kernellab.runtime.engine import LLMEngine
@@ -153,19 +154,27 @@ def engine_child(cfg: dict) -> None:
             recs[rid] = {"sent": time.perf_counter(), "first": None, "end": None, "chunk_times": [], "tokens": 0,
                          "error": None}
             engine.add_request(rid, prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        steps = []
         while engine.has_unfinished_requests():
+            started = time.perf_counter()
             outs = engine.step()
             now = time.perf_counter()
+            first = []
             for out in outs:
                 r = recs[out.request_id]
                 if out.new_token_ids:
                     r["tokens"] += len(out.new_token_ids)
+                    if r["first"] is None:
+                        first.append(out.request_id)
                     r["first"] = r["first"] or now
                     r["chunk_times"].append(now)
                 if out.finished:
                     r["end"] = now
-        print(json.dumps({"t0": t0, "records": [recs[f"{tag}-{i}"] for i in range(len(cmd["requests"]))]}),
-              flush=True)
+            rows, tokens = engine.last_schedule
+            steps.append({"t": started, "dt": now - started, "rows": rows, "tokens": tokens, "first": first})
+        records = [dict(recs[f"{tag}-{i}"], rid=f"{tag}-{i}") for i in range(len(cmd["requests"]))]
+        adds = {r["rid"]: r["sent"] for r in records}
+        print(json.dumps({"t0": t0, "records": records, "timeline": timeline(steps, adds, records, t0)}), flush=True)
 
 
 class EngineChild:
@@ -209,6 +218,7 @@ class StackProcs:
                         KERNELLAB_MAX_NUM_BATCHED_TOKENS=str(profile["max_num_batched_tokens"]),
                         KERNELLAB_MAX_MODEL_LEN=str(profile["max_model_len"]), KERNELLAB_MAX_WAITING="8192")
         self.metrics_urls: dict[str, str] = {}
+        self.traces: dict[int, Path] = {}  # GPU → the step trace of its current worker
         if profile["num_kv_blocks"]:
             self.env["KERNELLAB_NUM_KV_BLOCKS"] = str(profile["num_kv_blocks"])
         if profile["device"] == "cpu":
@@ -230,8 +240,9 @@ class StackProcs:
     def start_worker(self, gpu: int, overrides: dict | None = None) -> None:
         port = free_port()
         self.metrics_urls[f"worker{gpu}"] = f"http://127.0.0.1:{port}/metrics"
+        self.traces[gpu] = self.workdir / f"trace-w{gpu}-{time.monotonic_ns()}.jsonl"
         env = dict(self.env, KERNELLAB_WORKER_METRICS_PORT=str(port), KERNELLAB_WORKER_ID=f"bench-w{gpu}",
-                   **(overrides or {}))
+                   KERNELLAB_STEP_TRACE=str(self.traces[gpu]), **(overrides or {}))
         if self.env["KERNELLAB_DEVICE"] == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         self.workers.append(self._spawn(f"worker{gpu}", [sys.executable, "-m", "kernellab.services.worker"], env))
@@ -247,7 +258,7 @@ class StackProcs:
     def stop_workers(self) -> None:
         for w in self.workers:
             _stop(w, 60)
-        self.workers = []
+        self.workers, self.traces = [], {}
         self.metrics_urls = {k: v for k, v in self.metrics_urls.items() if not k.startswith("worker")}
 
     def stop_gateway(self) -> None:
@@ -362,6 +373,7 @@ def ttft_sums(stack: StackProcs) -> dict[str, tuple[float, float]]:
 
 def stack_run(stack: StackProcs, model: str, requests, processes: int, timeout_s: float) -> dict:
     from kernellab.bench.stream_clients import completion_request, run_clients
+    from kernellab.bench.timeline import read_trace, timeline
 
     raws = [completion_request(stack.host, stack.port, model, p, n) for p, n in requests]
     before = ttft_sums(stack)
@@ -371,8 +383,12 @@ def stack_run(stack: StackProcs, model: str, requests, processes: int, timeout_s
     layers = {k: round((after[k][0] - before.get(k, (0, 0))[0]) / (after[k][1] - before.get(k, (0, 0))[1]) * 1e3, 3)
               for k in after if after[k][1] > before.get(k, (0, 0))[1]}
     recs = [{"sent": r.sent, "first": r.first, "end": r.end, "chunk_times": r.chunk_times,
-             "tokens": r.completion_tokens, "error": r.error} for r in out["records"]]
+             "tokens": r.completion_tokens, "error": r.error, "rid": f"{r.response_id}:0"} for r in out["records"]]
     s = summarize(recs, [n for _p, n in requests], out["t0"])
+    if len(stack.traces) == 1:  # one worker: its trace holds every request of the run
+        time.sleep(0.3)  # the worker writes its trace when it goes idle
+        steps, adds = read_trace(next(iter(stack.traces.values())), out["t0"] - 1.0)
+        s["timeline"] = timeline(steps, adds, recs, out["t0"])
     s.update(clients=out["clients"], max_client_cpu_util=out["max_client_cpu_util"],
              clients_saturated=out["clients_saturated"], server_cpu_cores=cpu.cores,
              mean_ttft_ms_by_layer={"client": round(statistics.mean(
@@ -443,7 +459,9 @@ def main() -> int:
     def engine_run(wl: str, rid: int, phase: str, **extra) -> None:
         reqs = workload(profile, wl, rid)
         out = engine.run(reqs)
-        record("engine", wl, summarize(out["records"], [n for _p, n in reqs], out["t0"]), paired_with=phase, **extra)
+        s = summarize(out["records"], [n for _p, n in reqs], out["t0"])
+        s["timeline"] = out["timeline"]
+        record("engine", wl, s, paired_with=phase, **extra)
 
     try:
         engine.run(workload(profile, "warmup", next(run_id)))
@@ -596,6 +614,15 @@ def print_table(a: dict) -> None:
         print(f"{r['phase']:22}{r['workload']:14}{r['throughput_tok_s']:10.1f}{r['ttft_ms']['p50'] or 0:10.1f}"
               f"{r['ttft_ms']['p99'] or 0:9.1f}{r['tpot_ms']['p50'] or 0:10.2f}{r['e2e_ms']['p50'] or 0:10.0f}"
               f"{r['num_bad']:5d}{r.get('max_client_cpu_util') or 0:8.2f}")
+    timed = [r for r in a["runs"] if r["workload"] == "interactive" and r.get("timeline")]
+    if timed:
+        print(f"\nTTFT parts, medians in ms (kernellab.bench.timeline)\n{'run':22}{'to worker':>10}{'queued':>8}"
+              f"{'step':>8}{'delivery':>9}   first steps [start ms, ms, rows, tokens, first tokens]")
+        for r in timed:
+            m = r["timeline"]["median_ms"]
+            print(f"{r['phase']:22}" + "".join(f"{m[k] if m[k] is not None else float('nan'):{w}.2f}" for k, w in
+                                              (("to_worker", 10), ("queued", 8), ("step", 8), ("delivery", 9)))
+                  + f"   {r['timeline']['steps'][:4]}")
     print(f"\nstack/engine throughput {f.get('throughput_ratio')} (target ≥ {TARGETS['throughput_ratio_min']}); "
           f"interactive TTFT p50 added {f.get('interactive_added_ttft_p50_ms')} ms (≤ "
           f"{TARGETS['interactive_added_ttft_p50_ms_max']}); 2-GPU scaling {f.get('two_gpu_scaling')} (≥ "

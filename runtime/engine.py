@@ -188,6 +188,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        self.last_schedule = (len(out.scheduled), out.num_batched_tokens)  # (rows, tokens): for step traces
         results = [self._output(seq, [], None) for seq in out.finished]
         if not out.scheduled:
             return results

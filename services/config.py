@@ -116,6 +116,7 @@ class WorkerSettings(StackSettings):
     gather_max_s: float = Field(0.05, ge=0)
     # After a step that produced first tokens, wait (at most this long) until they are written to Redis.
     first_token_flush_s: float = Field(0.005, ge=0)
+    step_trace: str = ""  # KERNELLAB_STEP_TRACE: a file for one JSON line per step and request (worker/trace.py)
     # Niceness for the worker process (0: unchanged). `kernellab up` on a CPU sets 10: a worker sharing the
     # cores with the gateway and Redis must not delay their short jobs (delivering tokens) behind its steps.
     nice: int = Field(0, ge=0, le=19)

@@ -33,6 +33,7 @@ class RequestRecord:
     completion_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    response_id: str | None = None  # the completion's "id": the request id in the worker's step trace
 
 
 def post_request(host: str, port: int, path: str, body: dict, api_key: str | None = None) -> bytes:
@@ -100,6 +101,8 @@ class SSEConnection:
                 if not event.startswith(b"data: {"):
                     continue
                 obj = json.loads(event[6:])
+                if rec.response_id is None:
+                    rec.response_id = obj.get("id")
                 if "error" in obj:
                     rec.error = json.dumps(obj["error"])[:300]
                     continue

@@ -28,6 +28,7 @@ from kernellab.services.queue.keys import Keys
 from kernellab.services.queue.protocol import ErrorMessage, Heartbeat, OutputChunk
 from kernellab.services.worker.io import RedisIO, WriteBatch
 from kernellab.services.worker.metrics import WorkerMetrics
+from kernellab.services.worker.trace import StepTrace
 
 log = logging.getLogger("kernellab.worker")
 
@@ -71,6 +72,7 @@ class Worker:
                           output_ttl_s=s.output_ttl_s, request_timeout_s=s.request_timeout_s, inbox=self.inbox,
                           heartbeat=self.heartbeat, metrics=self.metrics)
         self.active: dict[str, Active] = {}
+        self.trace = StepTrace(s.step_trace) if s.step_trace else None
         self.draining = threading.Event()
         self.stopped = threading.Event()
         self._stats = engine.stats()
@@ -115,6 +117,8 @@ class Worker:
             raise
         finally:
             self.io.stop()
+            if self.trace is not None:
+                self.trace.close()
             self.stopped.set()
 
     # ----------------------------------------------------------------- the loop
@@ -134,12 +138,19 @@ class Worker:
                     self._hand_back()
                     return
             if not self.engine.has_unfinished_requests():
+                if self.trace is not None:
+                    self.trace.flush()
                 self._refresh_stats()
                 self._check_integrity()
                 continue
+            t0 = time.monotonic()
             outputs = self.engine.step()
+            t1 = time.monotonic()
             self._check_stall(last)  # stopped mid-step: what others reclaimed meanwhile is not emitted
-            self._emit(outputs)
+            first = self._emit(outputs)
+            if self.trace is not None:
+                self.trace.step(t0, t1 - t0, getattr(self.engine, "last_schedule", None), first,
+                                time.monotonic() - t1)
             self._refresh_stats()
 
     def _check_stall(self, since: float) -> None:
@@ -258,7 +269,9 @@ class Worker:
                                    "invalid_request_error", None, None, self.worker_id), d)
             batch.ack(d)
             return
-        self.active[eid] = Active(d, len(emitted), time.monotonic())
+        self.active[eid] = a = Active(d, len(emitted), time.monotonic())
+        if self.trace is not None:
+            self.trace.add(a.arrival, msg.request_id, msg.index, len(msg.prompt_token_ids))
 
     def _cancel(self, request_id: str, index: int | None, batch: WriteBatch) -> None:
         indices = [index] if index is not None else None
@@ -279,11 +292,13 @@ class Worker:
         return OutputChunk(m.request_id, m.index, seq, tokens, logprobs, finished, reason, stop_reason,
                            len(m.prompt_token_ids), seq + len(tokens), cached, self.worker_id)
 
-    def _emit(self, outputs) -> None:
+    def _emit(self, outputs) -> list[str]:
+        """Hand a step's chunks to the writer; returns "request_id:index" of the requests that got their first
+        token (for the step trace)."""
         batch = WriteBatch()
         now = time.monotonic()
         m = self.metrics
-        first_tokens = False
+        first_tokens: list[str] = []
         for out in outputs:
             a = self.active.get(out.request_id)
             if a is None:
@@ -301,7 +316,7 @@ class Worker:
             if tokens:
                 if a.first is None:
                     a.first = now
-                    first_tokens = True
+                    first_tokens.append(f"{a.delivery.message.request_id}:{a.delivery.message.index}")
                     m.ttft.observe(now - a.arrival)
                 elif a.last is not None:
                     m.itl.observe((now - a.last) / len(tokens))
@@ -320,6 +335,7 @@ class Worker:
                 # writer thread needs (and on a CPU its threads take the cores the gateway needs), so let
                 # this batch reach Redis first; a later batch never waits.
                 written.wait(self.settings.first_token_flush_s)
+        return first_tokens
 
     def _hand_back(self) -> None:
         """Drain timed out (or finished): abort what still runs and requeue it, after its chunks are written."""

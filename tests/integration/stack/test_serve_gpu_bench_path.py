@@ -39,6 +39,15 @@ def test_serve_gpu_benchmark_runs_end_to_end_on_the_cpu(tmp_path):
     pairs = {r["pair"] for r in art["runs"] if r["phase"] == "engine" and "pair" in r}
     assert {r["pair"] for r in stack if "pair" in r} <= pairs
     assert "exact tokens True" in proc.stdout  # the printed table ends with the checks
+    # Interactive runs say where TTFT went: every request joined with the step that made its first token (the
+    # worker's KERNELLAB_STEP_TRACE on the one-worker phases), and the four parts add up to the client's TTFT.
+    timed = [r for r in art["runs"] if r["workload"] == "interactive" and "2gpu" not in r["phase"]]
+    assert timed and all(r["timeline"]["requests_joined"] == r["requests"] for r in timed)
+    for r in timed:
+        parts = r["timeline"]["median_ms"]
+        assert all(parts[k] is not None and parts[k] >= -1.0 for k in parts), parts
+        assert r["timeline"]["steps"] and all(len(s) == 5 for s in r["timeline"]["steps"])
+    assert "TTFT parts" in proc.stdout
 
 
 def test_structured_stack_benchmark_gpu_path_runs_on_the_cpu(tmp_path):

@@ -1,5 +1,6 @@
 """The worker loop with a fake engine and a real Redis: outputs, cancels, resume after reclaim, drain."""
 
+import json
 import threading
 import time
 
@@ -225,3 +226,22 @@ def test_gather_waits_out_a_burst_arriving_in_pieces(redis_url, prefix):
     took = time.monotonic() - t
     assert {eid.rsplit("-", 1)[0] for eid in w.active} == {"first", "piece0", "piece1", "piece2"}
     assert 0.3 + 1.0 - 0.05 <= took < 6.0  # three pieces, then one quiet burst gap
+
+
+def test_step_trace_records_each_request_and_the_step_that_made_its_first_token(ctx, tmp_path):
+    r, keys, start = ctx
+    path = tmp_path / "trace.jsonl"
+    w = start(step_trace=str(path))
+    msgs = [send(r, keys, f"req-trace-{i}", max_tokens=3) for i in range(2)]
+    for m in msgs:
+        tokens, last = collect(r, keys, m.engine_id)
+        assert len(tokens) == 3 and last.finished
+    w.stop()  # the trace is written when the engine goes idle and at exit
+    events = [json.loads(x) for x in path.read_text().splitlines()]
+    adds = {e["rid"] for e in events if e["ev"] == "add"}
+    assert adds == {"req-trace-0", "req-trace-1"}
+    steps = [e for e in events if e["ev"] == "step"]
+    firsts = [rid for e in steps for rid in e["first"]]
+    assert sorted(firsts) == ["req-trace-0:0", "req-trace-1:0"]  # each first token once
+    assert all(e["dt"] >= 0 and e["emit_dt"] >= 0 for e in steps)
+    assert [e["t"] for e in steps] == sorted(e["t"] for e in steps)

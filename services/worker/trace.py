@@ -1,0 +1,45 @@
+"""The worker's step trace (``KERNELLAB_STEP_TRACE=path``): latency forensics without a profiler.
+
+One JSON line per engine step and per request the loop takes in, with ``time.monotonic()`` times (on Linux
+CLOCK_MONOTONIC, the clock ``time.perf_counter()`` reads in every process, so a load generator on the same host
+can line its own send and receive times up with the worker's):
+
+    {"ev": "add", "t": ..., "rid": "cmpl-…", "i": 0, "prompt": 512}
+    {"ev": "step", "t": ..., "dt": ..., "rows": 32, "tokens": 8192, "first": ["cmpl-…:0", …], "emit_dt": ...}
+
+``rows`` / ``tokens``: what the engine scheduled (when it says); ``first``: requests whose first token the step
+made; ``emit_dt``: handing the step's chunks to the writer thread, including the wait for first tokens to
+reach Redis. Lines are buffered and written whenever the engine goes idle, and at exit.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+
+class StepTrace:
+    def __init__(self, path: str):
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 — lives as long as the worker
+        self._lines: list[str] = []
+        self._lock = threading.Lock()
+
+    def add(self, t: float, request_id: str, index: int, prompt_tokens: int) -> None:
+        self._lines.append(json.dumps({"ev": "add", "t": round(t, 6), "rid": request_id, "i": index,
+                                       "prompt": prompt_tokens}))
+
+    def step(self, t: float, dt: float, shape: tuple[int, int] | None, first: list[str], emit_dt: float) -> None:
+        rows, tokens = shape if shape is not None else (None, None)
+        self._lines.append(json.dumps({"ev": "step", "t": round(t, 6), "dt": round(dt, 6), "rows": rows,
+                                       "tokens": tokens, "first": first, "emit_dt": round(emit_dt, 6)}))
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._lines:
+                lines, self._lines = self._lines, []
+                self._file.write("\n".join(lines) + "\n")
+                self._file.flush()
+
+    def close(self) -> None:
+        self.flush()
+        self._file.close()

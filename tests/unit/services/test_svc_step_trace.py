@@ -1,0 +1,45 @@
+"""The worker's step trace (KERNELLAB_STEP_TRACE) and the TTFT breakdown built from it (kernellab.bench.timeline):
+a real file written by services/worker/trace.py, read back and joined with client times."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kernellab.bench.timeline import read_trace, timeline
+from kernellab.services.worker.trace import StepTrace
+
+
+def test_trace_round_trip_and_ttft_parts_add_up(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    tr = StepTrace(str(path))
+    tr.add(10.002, "cmpl-a", 0, 512)
+    tr.add(10.004, "cmpl-b", 0, 512)
+    tr.step(10.005, 0.040, (2, 1024), ["cmpl-a:0"], 0.001)
+    assert not path.exists() or path.read_text() == ""  # buffered until the engine goes idle
+    tr.step(10.046, 0.030, (2, 513), ["cmpl-b:0"], 0.001)
+    tr.flush()
+    tr.add(1.0, "cmpl-old", 0, 8)  # before the run: filtered out by `since`
+    tr.close()
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [x["ev"] for x in lines] == ["add", "add", "step", "step", "add"]
+
+    steps, adds = read_trace(path, since=9.0)
+    assert len(steps) == 2 and set(adds) == {"cmpl-a:0", "cmpl-b:0"}
+    records = [{"rid": "cmpl-a:0", "sent": 10.000, "first": 10.047},
+               {"rid": "cmpl-b:0", "sent": 10.001, "first": 10.079},
+               {"rid": "cmpl-x:0", "sent": 10.001, "first": None}]
+    tl = timeline(steps, adds, records, t0=10.0)
+    assert tl["requests_joined"] == 2
+    m = tl["median_ms"]
+    # a: 2 + 3 + 40 + 2 = 47 ms; b: 3 + 42 + 30 + 3 = 78 ms; medians are the pairs' means.
+    assert m["to_worker"] == pytest.approx(2.5) and m["queued"] == pytest.approx(22.5)
+    assert m["step"] == pytest.approx(35.0) and m["delivery"] == pytest.approx(2.5)
+    assert tl["steps"] == [[5.0, 40.0, 2, 1024, 1], [46.0, 30.0, 2, 513, 1]]
+
+
+def test_missing_trace_reads_as_empty(tmp_path):
+    assert read_trace(tmp_path / "none.jsonl", 0.0) == ([], {})
+    tl = timeline([], {}, [{"rid": "x", "sent": 0.0, "first": 1.0}], 0.0)
+    assert tl["requests_joined"] == 0 and tl["median_ms"]["step"] is None
