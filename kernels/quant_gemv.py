@@ -1,4 +1,4 @@
-"""W8A16 and W4A16 decode GEMV (opt-in, experimental): int8 / int4 weights, one scale per output channel.
+"""W8A16 and W4A16 decode GEMV (standalone, not dispatched): int8 / int4 weights, one scale per output channel.
 
 Formula
     ``y[m, n] = s[n] · Σ_k x[m, k] · q[n, k]`` with ``q`` the symmetric per-output-channel quantization of W:
@@ -21,7 +21,7 @@ Program mapping, coalescing
 Precision
     Products and the K reduction in fp32; no intermediate rounding of the dequantized weight. The quantization
     error itself (up to ``s/2`` per weight) is the model-quality cost: per-channel int4 without groups is
-    lossy, hence opt-in only.
+    lossy.
 
 Trade-offs tried
     Group-wise scales (e.g. 128 columns per scale) would lower int4 error at the cost of a scale load per
@@ -32,7 +32,8 @@ Status on the H200 (M = 1)
     The memory saving is real (qweight is N·K or N·K/2 bytes); the speed-up is not yet. At 1–6 MB of packed weight the kernel is latency-bound, not bandwidth-bound, and it runs without PDL, so
     int8 / int4 take 4.9 / 4.5 µs for q/k/v, 3.5 / 3.0 for o, 6.5 / 6.3 for gate/up and 4.3 / 4.4 for down:
     faster than dense cuBLAS at q/k/v (1.1×) and where cuBLAS is weak (o, down: 1.8–4×), slower at gate/up
-    (0.9×), and slower than the dense bf16 GEMV with PDL everywhere. Opt-in only.
+    (0.9×), and slower than the dense bf16 GEMV with PDL everywhere. Not on the engine path: no loader produces
+    these packed weights, and ``kernels="experimental"`` does not reach them (``kernellab.kernels.STANDALONE``).
 """
 
 from __future__ import annotations

@@ -20,11 +20,13 @@ from kernellab.runtime import ops as reference
 log = logging.getLogger(__name__)
 
 STATUS_FILE = Path(__file__).with_name("kernel_status.json")
+# The ops with a Triton kernel in ``kernellab.kernels.KERNELS`` (the same set: tests/unit/kernels/test_registry.py).
+# The kernels of ``kernels.STANDALONE`` (teaching chapters, quantized GEMVs) are never dispatched.
 REPLACEABLE = (
     "rms_norm", "add_rms_norm", "rotary_embedding", "qk_norm_rope", "qk_norm_rope_store_kv", "store_kv",
     "silu_and_mul", "linear", "paged_decode_attention", "argmax",
 )
-_OTHER = ("paged_prefill_attention", "varlen_causal_attention", "causal_attention", "softmax", "rope_cos_sin_cache")
+_TORCH_ONLY = ("paged_prefill_attention", "varlen_causal_attention")  # the model's other ops: always the reference
 LEVELS = {"accepted": ("accepted",), "experimental": ("accepted", "experimental"), "none": ()}
 
 
@@ -44,7 +46,7 @@ def build_ops(kernels: str, device, status: dict[str, dict] | None = None, disab
     ``ns.enabled`` lists the ops that run as Triton kernels."""
     if kernels not in LEVELS:
         raise ValueError(f"kernels must be one of {', '.join(LEVELS)}, got {kernels!r}")
-    table = {name: getattr(reference, name) for name in (*REPLACEABLE, *_OTHER)}
+    table = {name: getattr(reference, name) for name in (*REPLACEABLE, *_TORCH_ONLY)}
     enabled: list[str] = []
     if LEVELS[kernels] and triton_runs_on(device):
         from kernellab import kernels as lib

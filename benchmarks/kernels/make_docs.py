@@ -25,7 +25,7 @@ CHAPTERS = [
     ("swiglu", "SwiGLU"),
     ("softmax", "Softmax"),
     ("gemv", "Decode GEMV"),
-    ("quant_gemv", "W8A16 / W4A16 decode GEMV (experimental)"),
+    ("quant_gemv", "W8A16 / W4A16 decode GEMV (standalone)"),
     ("gemm", "Shape-bucketed GEMM"),
     ("attention", "Tiled causal prefill attention"),
     ("paged_attention", "Split-KV paged decode attention"),
@@ -84,7 +84,7 @@ ANALYSIS: dict[str, str] = {
         "can give: fusing consecutive decode GEMVs (q/k/v + o, gate/up + down) into persistent kernels, or "
         "PDL in every kernel of the decode step."),
     "quant_gemv": (
-        "Experimental, opt-in. The memory saving is real (2× / 4× fewer weight bytes, measured on the "
+        "Standalone, not dispatched. The memory saving is real (2× / 4× fewer weight bytes, measured on the "
         "tensors). The speed-up is not: at 1–6 MB of packed weight the kernel is latency-bound like the dense "
         "GEMV, and it runs without PDL, so it is slower than the dense bf16 GEMV with PDL at every shape and "
         "loses to dense cuBLAS at gate/up (0.91× int8, 0.95× int4); it beats cuBLAS at q/k/v (1.1×) and at "
@@ -222,8 +222,9 @@ def generate(artifact: Path) -> str:
         "",
         "Triton kernels for the serving runtime, one module per kernel under `kernels/` (import path "
         "`kernellab.kernels`), each mirroring a torch reference in `runtime/ops.py` (same name, same "
-        "signature; `kernellab.kernels.KERNELS` maps op name → kernel). Each chapter below says what the kernel "
-        "teaches (from its docstring) and what it measured on the GPU.",
+        "signature; `kernellab.kernels.KERNELS` maps op name → kernel for the ops the runtime's dispatcher may "
+        "enable, `kernellab.kernels.STANDALONE` the kernels no engine path calls). Each chapter below says what "
+        "the kernel teaches (from its docstring) and what it measured on the GPU.",
         "",
         "## How the numbers are taken",
         "",
