@@ -387,7 +387,7 @@ def stack_run(stack: StackProcs, model: str, requests, processes: int, timeout_s
     s = summarize(recs, [n for _p, n in requests], out["t0"])
     if len(stack.traces) == 1:  # one worker: its trace holds every request of the run
         time.sleep(0.3)  # the worker writes its trace when it goes idle
-        steps, adds = read_trace(next(iter(stack.traces.values())), out["t0"] - 1.0)
+        steps, adds = read_trace(next(iter(stack.traces.values())), out["t0"] - 0.5)
         s["timeline"] = timeline(steps, adds, recs, out["t0"])
     s.update(clients=out["clients"], max_client_cpu_util=out["max_client_cpu_util"],
              clients_saturated=out["clients_saturated"], server_cpu_cores=cpu.cores,

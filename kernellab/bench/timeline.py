@@ -11,7 +11,7 @@ All times are on one monotonic clock (CLOCK_MONOTONIC on Linux: ``time.perf_coun
 - ``delivery``: its end → the client reads the token (the worker's emit, Redis, the gateway, SSE; ~0
   in-process).
 
-The four add up to the TTFT. ``steps`` lists the run's first steps: start (ms after t0), duration (ms), rows,
+The four add up to the TTFT. ``steps`` lists the run's first steps (those ending after t0): start (ms after t0), duration (ms), rows,
 tokens, and how many first tokens each made: a stack whose first steps differ from the engine's in size or
 timing shows it there.
 """
@@ -58,7 +58,7 @@ def timeline(steps: list[dict], adds: dict[str, float], records: list[dict], t0:
         end = s["t"] + s["dt"]
         for k, v in zip(PARTS, (taken - r["sent"], s["t"] - taken, s["dt"], r["first"] - end), strict=True):
             parts[k].append(v * 1e3)
-    ordered = sorted(steps, key=lambda s: s["t"])
+    ordered = sorted((s for s in steps if s["t"] + s["dt"] >= t0), key=lambda s: s["t"])  # this run's steps
     return {
         "requests_joined": joined,
         "median_ms": {k: round(statistics.median(v), 3) if v else None for k, v in parts.items()},
