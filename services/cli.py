@@ -14,16 +14,10 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    # Imported for their side effect of adding commands to ``app``; each module imports heavy
-    # dependencies (torch, fastapi) inside its command functions so `kernellab --help` stays fast.
-    from kernellab.services import cli_runtime  # noqa: F401
-
-    try:
-        from kernellab.services import cli_stack  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - only while the stack module is absent
-        if "cli_stack" not in str(exc):
-            raise
-    from kernellab.services import cli_batch, cli_stress  # noqa: F401
+    # Imported for their side effect of adding commands to ``app``, in the order `kernellab --help` lists them
+    # (hence unsorted); each module imports heavy dependencies (torch, fastapi) inside its command functions so
+    # `kernellab --help` stays fast.
+    from kernellab.services import cli_runtime, cli_stack, cli_batch, cli_stress  # noqa: F401, I001
 
 
 _register()
