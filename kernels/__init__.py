@@ -32,7 +32,8 @@ _REGISTRY: dict[str, tuple[str, str]] = {
 
 # Kernels outside the engine: the teaching chapters that tie or lose to torch on the H200 (add, add_silu,
 # softmax, the tiled causal prefill attention, top-k; docs/kernels.md), and the W8A16/W4A16 GEMVs, whose packed
-# weights no loader produces. Tests and benchmarks call them directly.
+# weights no loader produces. Tests and benchmarks call them directly, as they call the GEMM (``gemm.linear``,
+# which lost to cuBLAS and which ``linear.linear`` does not route to).
 _STANDALONE: dict[str, tuple[str, str]] = {
     "add": ("vector_add", "add"),
     "add_silu": ("vector_add", "add_silu"),

@@ -24,11 +24,11 @@ Precision
     (no TF32) so CPU tests compare tightly.
 
 Trade-offs tried
-    This is a teaching kernel: cuBLAS (with its hand-tuned Hopper kernels, TMA and warp specialisation) stays the
-    default wherever it wins; ``linear.py`` dispatches to this kernel only in buckets where the benchmark in
-    ``benchmarks/kernels/bench_gemm.py`` measured a win. On the H200 at M = 4096 it reaches 462–520 TFLOP/s,
+    This is a teaching kernel, not dispatched: cuBLAS (with its hand-tuned Hopper kernels, TMA and warp
+    specialisation) serves every M above the decode GEMV's in ``linear.py``, and this kernel runs only when
+    called (tests, ``benchmarks/kernels/bench_gemm.py``). On the H200 at M = 4096 it reaches 462–520 TFLOP/s,
     68–76 % of the measured 683 TFLOP/s bf16 matmul, and 0.66–0.69× cuBLAS's speed at every Qwen3-0.6B
-    projection (0.50× at M = 128): no bucket wins, so none is dispatched. The gap is what the module docstring
+    projection (0.50× at M = 128): no bucket wins, so none is routed here. The gap is what the module docstring
     lists as missing: TMA loads, warp-specialised producer/consumer warps and a persistent tile scheduler.
 """
 

@@ -91,8 +91,8 @@ ANALYSIS: dict[str, str] = {
         "o and down (1.8–4×), where cuBLAS is weak."),
     "gemm": (
         "A teaching kernel that loses: 462–520 TFLOP/s (68–76 % of the 683 TFLOP/s matmul ceiling) against "
-        "cuBLAS's 690–750 at M = 4096, i.e. 0.66–0.69×; at M = 128, 0.50×. cuBLAS stays the default "
-        "(`linear.GEMM_BUCKETS` is empty)."),
+        "cuBLAS's 690–750 at M = 4096, i.e. 0.66–0.69×; at M = 128, 0.50×. cuBLAS serves every "
+        "prefill-sized M; `linear.py` does not dispatch to this kernel."),
     "attention": (
         "A teaching kernel that loses: 223 TFLOP/s (T = 2,048) and 309 TFLOP/s (T = 4,096), 0.68× PyTorch's "
         "FlashAttention path (4-D SDPA with `enable_gqa`) at both lengths; against the `ops.causal_attention` "
