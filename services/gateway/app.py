@@ -145,7 +145,7 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
         await gw.start()
         metrics_server = None
         if settings.gateway_metrics_port:
-            from kernellab.services.worker.metrics import MetricsServer
+            from kernellab.services.observability import MetricsServer
 
             metrics_server = MetricsServer(settings.metrics_host, settings.gateway_metrics_port, metrics.registry,
                                            lambda: {"status": "ok", "in_flight": gw.in_flight}).start()

@@ -168,7 +168,7 @@ def _metrics_server(settings: GatewaySettings, procs: list):
         return None
     from prometheus_client import CollectorRegistry, multiprocess
 
-    from kernellab.services.worker.metrics import MetricsServer
+    from kernellab.services.observability import MetricsServer
 
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry)

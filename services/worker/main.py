@@ -15,8 +15,8 @@ log = logging.getLogger("kernellab.worker")
 
 def serve(settings: WorkerSettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kernellab.services.observability import MetricsServer
     from kernellab.services.worker.loop import Worker
-    from kernellab.services.worker.metrics import MetricsServer
 
     # The I/O threads need the GIL for well under a millisecond per step; by default a thread waiting for it
     # can wait the whole 5 ms switch interval while the step loop runs Python, which a client sees as latency.

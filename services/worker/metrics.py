@@ -1,5 +1,6 @@
-"""Worker metrics with vLLM's names (``kernellab:`` instead of ``vllm:``), labelled with ``model_name``, and the
-small HTTP server that exposes them on their own port next to ``/health``.
+"""Worker metrics with vLLM's names (``kernellab:`` instead of ``vllm:``), labelled with ``model_name``; the
+small HTTP server that exposes them on their own port next to ``/health`` is ``services/observability.py``'s
+``MetricsServer``, shared with the gateway.
 
 Counters that the engine keeps cumulatively (tokens, prefix-cache queries/hits, preemptions) are advanced by
 the difference since the last snapshot, so a Prometheus ``rate()`` over them is right.
@@ -7,22 +8,10 @@ the difference since the last snapshot, so a Prometheus ``rate()`` over them is 
 
 from __future__ import annotations
 
-import json
-import threading
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from kernellab.services.observability import TTFT_BUCKETS
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0)
@@ -87,43 +76,3 @@ class WorkerMetrics:
 
     def finish(self, reason: str | None) -> None:
         self.finished.labels(self.model_name, reason or "unknown").inc()
-
-
-class MetricsServer:
-    """``/metrics`` (Prometheus text) and ``/health`` (JSON from ``health()``; 503 when it says not ok)."""
-
-    def __init__(self, host: str, port: int, registry: CollectorRegistry, health: Callable[[], dict]):
-        registry_ = registry
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
-                path = self.path.split("?", 1)[0]
-                if path == "/metrics":
-                    body, ctype, status = generate_latest(registry_), CONTENT_TYPE_LATEST, 200
-                elif path in ("/health", "/healthz"):
-                    info = health()
-                    body, ctype = json.dumps(info).encode(), "application/json"
-                    status = 200 if info.get("status") == "ok" else 503
-                else:
-                    body, ctype, status = b"not found\n", "text/plain", 404
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):  # quiet: Prometheus scrapes often
-                pass
-
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.server.daemon_threads = True
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, name="metrics-http", daemon=True)
-
-    def start(self) -> MetricsServer:
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
