@@ -76,6 +76,8 @@ def make_handler(loop: EngineLoop, tokenizer, served_model: str, max_model_len: 
             return
         builder = ResponseBuilder(request, tokenizer)
         params = request.params
+        # The text side of stop strings: the engine ends the request at one, this holds back and cuts the text
+        # (runtime/detokenizer.py says why both run).
         detokenizer = IncrementalDetokenizer(
             tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output
         )

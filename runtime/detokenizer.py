@@ -4,6 +4,30 @@ Tokens arrive a few at a time; text is emitted only once it is stable: a window 
 so multi-byte characters split across tokens come out whole (a trailing U+FFFD means "wait for more"), and
 with stop strings the last ``max(len(stop)) - 1`` characters are held back until they cannot begin a stop
 string, so a client never sees text past a stop.
+
+Who checks stop strings. This class is the one owner of their meaning (the earliest match over all strings,
+the hold-back while streaming, the cut before the string or after it with ``include_stop_str_in_output``).
+Each request runs it twice, over the same token ids with the same prompt context and stop list, so both runs
+end at the same token and the same character; the two runs do different jobs and are kept on purpose:
+
+- Token side, ``LLMEngine._check_stop_strings``: it owns ending the generation. The sequence finishes at the
+  token that completes a stop string (``finish_reason="stop"``, ``stop_reason`` = the string): no step, KV
+  block or multi-step window tokens are spent past it, and the worker's chunk carrying that token is the final
+  one. A resumed request rebuilds it from the tokens already emitted (``add_request(output_token_ids=...)``),
+  so a reclaiming worker stops at the same token as an unfailed run. The engine has token ids, never text.
+- Text side, the gateway's ``ResultStream`` (also the Batch API's ``collect``, which reads it), the RunPod
+  handler and ``LLM.generate``: they own the text. The worker sends token ids only, so whoever makes the text
+  holds back a possible stop-string prefix before the engine has decided anything (the next token may
+  complete it) and cuts the text at the stop. A reported ``stop_reason`` cannot replace this run: (1) a token
+  that ends the sequence as EOS or one of ``stop_token_ids`` is never fed to the engine's run (the scheduler
+  ends the sequence first, ``stop_reason`` is then the token id), yet a non-special stop token's text is in
+  the output and may complete a stop string, which only the text side then cuts; (2) a worker whose engine
+  did not stop (another tokenizer than the gateway's, the tests' ``FakeEngine``) must still not leak text
+  past a stop string, and the gateway cancels it (reason ``"stop_string"``) to free its KV blocks. With the
+  real engine and the same tokenizer that cancel never fires. Trusting only ``stop_reason`` would change
+  both outputs; relying on the gateway's cancel instead of the engine's check would spend steps past the
+  stop (a Redis round trip, up to a multi-step window) and leave the offline ``LLM`` and the RunPod handler,
+  which send no cancel, running to ``max_tokens``. docs/serving.md, "Stop strings", says the same.
 """
 
 from __future__ import annotations

@@ -255,7 +255,13 @@ class LLMEngine:
 
     def _check_stop_strings(self, seq: Sequence, token: int) -> None:
         """Count the token and run the request's stop strings over it. A stop string completed by the last
-        allowed token still reports "stop" (the text was cut), not "length"."""
+        allowed token still reports "stop" (the text was cut), not "length".
+
+        The engine owns ending the generation at a stop string (no compute past it; a resumed request rebuilds
+        this check from its emitted tokens in ``add_request``, so it stops at the same token); whoever makes the
+        text (gateway, RunPod handler, ``LLM.generate``) runs the same detokenizer again to hold back and cut
+        it. Why both runs stay: runtime/detokenizer.py's docstring. A token that already ended the sequence
+        (EOS, a stop token) is not fed here."""
         self.generation_tokens += 1
         detok = self._detokenizers.get(seq.request_id)
         if detok is None or (seq.is_finished and seq.finish_reason != "length"):

@@ -5,6 +5,13 @@ Invariants:
   reclaiming worker may rewrite tokens a dead one already wrote); a chunk ahead of it is a protocol error.
 - A choice ends at its worker's final chunk or at the first stop string our own detokenizer sees, whichever
   comes first; in the second case a cancel goes to the worker so it frees the KV blocks at its next step.
+- Stop strings: the engine owns ending the generation (its chunk with the completing token is the final one,
+  ``finish_reason="stop"``); this module owns the text: the worker sends token ids only, so our detokenizer,
+  built with the same prompt context and stop list, holds back a possible stop-string prefix while streaming
+  and cuts at the stop. It also cuts a stop string completed by an EOS / ``stop_token_ids`` token, which the
+  engine's check never sees, and, should a worker not stop (another tokenizer, a test's fake engine), still
+  cuts and cancels it (reason ``"stop_string"``). With the real engine that cancel never fires. Why the two
+  checks are not merged: runtime/detokenizer.py's docstring.
 - Whatever way the HTTP request ends (done, error, client gone), its subscription is dropped, the waiting and
   in-flight counts return, and unfinished choices are cancelled on the worker.
 """
