@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernellab.runtime.errors import InvalidRequestError
+from kernellab.runtime.errors import ConfigError
 
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
@@ -33,9 +33,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.architecture not in ("qwen3", "llama"):
-            raise InvalidRequestError(f"unsupported architecture {self.architecture!r}")
+            raise ConfigError(f"unsupported architecture {self.architecture!r}")
         if self.num_heads % self.num_kv_heads:
-            raise InvalidRequestError("num_attention_heads must be a multiple of num_key_value_heads")
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
 
     @property
     def qk_norm(self) -> bool:
@@ -67,7 +67,7 @@ class ModelConfig:
         if arch is None:
             arch = {"qwen3": "qwen3", "llama": "llama"}.get(cfg.get("model_type", ""))
         if arch is None:
-            raise InvalidRequestError(f"unsupported model: architectures={archs}, model_type={cfg.get('model_type')}")
+            raise ConfigError(f"unsupported model: architectures={archs}, model_type={cfg.get('model_type')}")
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         return cls(
@@ -97,7 +97,7 @@ def _rope_scaling(cfg: dict) -> dict | None:
     if kind in (None, "default"):
         return None
     if kind != "llama3":
-        raise InvalidRequestError(f"unsupported rope scaling {kind!r}")
+        raise ConfigError(f"unsupported rope scaling {kind!r}")
     return dict(scaling)
 
 
@@ -137,18 +137,18 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise InvalidRequestError("block_size must be a power of two")
+            raise ConfigError("block_size must be a power of two")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise InvalidRequestError("max_num_seqs and max_num_batched_tokens must be positive")
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.background_prefill_tokens is not None and self.background_prefill_tokens < 1:
-            raise InvalidRequestError("background_prefill_tokens must be positive")
+            raise ConfigError("background_prefill_tokens must be positive")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise InvalidRequestError(f"unknown dtype {self.dtype!r}")
+            raise ConfigError(f"unknown dtype {self.dtype!r}")
         if self.weight_quant not in ("none", "int4"):
-            raise InvalidRequestError(f"weight_quant must be none or int4, got {self.weight_quant!r}")
+            raise ConfigError(f"weight_quant must be none or int4, got {self.weight_quant!r}")
         if self.backend not in ("auto", "torch", "triton"):
-            raise InvalidRequestError(f"unknown backend {self.backend!r}")
+            raise ConfigError(f"unknown backend {self.backend!r}")
         if self.kernels not in ("accepted", "experimental", "none"):
-            raise InvalidRequestError(f"kernels must be accepted, experimental or none, got {self.kernels!r}")
+            raise ConfigError(f"kernels must be accepted, experimental or none, got {self.kernels!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise InvalidRequestError(f"unknown device {self.device!r}")
+            raise ConfigError(f"unknown device {self.device!r}")

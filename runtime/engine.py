@@ -66,12 +66,13 @@ def _int4_weights(cfg: EngineConfig, path, model_cfg: ModelConfig, device):
     if cfg.weight_quant == "none":
         return None
     from kernellab.runtime import quant
+    from kernellab.runtime.errors import ConfigError
     from kernellab.runtime.loader import gguf_int4_weights
 
     if device.type != "cpu" or not quant.available():
-        raise InvalidRequestError("weight_quant='int4' runs on the CPU (PyTorch's int4pack matmul); use 'none' here")
+        raise ConfigError("weight_quant='int4' runs on the CPU (PyTorch's int4pack matmul); use 'none' here")
     if cfg.random_weights or path is None or path.suffix != ".gguf":
-        raise InvalidRequestError(f"weight_quant='int4' needs a GGUF checkpoint with Q4_1/Q8_0 tensors; {cfg.model} has none")
+        raise ConfigError(f"weight_quant='int4' needs a GGUF checkpoint with Q4_1/Q8_0 tensors; {cfg.model} has none")
     return gguf_int4_weights(path, model_cfg)
 
 

@@ -22,6 +22,16 @@ class KernellabError(Exception):
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
 
+class ConfigError(KernellabError):
+    """A server-side configuration mistake: an engine setting out of range, a checkpoint or chat template the
+    runtime cannot use, an option the device does not support. Raised where the operator's configuration is
+    checked (``EngineConfig``, ``ModelConfig``, engine start), not for anything a client sent, so should one
+    ever reach an HTTP response it is the server's error (500), never a 4xx."""
+
+    status_code = 500
+    error_type = "server_error"
+
+
 class InvalidRequestError(KernellabError):
     status_code = 400
     error_type = "invalid_request_error"

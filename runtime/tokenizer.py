@@ -19,7 +19,7 @@ from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
-from kernellab.runtime.errors import InvalidRequestError, ModelNotAvailableError
+from kernellab.runtime.errors import ConfigError, InvalidRequestError, ModelNotAvailableError
 from kernellab.runtime.registry import ModelSpec, local_snapshot, resolve_model
 
 log = logging.getLogger(__name__)
@@ -193,7 +193,7 @@ def _compile_template(source: str):
     try:
         return env.from_string(source)
     except TemplateError as exc:
-        raise InvalidRequestError(f"the model's chat template does not compile: {exc}") from None
+        raise ConfigError(f"the model's chat template does not compile: {exc}") from None
 
 
 def _gguf_eos_ids(path: Path) -> list[int]:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from kernellab.runtime.config import EngineConfig, ModelConfig
 from kernellab.runtime.engine import LLMEngine
-from kernellab.runtime.errors import ContextLengthError, InvalidRequestError, UnknownModelError
+from kernellab.runtime.errors import ConfigError, ContextLengthError, InvalidRequestError, UnknownModelError
 from kernellab.runtime.registry import resolve_model
 from kernellab.runtime.sampling import SamplingParams
 
@@ -120,6 +121,22 @@ def test_bad_prompts(engine):
     with pytest.raises(InvalidRequestError, match="token ids"):
         engine.add_request("vocab", [10**6], SamplingParams())
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: EngineConfig(block_size=3),
+    lambda: EngineConfig(max_num_seqs=0),
+    lambda: EngineConfig(dtype="float8"),
+    lambda: EngineConfig(device="tpu"),
+    lambda: ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}),
+])
+def test_configuration_mistakes_are_server_errors_not_bad_requests(make):
+    # The operator's settings, not a client's request: a 500 should one ever reach an HTTP response.
+    with pytest.raises(ConfigError) as exc:
+        make()
+    assert not isinstance(exc.value, InvalidRequestError)
+    assert exc.value.status_code == 500
+    assert exc.value.to_openai()["error"]["type"] == "server_error"
 
 
 def test_unknown_model_is_a_clear_error():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernellab.runtime import quant
-from kernellab.runtime.errors import InvalidRequestError
+from kernellab.runtime.errors import ConfigError
 from kernellab.runtime.registry import resolve_model, wheel_file_path
 from kernellab.runtime.sampling import SamplingParams
 from tests.conftest import SMOL_PROMPTS
@@ -107,7 +107,7 @@ def test_int4_engine_decodes_like_the_dense_engine(smol_engine_fp32, smol_engine
 def test_int4_needs_a_q4_1_checkpoint_on_the_cpu():
     from kernellab.runtime.engine import LLMEngine
 
-    with pytest.raises(InvalidRequestError, match="GGUF"):
+    with pytest.raises(ConfigError, match="GGUF"):
         LLMEngine(model="qwen3-0.6b", random_weights=True, device="cpu", weight_quant="int4", num_kv_blocks=4)
-    with pytest.raises(InvalidRequestError, match="weight_quant"):
+    with pytest.raises(ConfigError, match="weight_quant"):
         LLMEngine(model="smollm2-135m", weight_quant="int8")
