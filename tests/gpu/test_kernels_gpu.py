@@ -8,17 +8,17 @@ bit, which flips a bf16 rounding now and then).
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
+# pytest puts REPO on sys.path (``tests`` is a package), so kernellab/ and tests.support import from a bare
+# checkout; on the device machine nothing is installed: map kernels/ and runtime/ under kernellab.
 try:
     import kernellab.kernels
-except ImportError:  # a bare checkout on the device machine: map kernels/ and runtime/ under kernellab
-    sys.path.insert(0, str(REPO))
+except ImportError:
     import kernellab
 
     kernellab.__path__.append(str(REPO))
@@ -33,9 +33,9 @@ from kernellab.kernels.rms_norm import add_rms_norm, rms_norm  # noqa: E402
 from kernellab.kernels.rope import qk_norm_rope, qk_norm_rope_store_kv, rotary_embedding  # noqa: E402
 from kernellab.kernels.softmax import softmax  # noqa: E402
 from kernellab.kernels.swiglu import silu_and_mul  # noqa: E402
-from kernellab.kernels.testing import assert_close, poisoned  # noqa: E402
 from kernellab.kernels.vector_add import add, add_silu  # noqa: E402
 from kernellab.runtime import ops  # noqa: E402
+from tests.support.kernels import assert_close, poisoned  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -4,14 +4,9 @@ system Redis at 6379 is never touched."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "stack"))
-
-from stack_helpers import MODEL, RedisServer, Stack
+from tests.support.stack import MODEL, RedisServer, Stack
 
 
 @pytest.fixture(scope="session")

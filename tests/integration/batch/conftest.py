@@ -1,9 +1,10 @@
-"""Fixtures of the batch integration tests: the batch stack (see batch_helpers) on the private Redis."""
+"""Fixtures of the batch integration tests: the batch stack (see tests.support.batch) on the private Redis."""
 
 from __future__ import annotations
 
 import pytest
-from batch_helpers import BatchStack
+
+from tests.support.batch import BatchStack
 
 
 @pytest.fixture(scope="package")

@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from batch_helpers import (
+
+from tests.support.batch import (
     body_text,
     chat_line,
     comparable,
@@ -21,7 +22,7 @@ from batch_helpers import (
     wait_batch,
     write_jsonl,
 )
-from stack_helpers import MODEL
+from tests.support.stack import MODEL
 
 pytestmark = pytest.mark.integration
 

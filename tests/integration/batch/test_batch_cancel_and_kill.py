@@ -6,7 +6,8 @@ import time
 
 import pytest
 import redis
-from batch_helpers import (
+
+from tests.support.batch import (
     body_text,
     file_lines,
     mixed_lines,
@@ -15,7 +16,7 @@ from batch_helpers import (
     wait_batch,
     write_jsonl,
 )
-from stack_helpers import MODEL, metric, wait_for
+from tests.support.stack import MODEL, metric, wait_for
 
 pytestmark = pytest.mark.integration
 

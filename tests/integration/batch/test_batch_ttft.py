@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from stack_helpers import API_KEY, MODEL
 
 from kernellab.results import validate
+from tests.support.stack import API_KEY, MODEL
 
 pytestmark = pytest.mark.integration
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kernellab.services.loadgen.bench_serve import run_bench_serve
+from kernellab.bench.serve import run_bench_serve
 from kernellab.services.loadgen.headless import run_locust_headless
-from tests.unit.deploy.support import (
+from tests.support.deploy import (
     GRAFANA,
     expand_variables,
     free_port,

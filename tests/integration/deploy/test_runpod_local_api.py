@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kernellab.services.loadgen.sse import StreamResult, iter_sse_data
-from tests.unit.deploy.support import REPO, free_port, http_json, stop_process, wait_until
+from tests.support.deploy import REPO, free_port, http_json, stop_process, wait_until
 
 pytestmark = pytest.mark.integration
 

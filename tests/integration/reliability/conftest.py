@@ -8,16 +8,12 @@ A missing redis-server fails the tests; nothing here is skipped."""
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from reliability_helpers import KEY, OTHER
-
 from kernellab.services.stress import LocalStack
+from tests.support.reliability import KEY, OTHER
 
 
 def pytest_collection_modifyitems(items):

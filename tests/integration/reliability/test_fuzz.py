@@ -1,6 +1,6 @@
-"""Schemathesis against the gateway's OpenAPI document (gateway_openapi.py): bounded cases per operation
-(``KERNELLAB_FUZZ_EXAMPLES``, 10 in CI, plus schemathesis' coverage cases), sent with a valid key to the
-running stack. Every response must be no 5xx, have a documented status and content type, and match its
+"""Schemathesis against the gateway's OpenAPI document (tests/support/gateway_openapi.py): bounded cases per
+operation (``KERNELLAB_FUZZ_EXAMPLES``, 10 in CI, plus schemathesis' coverage cases), sent with a valid key to
+the running stack. Every response must be no 5xx, have a documented status and content type, and match its
 documented schema.
 
 With ``KERNELLAB_FUZZ_REPORT=path`` the last test writes the figures (cases, statuses, failures) as a
@@ -13,15 +13,16 @@ from collections import Counter
 
 import pytest
 import schemathesis
-from gateway_openapi import gateway_openapi
 from hypothesis import HealthCheck, settings
-from reliability_helpers import auth
 from schemathesis.checks import (
     content_type_conformance,
     not_a_server_error,
     response_schema_conformance,
     status_code_conformance,
 )
+
+from tests.support.gateway_openapi import gateway_openapi
+from tests.support.reliability import auth
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,8 @@ import time
 
 import httpx
 import pytest
-from reliability_helpers import KEY, MODEL, auth, is_openai_error
+
+from tests.support.reliability import KEY, MODEL, auth, is_openai_error
 
 pytestmark = pytest.mark.integration
 

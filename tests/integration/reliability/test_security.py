@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from reliability_helpers import KEY, MODEL, OTHER, auth, is_openai_error
 
 from kernellab.services.config import GatewaySettings
+from tests.support.reliability import KEY, MODEL, OTHER, auth, is_openai_error
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from stack_helpers import Stack, metric, wait_for
+
+from tests.support.stack import Stack, metric, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[3]
 def tier(private_redis, tmp_path):
     """Two gateway processes in front of one worker running the deterministic test engine (no model load)."""
     s = Stack(private_redis.url, tmp_path, workers=1, KERNELLAB_GATEWAY_PROCESSES="2",
-              KERNELLAB_ENGINE="tests.unit.services.fake_engine:FakeEngine", FAKE_STEP_S="0.005",
+              KERNELLAB_ENGINE="tests.support.fake_engine:FakeEngine", FAKE_STEP_S="0.005",
               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     s.start(timeout=120)
     yield s

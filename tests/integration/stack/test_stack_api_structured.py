@@ -11,7 +11,8 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
-from stack_helpers import API_KEY, MODEL
+
+from tests.support.stack import API_KEY, MODEL
 
 pytestmark = pytest.mark.integration
 

@@ -11,9 +11,9 @@ import time
 
 import httpx
 import pytest
-from stack_helpers import API_KEY, MODEL, metric, wait_for
 
 from kernellab.runtime.sampling import SamplingParams
+from tests.support.stack import API_KEY, MODEL, metric, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -1,42 +1,25 @@
-"""Fixtures of the batch unit tests: the services' real Redis, key prefix and tokenizer fixtures (reused from
-tests/unit/services/conftest.py), and an engine worker thread with the services' fake engine."""
+"""Fixtures of the batch unit tests: the services' real Redis, key prefix and tokenizer fixtures (shared with
+tests/unit/services through tests/support/services.py), and an engine worker thread with the fake engine."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 
-_SERVICES = Path(__file__).parent.parent / "services"
-sys.path.insert(0, str(_SERVICES))  # fake_engine
+from kernellab.runtime.registry import DEFAULT_CPU_MODEL as MODEL
+from tests.support.services import prefix, redis_url, tokenizer
 
-
-def _load_services_conftest():
-    spec = importlib.util.spec_from_file_location("batch_services_conftest", _SERVICES / "conftest.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_services = _load_services_conftest()
-redis_url = _services.redis_url
-prefix = _services.prefix
-tokenizer = _services.tokenizer
-
-from kernellab.runtime.registry import DEFAULT_CPU_MODEL as MODEL  # noqa: E402
+__all__ = ["engine_worker", "prefix", "redis_url", "tokenizer"]
 
 
 @pytest.fixture
 def engine_worker(redis_url, prefix):
     """Starts a real ``Worker`` loop (Redis I/O threads, step loop) around the fake engine, on this test's
     prefix: ``engine_worker(step_s=…)``. Stopped (drained) at the end of the test."""
-    from fake_engine import FakeEngine
-
     from kernellab.services.config import WorkerSettings
     from kernellab.services.worker.loop import Worker
+    from tests.support.fake_engine import FakeEngine
 
     started = []
 

@@ -7,12 +7,12 @@ import asyncio
 import json
 
 import pytest
-from fake_engine import FakeEngine
 
 from kernellab.runtime.registry import DEFAULT_CPU_MODEL as MODEL
 from kernellab.services.batch import lines as L
 from kernellab.services.batch.offline import EngineExecutor
 from kernellab.services.batch.runner import LineRunner
+from tests.support.fake_engine import FakeEngine
 
 
 def run_lines(tokenizer, raw_lines: list[dict], engine=None, concurrency: int = 3) -> dict[int, tuple[bool, dict]]:

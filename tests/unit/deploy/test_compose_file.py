@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import yaml
 
-from tests.unit.deploy.support import REPO, require_binary
+from tests.support.deploy import REPO, require_binary
 
 PROFILES = ("gpu", "cpu", "loadtest", "gpu-metrics")
 SECRETS = {"REDIS_PASSWORD": "redis-test-secret", "KERNELLAB_API_KEYS": "key-a,key-b",

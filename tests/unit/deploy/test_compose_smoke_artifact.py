@@ -12,7 +12,7 @@ import json
 import pytest
 import yaml
 
-from tests.unit.deploy.support import REPO
+from tests.support.deploy import REPO
 
 ARTIFACT = REPO / "results" / "compose_smoke.json"
 

@@ -8,7 +8,7 @@ import re
 import pytest
 import yaml
 
-from tests.unit.deploy.support import (
+from tests.support.deploy import (
     GRAFANA,
     REPO,
     expand_variables,

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.unit.deploy.support import REPO, require_binary
+from tests.support.deploy import REPO, require_binary
 
 DOCKERFILES = sorted((REPO / "images").glob("*.Dockerfile"))
 NAMES = [path.name for path in DOCKERFILES]

@@ -6,7 +6,7 @@ import subprocess
 
 import yaml
 
-from tests.unit.deploy.support import GRAFANA, require_binary
+from tests.support.deploy import GRAFANA, require_binary
 
 REQUIRED_ALERTS = {
     "KernellabTTFTP99OverSLO",  # TTFT p99 over SLO

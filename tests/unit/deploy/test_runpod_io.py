@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from kernellab.runtime.errors import ContextLengthError, InvalidRequestError, UnknownModelError
-from tests.unit.deploy.support import REPO
+from tests.support.deploy import REPO
 
 sys.path.insert(0, str(REPO / "runpod"))  # the handler's modules sit beside handler.py, as in the image
 from engine_loop import is_cuda_fault

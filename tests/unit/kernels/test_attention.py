@@ -7,8 +7,8 @@ import torch
 
 from kernellab.kernels.attention import causal_attention
 from kernellab.kernels.paged_attention import paged_decode_attention
-from kernellab.kernels.testing import assert_close, poisoned
 from kernellab.runtime import ops
+from tests.support.kernels import assert_close, poisoned
 
 # bf16 probabilities feed the P·V tensor-core dot (FlashAttention's choice): ~1e-2 absolute on O(1) outputs.
 ATTN_DTYPES = [(torch.float32, 1e-5, 1e-5), (torch.float16, 2e-3, 2e-3), (torch.bfloat16, 2e-2, 2e-2)]

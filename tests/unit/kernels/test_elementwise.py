@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kernellab.kernels.swiglu import silu_and_mul
-from kernellab.kernels.testing import DTYPE_PARAMS, assert_close, poisoned
 from kernellab.kernels.vector_add import add, add_silu
 from kernellab.runtime import ops
+from tests.support.kernels import DTYPE_PARAMS, assert_close, poisoned
 
 
 @pytest.mark.parametrize("dtype, atol, rtol", DTYPE_PARAMS)

@@ -7,8 +7,8 @@ import torch
 
 from kernellab.kernels import gemm, gemv, linear, quant_gemv
 from kernellab.kernels.gemv import GemvConfig
-from kernellab.kernels.testing import assert_close, poisoned
 from kernellab.runtime import ops
+from tests.support.kernels import assert_close, poisoned
 
 # bf16 outputs of a K-long fp32 dot: one final rounding (2⁻⁸ relative) plus fp32 summation-order noise.
 LINEAR_DTYPES = [(torch.float32, 1e-4, 1e-4), (torch.float16, 2e-3, 2e-3), (torch.bfloat16, 2e-2, 1.6e-2)]

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kernellab.kernels.rms_norm import add_rms_norm, rms_norm
-from kernellab.kernels.testing import DTYPE_PARAMS, assert_close, poisoned
 from kernellab.runtime import ops
+from tests.support.kernels import DTYPE_PARAMS, assert_close, poisoned
 
 SHAPES = [(1, 64), (5, 123), (7, 1024), (3, 2, 200), (2, 5000)]
 

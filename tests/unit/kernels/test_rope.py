@@ -7,8 +7,8 @@ import torch
 
 from kernellab.kernels.kv_cache import store_kv
 from kernellab.kernels.rope import qk_norm_rope, qk_norm_rope_store_kv, rotary_embedding
-from kernellab.kernels.testing import DTYPE_PARAMS, assert_close, poison, poisoned
 from kernellab.runtime import ops
+from tests.support.kernels import DTYPE_PARAMS, assert_close, poison, poisoned
 
 MAX_POS = 64
 # The eager reference rounds to bf16 after every product and sum; the interpreter truncates fp32 → bf16

@@ -7,8 +7,8 @@ import torch
 
 from kernellab.kernels.argmax import argmax, topk
 from kernellab.kernels.softmax import softmax
-from kernellab.kernels.testing import DTYPE_PARAMS, assert_close, poisoned
 from kernellab.runtime import ops
+from tests.support.kernels import DTYPE_PARAMS, assert_close, poisoned
 
 
 @pytest.mark.parametrize("dtype, atol, rtol", DTYPE_PARAMS)

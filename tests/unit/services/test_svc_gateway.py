@@ -8,7 +8,6 @@ import time
 
 import pytest
 import redis
-from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
 from kernellab.services.config import GatewaySettings, WorkerSettings
@@ -16,6 +15,7 @@ from kernellab.services.gateway.app import create_app
 from kernellab.services.queue.keys import Keys
 from kernellab.services.queue.protocol import CancelMessage, from_entry
 from kernellab.services.worker.loop import Worker
+from tests.support.fake_engine import FakeEngine
 
 KEY = "sk-unit"
 AUTH = {"Authorization": f"Bearer {KEY}"}

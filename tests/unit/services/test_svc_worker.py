@@ -6,7 +6,6 @@ import time
 
 import pytest
 import redis
-from fake_engine import FakeEngine
 
 from kernellab.services.config import WorkerSettings
 from kernellab.services.queue.broker import WorkerQueue
@@ -20,6 +19,7 @@ from kernellab.services.queue.protocol import (
     from_entry,
 )
 from kernellab.services.worker.loop import Worker
+from tests.support.fake_engine import FakeEngine
 
 PROMPT = [101, 102, 103, 104, 105]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 GRAFANA = REPO / "grafana"
 DASHBOARDS = GRAFANA / "dashboards"
 INSTALL_HINT = "run scripts/install-system-deps.sh (the CI does) or `pip install -e .[dev]`"

@@ -1,12 +1,12 @@
-"""The Batch API as real processes: the integration stack (gateway + one engine worker, from stack_helpers)
-on the private Redis, with a files directory shared with a Celery batch worker (``kernellab batch-worker``).
+"""The Batch API as real processes: the integration stack (gateway + one engine worker, from
+``tests.support.stack``) on the private Redis, with a files directory shared with a Celery batch worker
+(``kernellab batch-worker``).
 
 One engine worker: batch and interactive requests then compete for the same engine, which is what the TTFT
 test measures, and the 2 CPU cores are not split between two engines. Celery's timings are shortened so a
 killed batch worker's job comes back within seconds: visibility timeout 5 s (with the lease, a message
 redelivered while its batch still runs only waits), lease TTL 3 s, restore scan every second.
 """
-# A module of its own name: test modules never import ``conftest``, a module name several test folders share.
 
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ import signal
 import time
 from pathlib import Path
 
-from stack_helpers import MODEL, Stack, wait_for
-
 from tests.conftest import SMOL_PROMPTS as ALL_SMOL_PROMPTS
+from tests.support.stack import MODEL, Stack, wait_for
 
 BATCH_ENV = {
     "KERNELLAB_BATCH_VISIBILITY_TIMEOUT_S": "5",
