@@ -1,4 +1,4 @@
-# Load generator: Locust (UI on 8089, or headless) and `python -m kernellab.services.loadgen.bench_serve`.
+# Load generator: Locust (UI on 8089, or headless) and `python -m kernellab.bench.serve`.
 # Built from the repository root: docker build -f images/loadgen.Dockerfile .
 # Same CUDA base, Python and build arguments (BASE_IMAGE, PYTHON) as the other images (see
 # gateway.Dockerfile); no torch.

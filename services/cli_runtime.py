@@ -219,7 +219,7 @@ def bench_serve_cmd(
     plot: Annotated[Path | None, typer.Option()] = Path("results/bench_serve.png"),
 ) -> None:
     """Streaming requests at a fixed concurrency against a gateway: TTFT/ITL/TPOT/E2E percentiles, goodput."""
-    from kernellab.services.loadgen.bench_serve import run_bench_serve
+    from kernellab.bench.serve import run_bench_serve
     from kernellab.services.loadgen.stats import format_table
 
     report = run_bench_serve(url, model, concurrency, num_requests, api_key=api_key, mix=mix, endpoint=endpoint,

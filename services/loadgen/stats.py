@@ -1,6 +1,6 @@
 """Summaries of a load run: throughput, latency percentiles, goodput under SLOs, failures.
 
-Shared by ``bench_serve`` and the Locust file so that both report the same numbers the same way.
+Shared by ``kernellab.bench.serve`` and the Locust file so that both report the same numbers the same way.
 Definitions (as in vLLM's serving benchmark):
 
 - TTFT: request sent → first chunk with text.

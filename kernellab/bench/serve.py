@@ -1,11 +1,12 @@
 """``kernellab bench serve``: a fixed number of streaming requests at a fixed concurrency, then a report.
 
-    python -m kernellab.services.loadgen.bench_serve --url http://127.0.0.1:8000 --concurrency 8 \\
+    python -m kernellab.bench.serve --url http://127.0.0.1:8000 --concurrency 8 \\
         --num-requests 64 --slo-ttft-ms 500 --slo-tpot-ms 50 --output results/bench_serve.json
 
 Writes a JSON report (request and token throughput; TTFT, ITL, TPOT, E2E at p50/p90/p99; goodput under
 the given SLOs; failures; each request; provenance) and a PNG of the latency distributions. Definitions:
-stats.py. Every request streams with ``stream_options.include_usage``; token counts come from ``usage``.
+``kernellab.services.loadgen.stats`` (shared with the Locust load generator). Every request streams with
+``stream_options.include_usage``; token counts come from ``usage``.
 """
 
 from __future__ import annotations
