@@ -5,17 +5,12 @@ Bytes: read the logits once (B·V·4); write B int64 (argmax) or B·k values + i
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import VOCAB, Case, ensure_kernellab_importable, main_for, randn
+from kernellab.kernels.argmax import argmax, topk
+from kernellab.runtime import ops
 
-ensure_kernellab_importable()
-from kernellab.kernels.argmax import argmax, topk  # noqa: E402
-from kernellab.runtime import ops  # noqa: E402
+from .harness import VOCAB, Case, main_for, randn
 
 TOP_K = 50
 

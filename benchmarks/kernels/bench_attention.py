@@ -9,18 +9,14 @@ the block tables (4·B·max_blocks). Targets: ≥ 70 % of the read bandwidth at 
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import HEAD_DIM, HK, HQ, Case, ensure_kernellab_importable, main_for, randn
+from kernellab.kernels.attention import causal_attention
+from kernellab.kernels.paged_attention import paged_decode_attention
+from kernellab.runtime import ops
 
-ensure_kernellab_importable()
-from kernellab.kernels.attention import causal_attention  # noqa: E402
-from kernellab.kernels.paged_attention import paged_decode_attention  # noqa: E402
-from kernellab.runtime import ops  # noqa: E402
+from .harness import HEAD_DIM, HK, HQ, Case, main_for, randn
 
 BLOCK = 16
 

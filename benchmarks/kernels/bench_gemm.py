@@ -5,16 +5,11 @@ FLOPs: 2·M·N·K; percentage of the bf16 matmul ceiling measured in the same ru
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from kernellab.kernels import gemm
+from kernellab.runtime import ops
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gemv import shapes
-from harness import PREFILL_T, Case, ensure_kernellab_importable, main_for, randn
-
-ensure_kernellab_importable()
-from kernellab.kernels import gemm  # noqa: E402
-from kernellab.runtime import ops  # noqa: E402
+from .bench_gemv import shapes
+from .harness import PREFILL_T, Case, main_for, randn
 
 
 def cases(device: str, real: bool) -> list[Case]:

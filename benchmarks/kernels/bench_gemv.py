@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import HEAD_DIM, HIDDEN, HK, HQ, INTER, VOCAB, Case, ensure_kernellab_importable, main_for, randn
+from kernellab.kernels import gemv, quant_gemv
+from kernellab.kernels._common import next_pow2
+from kernellab.kernels.gemv import GemvConfig, default_config
+from kernellab.runtime import ops
 
-ensure_kernellab_importable()
-from kernellab.kernels import gemv, quant_gemv  # noqa: E402
-from kernellab.kernels._common import next_pow2  # noqa: E402
-from kernellab.kernels.gemv import GemvConfig, default_config  # noqa: E402
-from kernellab.runtime import ops  # noqa: E402
+from .harness import HEAD_DIM, HIDDEN, HK, HQ, INTER, VOCAB, Case, main_for, randn
 
 
 def shapes(real: bool) -> dict[str, tuple[int, int]]:

@@ -7,15 +7,11 @@ residual, writes y and the new residual (4·T·H·2 + H·2). Target: ≥ 70 % of
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import EPS, HIDDEN, PREFILL_T, Case, ensure_kernellab_importable, main_for, randn
+from kernellab.kernels.rms_norm import add_rms_norm, rms_norm
+from kernellab.runtime import ops
 
-ensure_kernellab_importable()
-from kernellab.kernels.rms_norm import add_rms_norm, rms_norm  # noqa: E402
-from kernellab.runtime import ops  # noqa: E402
+from .harness import EPS, HIDDEN, PREFILL_T, Case, main_for, randn
 
 SWEEP = [(1, 4), (2, 2), (2, 8), (4, 4), (4, 8)]  # (rows per program, warps); default is (2, 4)
 

@@ -9,18 +9,13 @@ q, k, v are strided views into one fused QKV projection output, as in the model.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import EPS, HEAD_DIM, HK, HQ, PREFILL_T, Case, ensure_kernellab_importable, main_for, randn
+from kernellab.kernels.kv_cache import store_kv
+from kernellab.kernels.rope import qk_norm_rope, qk_norm_rope_store_kv, rotary_embedding
+from kernellab.runtime import ops
 
-ensure_kernellab_importable()
-from kernellab.kernels.kv_cache import store_kv  # noqa: E402
-from kernellab.kernels.rope import qk_norm_rope, qk_norm_rope_store_kv, rotary_embedding  # noqa: E402
-from kernellab.runtime import ops  # noqa: E402
+from .harness import EPS, HEAD_DIM, HK, HQ, PREFILL_T, Case, main_for, randn
 
 MAX_POS = 40960
 BLOCK = 16

@@ -7,18 +7,14 @@ Bytes: silu_and_mul reads gate and up (2·T·I·2), writes T·I·2. softmax: one
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import HIDDEN, INTER, PREFILL_T, VOCAB, Case, ensure_kernellab_importable, main_for, randn
+from kernellab.kernels.softmax import softmax
+from kernellab.kernels.swiglu import silu_and_mul
+from kernellab.runtime import ops
 
-ensure_kernellab_importable()
-from kernellab.kernels.softmax import softmax  # noqa: E402
-from kernellab.kernels.swiglu import silu_and_mul  # noqa: E402
-from kernellab.runtime import ops  # noqa: E402
+from .harness import HIDDEN, INTER, PREFILL_T, VOCAB, Case, main_for, randn
 
 
 def cases(device: str, real: bool) -> list[Case]:

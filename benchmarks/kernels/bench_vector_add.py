@@ -6,17 +6,13 @@ Bytes: read a, b; write out → ``3·n·2`` (bf16). The eager reference of ``add
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import HIDDEN, PREFILL_T, Case, ensure_kernellab_importable, main_for, randn
+from kernellab.kernels.vector_add import add, add_silu
+from kernellab.runtime import ops
 
-ensure_kernellab_importable()
-from kernellab.kernels.vector_add import add, add_silu  # noqa: E402
-from kernellab.runtime import ops  # noqa: E402
+from .harness import HIDDEN, PREFILL_T, Case, main_for, randn
 
 SWEEP = [(256, 1), (256, 4), (1024, 8), (4096, 4), (4096, 8), (8192, 8)]
 

@@ -38,26 +38,6 @@ ROTATE_BYTES = 256 * 2**20
 MAX_SETS = 32
 
 
-def ensure_kernellab_importable() -> None:
-    """Make ``kernellab.kernels``/``kernellab.runtime`` importable from a bare checkout (no pip install).
-
-    The distribution maps top-level folders onto subpackages (``kernels/`` → ``kernellab.kernels``); on the
-    device machine nothing is installed, so extend the ``kernellab`` package path with the repository root.
-    """
-    try:
-        import kernellab.kernels
-        import kernellab.runtime.ops
-        return
-    except ImportError:
-        pass
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    import kernellab
-
-    if str(REPO) not in kernellab.__path__:
-        kernellab.__path__.append(str(REPO))
-
-
 @dataclass
 class Case:
     """One benchmark row. ``make()`` returns a fresh tuple of arguments for one input set."""
@@ -443,7 +423,7 @@ def randn(*shape, device, dtype=torch.bfloat16, scale=1.0):
 
 
 def main_for(cases_fn, argv=None) -> None:
-    """Standalone entry point of one bench module: ``python bench_x.py [--smoke] [--out FILE]``."""
+    """Entry point of one bench module: ``python -m benchmarks.kernels.bench_x [--smoke] [--out FILE]``."""
     import argparse
 
     ap = argparse.ArgumentParser()

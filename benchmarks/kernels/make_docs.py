@@ -245,7 +245,7 @@ def generate(artifact: Path) -> str:
         "same process. Correctness compares the Triton output with the eager reference on fresh random data.",
         f"- GPU tests (`tests/gpu/test_kernels_gpu.py`): **{tests.get('summary', 'not run')}**.",
         "",
-        "Reproduce on a GPU machine: `python3 tests/gpu/run_kernels.py --out DIR` (GPU tests, then every "
+        "Reproduce on a GPU machine: `bash benchmarks/gpu/kernels.sh DIR` (GPU tests, then every "
         "benchmark, a table last, the JSON artifact in DIR), then "
         "`python benchmarks/kernels/make_docs.py DIR/kernels_h200.json`.",
         "",

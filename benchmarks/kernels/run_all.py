@@ -1,19 +1,17 @@
 """Run every kernel benchmark in one process: targets first, then the other real shapes, then the sweeps.
 
-``python benchmarks/kernels/run_all.py --out results.json [--budget 240] [--smoke]``
+``python -m benchmarks.kernels.run_all --out results.json [--budget 240] [--smoke]``
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Case, Runner, table
+from .harness import Case, Runner, table
 
 MODULES = ["bench_rms_norm", "bench_attention", "bench_gemv", "bench_vector_add", "bench_rope",
            "bench_swiglu_softmax", "bench_argmax", "bench_gemm"]
@@ -22,7 +20,7 @@ MODULES = ["bench_rms_norm", "bench_attention", "bench_gemv", "bench_vector_add"
 def collect(device: str, real: bool) -> list[Case]:
     cases: list[Case] = []
     for name in MODULES:
-        cases += importlib.import_module(name).cases(device, real)
+        cases += importlib.import_module(f".{name}", __package__).cases(device, real)
     targets = [c for c in cases if c.variant == "default" and c.target_pct is not None]
     defaults = [c for c in cases if c.variant == "default" and c.target_pct is None]
     variants = [c for c in cases if c.variant != "default"]

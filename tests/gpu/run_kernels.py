@@ -1,6 +1,9 @@
 """All GPU kernel tests and kernel benchmarks in one go, for the device machine.
 
-    python3 tests/gpu/run_kernels.py [--out DIR] [--budget SECONDS] [--test-timeout SECONDS]
+    bash benchmarks/gpu/kernels.sh DIR [--budget SECONDS] [--test-timeout SECONDS]
+
+(the wrapper puts the package, through tests/gpu/shim.sh, and the repo root, for ``benchmarks.kernels``, on
+PYTHONPATH, then runs this file with ``--out DIR``).
 
 Writes into DIR (default ``$OUT``, else ``results/kernels/local``): ``kernels_<gpu>.json`` (schema
 ``kernellab.kernels/v1``: provenance, ceilings, results, gpu_tests), ``gpu_tests.log`` and ``gpu_tests.xml``.
@@ -21,7 +24,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks" / "kernels"))
 
 
 def run_tests(out: Path, timeout_s: float, extra: list[str]) -> dict:
@@ -66,15 +68,15 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     import torch
-    from harness import dumps, ensure_kernellab_importable, table
 
-    ensure_kernellab_importable()
+    from benchmarks.kernels.harness import dumps, table
+
     tests = {"skipped_by_flag": True}
     if not args.skip_tests:
         tests = run_tests(args.out, args.test_timeout, ["-k", args.k] if args.k else [])
         print(f"GPU tests: {tests['summary']} in {tests['seconds']} s", flush=True)
 
-    import run_all
+    from benchmarks.kernels import run_all
 
     gpu = torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else "cpu"
     path = args.out / f"kernels_{gpu}.json"
