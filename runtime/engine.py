@@ -1,4 +1,4 @@
-"""The engine: ``schedule() → model_runner.execute(batch) → postprocess(batch, tokens)``, plus the offline
+"""The engine: ``schedule() → model_runner.execute(batch) → advance each row by its tokens``, plus the offline
 ``LLM`` front end. Synchronous and single-threaded: the worker drives ``step()`` from its loop."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kernellab.runtime.errors import ContextLengthError, InvalidRequestError, Mo
 from kernellab.runtime.registry import ModelSpec, resolve_model
 from kernellab.runtime.sampler import TokenLogprob
 from kernellab.runtime.sampling import SamplingParams
-from kernellab.runtime.scheduler import Scheduler, SchedulerOutput
+from kernellab.runtime.scheduler import Scheduler
 from kernellab.runtime.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -188,71 +188,40 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        """One scheduler step: schedule, reserve look-ahead slots when the runner can decode a window of steps
+        on the device, run, then take each row's tokens one by one (EOS, stop tokens, length and stop strings
+        end a row there; what the window computed past that is discarded) and advance grammars."""
         out = self.scheduler.schedule()
         self.last_schedule = (len(out.scheduled), out.num_batched_tokens)  # (rows, tokens): for step traces
         results = [self._output(seq, [], None) for seq in out.finished]
         if not out.scheduled:
             return results
-        steps = self._multi_step_width(out)
-        if steps > 1:
-            return results + self._step_multi(out, steps)
+        self.scheduler.reserve_lookahead(out, self.runner.decode_window(out))
+        self.prompt_tokens += sum(n for s, n in out.scheduled if s.num_computed_tokens < s.num_prompt_tokens)
         sampled, logprobs = self.runner.execute(out)
-        self.prompt_tokens += sum(n for (s, n), t in zip(out.scheduled, sampled, strict=True)
-                                  if s.num_computed_tokens < s.num_prompt_tokens)
-        self.scheduler.postprocess(out, sampled)
+        emitted: list[list[int]] = []
         constrained = []  # (seq, token) whose grammar takes the token: consumed together, in parallel
-        for (seq, _), token in zip(out.scheduled, sampled, strict=True):
-            if token is None:
-                continue
-            self._check_stop_strings(seq, token)
-            if seq.grammar is not None and not (seq.is_finished and seq.finish_reason != "length"):
-                constrained.append((seq, token))
+        for (seq, n), tokens in zip(out.scheduled, sampled, strict=True):
+            kept: list[int] = []
+            if not tokens:  # a prefill chunk that does not reach the prompt's end
+                self.scheduler.advance(seq, n, None)
+            for j, token in enumerate(tokens):
+                if not self.scheduler.advance(seq, n if j == 0 else 1, token):
+                    break  # aborted between schedule and now
+                kept.append(token)
+                self._check_stop_strings(seq, token)
+                if seq.is_finished:
+                    break
+            emitted.append(kept)
+            if kept and seq.grammar is not None and not (seq.is_finished and seq.finish_reason != "length"):
+                constrained.append((seq, kept[-1]))  # a grammar row decodes one token per step
         if constrained:
             self._advance_grammars(constrained)
-        for (seq, _), token in zip(out.scheduled, sampled, strict=True):
-            if token is not None:
+        for (seq, _), kept in zip(out.scheduled, emitted, strict=True):
+            if kept:
                 lp = logprobs.get(seq.request_id)
-                results.append(self._output(seq, [token], [lp] if lp else None))
+                results.append(self._output(seq, kept, [lp] if lp else None))
         return results
-
-    def _multi_step_width(self, out) -> int:
-        """How many greedy decode steps to run in one go: only for all-decode, all-greedy steps without
-        logprobs, penalties, logit_bias or grammars (the device-side loop takes the raw argmax), on captured
-        graphs, and only as far as every sequence's blocks can be reserved now."""
-        runner, cfg = self.runner, self.config
-        steps = cfg.num_scheduler_steps or (8 if runner.graphs is not None else 1)
-        if steps <= 1 or not runner.use_graphs or not runner.graphs.decode_bucket(len(out.scheduled)):
-            return 1
-        for seq, n in out.scheduled:
-            p = seq.params
-            if n != 1 or not out.samples(seq, n) or not p.greedy or p.has_logits_processors or p.logprobs is not None:
-                return 1
-        steps = min(steps, runner.graphs.max_steps)
-        for seq, _ in out.scheduled:
-            ahead = min(steps, seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
-            if not self.block_manager.allocate_slots(seq, max(ahead, 1)):
-                return 1  # blocks reserved so far stay with their sequences and are used by later steps
-        return steps
-
-    def _step_multi(self, out, steps: int) -> list[RequestOutput]:
-        seqs = [s for s, _ in out.scheduled]
-        # Tokens each sequence may still emit (it stops on length exactly there); later steps are discarded.
-        allowed = [max(1, min(steps, s.max_tokens - s.num_output_tokens, self.max_model_len - s.num_tokens))
-                   for s in seqs]
-        tokens = self.runner.execute_multi(seqs, steps, allowed)
-        new: dict[int, list[int]] = {i: [] for i in range(len(seqs))}
-        alive = list(range(len(seqs)))
-        for k in range(steps):
-            rows = [i for i in alive if k < allowed[i]]
-            if not rows:
-                break
-            sub = SchedulerOutput(scheduled=[(seqs[i], 1) for i in rows])
-            self.scheduler.postprocess(sub, [tokens[k][i] for i in rows])
-            for i in rows:
-                new[i].append(tokens[k][i])
-                self._check_stop_strings(seqs[i], tokens[k][i])
-            alive = [i for i in rows if not seqs[i].is_finished]
-        return [self._output(seqs[i], new[i], None) for i in range(len(seqs))]
 
     def _check_stop_strings(self, seq: Sequence, token: int) -> None:
         """Count the token and run the request's stop strings over it. A stop string completed by the last

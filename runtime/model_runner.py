@@ -163,10 +163,32 @@ class ModelRunner:
         )
         return torch.tensor(ids, dtype=torch.long, device=dev), meta, order, sampling
 
+    def decode_window(self, out: SchedulerOutput) -> int:
+        """How many greedy decode steps this batch can run back to back on the device, one host sync at the end
+        (vLLM's multi-step scheduling; ``EngineConfig.num_scheduler_steps``, 0 = 8 on captured graphs, else 1).
+        Only for an all-decode batch of a captured bucket whose rows take the raw argmax: no logprobs,
+        penalties, logit_bias or grammars. The scheduler then reserves the window's KV slots."""
+        steps = self.cfg.num_scheduler_steps or (8 if self.graphs is not None else 1)
+        if steps <= 1 or not self.use_graphs or not self.graphs.decode_bucket(len(out.scheduled)):
+            return 1
+        for seq, n in out.scheduled:
+            p = seq.params
+            if n != 1 or not out.samples(seq, n) or not p.greedy or p.has_logits_processors or p.logprobs is not None:
+                return 1
+        return min(steps, self.graphs.max_steps)
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[list[int | None], dict[str, TokenLogprob]]:
-        """Run one step; returns the sampled token of each scheduled entry (None for a non-final prefill
-        chunk), in ``out.scheduled`` order, and logprobs by request id where asked for."""
+    def execute(self, out: SchedulerOutput) -> tuple[list[list[int]], dict[str, TokenLogprob]]:
+        """Run the step (or the decode window ``out.window``); returns each scheduled entry's sampled tokens, in
+        ``out.scheduled`` order ([] for a non-final prefill chunk, one token, or up to ``out.allowed[i]`` in a
+        window), and logprobs by request id where asked for (single steps only)."""
+        if out.window > 1:
+            seqs = [s for s, _ in out.scheduled]
+            pos = [s.num_computed_tokens for s in seqs]
+            ids = [s.token_ids[p] for s, p in zip(seqs, pos, strict=True)]
+            steps = self.graphs.decode_multi(ids, pos, [s.block_table for s in seqs], out.allowed, out.window,
+                                             self.sampler.argmax)
+            return [[steps[k][i] for k in range(a)] for i, a in enumerate(out.allowed)], {}
         logits_and_seqs = self._execute_graph(out) if self.use_graphs else None
         if logits_and_seqs is None:
             input_ids, meta, _, sampling = self.prepare(out)
@@ -181,16 +203,9 @@ class ModelRunner:
             # launched above still runs.
             tokens, logprobs = self.sampler(logits, sampling)
         by_seq = {id(s): t for s, t in zip(sampling, tokens, strict=True)}
-        sampled = [by_seq.get(id(seq)) for seq, _ in out.scheduled]
+        sampled = [[by_seq[id(seq)]] if id(seq) in by_seq else [] for seq, _ in out.scheduled]
         lp = {s.request_id: lp for s, lp in zip(sampling, logprobs, strict=True)} if logprobs else {}
         return sampled, lp
-
-    @torch.inference_mode()
-    def execute_multi(self, seqs: list[Sequence], steps: int, allowed: list[int]) -> list[list[int]]:
-        """Greedy multi-step decode of ``seqs`` (each scheduled for one token whose K/V is not computed yet)."""
-        pos = [s.num_computed_tokens for s in seqs]
-        ids = [s.token_ids[p] for s, p in zip(seqs, pos, strict=True)]
-        return self.graphs.decode_multi(ids, pos, [s.block_table for s in seqs], allowed, steps, self.sampler.argmax)
 
     def _execute_graph(self, out: SchedulerOutput):
         """Replay a captured graph when the step has a captured shape: all decodes within a batch bucket, or

@@ -30,6 +30,10 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute now)
     preempted: list[Sequence] = field(default_factory=list)  # back to waiting, blocks freed
     finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler (deadline) before running
+    # A decode window (reserve_lookahead): ``window`` greedy steps back to back on the device, row i emitting at
+    # most ``allowed[i]`` tokens (its KV slots are reserved for those). 1: one ordinary step.
+    window: int = 1
+    allowed: list[int] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -184,21 +188,43 @@ class Scheduler:
             return None
         return self.background_prefill_tokens
 
+    def reserve_lookahead(self, out: SchedulerOutput, width: int) -> None:
+        """Look-ahead KV slots for a decode window of ``width`` steps (vLLM's ``num_lookahead_tokens``): each row
+        gets slots for the tokens it may still emit (its max_tokens and the model length cap it), and
+        ``out.window`` / ``out.allowed`` say so. All rows or none: when one row's blocks cannot be had, the step
+        stays a single step (blocks reserved so far stay with their sequences and serve their next steps)."""
+        if width <= 1:
+            return
+        allowed = []
+        for seq, _ in out.scheduled:
+            ahead = max(1, min(width, seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens))
+            if not self.block_manager.allocate_slots(seq, ahead):
+                return
+            allowed.append(ahead)
+        out.window, out.allowed = width, allowed
+
+    def advance(self, seq: Sequence, computed: int, token: int | None) -> bool:
+        """``seq`` computed ``computed`` more tokens' KV and sampled ``token`` (None: a prefill chunk that does not
+        reach the prompt's end). Appends it and ends the sequence on EOS, a stop token or its length. Returns
+        False, changing nothing, when the sequence ended meanwhile (aborted between schedule and now)."""
+        if seq.is_finished:
+            return False
+        seq.num_computed_tokens += computed
+        self.block_manager.cache_full_blocks(seq)
+        if token is None:
+            return True
+        seq.token_ids.append(token)
+        reason, stop = self._stop_reason(seq, token)
+        if reason:
+            self._finish(seq, reason, stop)
+        return True
+
     def postprocess(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
-        """Advance each scheduled sequence by the tokens it computed and append its sampled token (None for a
-        prefill chunk that has not reached the end). Returns the sequences that finished."""
+        """One ordinary step's bookkeeping: ``advance`` each scheduled sequence by its chunk and sampled token.
+        Returns the sequences that finished."""
         finished = []
         for (seq, n), token in zip(out.scheduled, sampled, strict=True):
-            if seq.is_finished:  # aborted between schedule and postprocess
-                continue
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
-            if token is None:
-                continue
-            seq.token_ids.append(token)
-            reason, stop = self._stop_reason(seq, token)
-            if reason:
-                self._finish(seq, reason, stop)
+            if self.advance(seq, n, token) and seq.is_finished:
                 finished.append(seq)
         return finished
 

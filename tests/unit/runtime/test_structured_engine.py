@@ -14,6 +14,7 @@ import pytest
 
 from kernellab.runtime.engine import LLMEngine
 from kernellab.runtime.errors import InvalidRequestError
+from kernellab.runtime.model_runner import ModelRunner
 from kernellab.runtime.sampling import SamplingParams
 from kernellab.runtime.scheduler import SchedulerOutput
 from kernellab.runtime.sequence import Sequence
@@ -159,16 +160,14 @@ def test_a_failing_matcher_stops_the_sequence_not_the_step(llm, prompt, caplog):
 
 def test_multi_step_decode_falls_back_to_one_step_for_biased_or_constrained_rows():
     graphs = SimpleNamespace(decode_bucket=lambda n: 8, max_steps=16)
-    fake = SimpleNamespace(runner=SimpleNamespace(graphs=graphs, use_graphs=True), max_model_len=4096,
-                           config=SimpleNamespace(num_scheduler_steps=8),
-                           block_manager=SimpleNamespace(allocate_slots=lambda seq, n: True))
+    runner = SimpleNamespace(graphs=graphs, use_graphs=True, cfg=SimpleNamespace(num_scheduler_steps=8))
 
     def width(**extra) -> int:
         seqs = [Sequence(str(i), [1, 2, 3], SamplingParams(temperature=0.0, **(extra if i else {})), 32)
                 for i in range(2)]
         for s in seqs:
             s.num_computed_tokens = s.num_tokens - 1
-        return LLMEngine._multi_step_width(fake, SchedulerOutput(scheduled=[(s, 1) for s in seqs]))
+        return ModelRunner.decode_window(runner, SchedulerOutput(scheduled=[(s, 1) for s in seqs]))
 
     assert width() == 8
     assert width(logit_bias={5: 1.0}) == 1
