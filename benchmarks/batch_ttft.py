@@ -25,16 +25,33 @@ import time
 import httpx
 
 SCHEMA = "kernellab.bench.batch_ttft/v1"
-TOPICS = ["the ocean", "a library", "winter mornings", "a lighthouse", "old maps", "city trains", "a garden",
-          "mountain roads", "a bakery", "thunderstorms", "a chess game", "desert nights"]
+TOPICS = [
+    "the ocean",
+    "a library",
+    "winter mornings",
+    "a lighthouse",
+    "old maps",
+    "city trains",
+    "a garden",
+    "mountain roads",
+    "a bakery",
+    "thunderstorms",
+    "a chess game",
+    "desert nights",
+]
 BOUND = 2.0
 
 
 def chat_body(model: str, i: int, max_tokens: int, phase: str) -> dict:
     # A different prompt each time (the shared chat template prefix is cached in both phases alike).
     topic = TOPICS[i % len(TOPICS)]
-    return {"model": model, "messages": [{"role": "user", "content": f"Write one sentence about {topic} ({phase} {i})."}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": f"Write one sentence about {topic} ({phase} {i})."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
 
 
 def ttft_once(client: httpx.Client, model: str, i: int, max_tokens: int, phase: str) -> float:
@@ -64,9 +81,15 @@ def phase(client: httpx.Client, model: str, n: int, max_tokens: int, gap_s: floa
 
 def summary(values: list[float]) -> dict:
     ordered = sorted(values)
-    return {"n": len(values), "p50_s": statistics.median(values), "p90_s": ordered[min(len(ordered) - 1,
-            round(0.9 * (len(ordered) - 1)))], "mean_s": statistics.fmean(values), "min_s": ordered[0],
-            "max_s": ordered[-1], "values_s": [round(v, 4) for v in values]}
+    return {
+        "n": len(values),
+        "p50_s": statistics.median(values),
+        "p90_s": ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))],
+        "mean_s": statistics.fmean(values),
+        "min_s": ordered[0],
+        "max_s": ordered[-1],
+        "values_s": [round(v, 4) for v in values],
+    }
 
 
 def batch_input(model: str, lines: int, max_tokens: int) -> bytes:
@@ -93,19 +116,40 @@ def wait_batch(client: httpx.Client, batch_id: str, until, timeout_s: float) -> 
         time.sleep(0.25)
 
 
-def run(url: str, api_key: str, model: str, requests: int, max_tokens: int, batch_lines: int,
-        batch_max_tokens: int, gap_s: float, timeout_s: float) -> dict:
+def run(
+    url: str,
+    api_key: str,
+    model: str,
+    requests: int,
+    max_tokens: int,
+    batch_lines: int,
+    batch_max_tokens: int,
+    gap_s: float,
+    timeout_s: float,
+) -> dict:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(base_url=url, headers=headers, timeout=timeout_s) as client:
         for i in range(2):  # warm-up: first-request costs are not TTFT
             ttft_once(client, model, i, max_tokens, "warmup")
         idle = phase(client, model, requests, max_tokens, gap_s, "idle")
 
-        upload = client.post("/v1/files", files={"file": ("ttft.jsonl", batch_input(model, batch_lines,
-                                                                                  batch_max_tokens))},
-                             data={"purpose": "batch"}).raise_for_status().json()
-        batch = client.post("/v1/batches", json={"input_file_id": upload["id"], "endpoint": "/v1/chat/completions",
-                                                 "completion_window": "24h"}).raise_for_status().json()
+        upload = (
+            client.post(
+                "/v1/files",
+                files={"file": ("ttft.jsonl", batch_input(model, batch_lines, batch_max_tokens))},
+                data={"purpose": "batch"},
+            )
+            .raise_for_status()
+            .json()
+        )
+        batch = (
+            client.post(
+                "/v1/batches",
+                json={"input_file_id": upload["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+            )
+            .raise_for_status()
+            .json()
+        )
         batch = wait_batch(client, batch["id"], lambda b: b["request_counts"]["completed"] >= 1, timeout_s)
         before = batch["request_counts"]
         busy = phase(client, model, requests, max_tokens, gap_s, "busy")
@@ -115,22 +159,33 @@ def run(url: str, api_key: str, model: str, requests: int, max_tokens: int, batc
         final = wait_batch(client, batch["id"], lambda b: b["status"] in ("cancelled", "completed"), timeout_s)
         client.delete(f"/v1/files/{upload['id']}")
     if not still_running:
-        raise RuntimeError(f"the batch ended before the busy phase did ({after['request_counts']}): use more "
-                           "--batch-lines")
+        raise RuntimeError(
+            f"the batch ended before the busy phase did ({after['request_counts']}): use more --batch-lines"
+        )
     lines_during = after["request_counts"]["completed"] - before["completed"]
     idle_s, busy_s = summary(idle), summary(busy)
     return {
         "schema": SCHEMA,
         "model": model,
-        "workload": {"interactive_requests": requests, "interactive_max_tokens": max_tokens, "gap_s": gap_s,
-                     "stream": True, "batch_lines": batch_lines, "batch_max_tokens": batch_max_tokens},
+        "workload": {
+            "interactive_requests": requests,
+            "interactive_max_tokens": max_tokens,
+            "gap_s": gap_s,
+            "stream": True,
+            "batch_lines": batch_lines,
+            "batch_max_tokens": batch_max_tokens,
+        },
         "idle": idle_s,
         "under_batch": busy_s,
         "ratio_p50": busy_s["p50_s"] / idle_s["p50_s"],
         "bound": BOUND,
         "within_bound": busy_s["p50_s"] <= BOUND * idle_s["p50_s"],
-        "batch": {"id": final["id"], "lines_completed_during_busy_phase": lines_during,
-                  "final_status": final["status"], "final_counts": final["request_counts"]},
+        "batch": {
+            "id": final["id"],
+            "lines_completed_during_busy_phase": lines_during,
+            "final_status": final["status"],
+            "final_counts": final["request_counts"],
+        },
     }
 
 
@@ -151,19 +206,34 @@ def main(argv: list[str] | None = None) -> int:
     from kernellab.results import provenance, write
 
     load_before = os.getloadavg()[0]
-    result = run(args.url, args.api_key, args.model, args.requests, args.max_tokens, args.batch_lines,
-                 args.batch_max_tokens, args.gap, args.timeout)
+    result = run(
+        args.url,
+        args.api_key,
+        args.model,
+        args.requests,
+        args.max_tokens,
+        args.batch_lines,
+        args.batch_max_tokens,
+        args.gap,
+        args.timeout,
+    )
     result["provenance"] = provenance("cpu")
     # The machine's 1-minute load around the run: other work on a shared host skews both phases' figures.
-    result["stack"] = {"url": args.url, "notes": args.notes, "load_1m_before": load_before,
-                       "load_1m_after": os.getloadavg()[0]}
+    result["stack"] = {
+        "url": args.url,
+        "notes": args.notes,
+        "load_1m_before": load_before,
+        "load_1m_after": os.getloadavg()[0],
+    }
     write(args.output, result)
     idle, busy = result["idle"], result["under_batch"]
     print(f"{'phase':<12}{'n':>4}{'p50 ms':>10}{'p90 ms':>10}{'mean ms':>10}")
     for name, s in (("idle", idle), ("under batch", busy)):
         print(f"{name:<12}{s['n']:>4}{s['p50_s'] * 1e3:>10.1f}{s['p90_s'] * 1e3:>10.1f}{s['mean_s'] * 1e3:>10.1f}")
-    print(f"p50 ratio {result['ratio_p50']:.2f} (bound {BOUND}); "
-          f"{result['batch']['lines_completed_during_busy_phase']} batch lines finished during the busy phase")
+    print(
+        f"p50 ratio {result['ratio_p50']:.2f} (bound {BOUND}); "
+        f"{result['batch']['lines_completed_during_busy_phase']} batch lines finished during the busy phase"
+    )
     print(f"wrote {args.output}")
     return 0
 

@@ -25,10 +25,13 @@ def cpu_table() -> str:
     if not data:
         return "_no CPU artifact yet (`make bench-cpu`)_"
     p = data["provenance"]
-    lines = [f"`results/bench_offline_cpu.json` — {p['cpu']}, {p['cpu_count']} cores, torch {p['torch']}, "
-             f"commit `{p['commit'][:12]}`, {p['date']}. Chat prompts, 128 new tokens each, EOS ignored.", "",
-             "| system | workload | dtype | output tok/s | target | greedy tokens equal to the dense run |",
-             "| --- | --- | --- | ---: | --- | --- |"]
+    lines = [
+        f"`results/bench_offline_cpu.json` — {p['cpu']}, {p['cpu_count']} cores, torch {p['torch']}, "
+        f"commit `{p['commit'][:12]}`, {p['date']}. Chat prompts, 128 new tokens each, EOS ignored.",
+        "",
+        "| system | workload | dtype | output tok/s | target | greedy tokens equal to the dense run |",
+        "| --- | --- | --- | ---: | --- | --- |",
+    ]
     targets = {"batch1": "≥ 30", "batch32": "≥ 150"}
     for r in data["runs"]:
         t = targets.get(r["workload"], "") if r["system"] == "kernellab" else ""
@@ -36,8 +39,11 @@ def cpu_table() -> str:
         eq = f"first {eq['tokens']} of {eq['of']}" if eq else ""
         lines.append(f"| {r['system']} | {r['workload']} | {r['dtype']} | {r['output_tok_per_s']:.1f} | {t} | {eq} |")
     if any(r.get("weight_quant") == "int4" for r in data["runs"]):
-        lines += ["", "`+int4`: the GGUF's Q4_1 linears read as their own 4-bit codes (exact repack, "
-                  "`weight_quant=\"int4\"`) for steps of at most 4 rows; larger steps use the dense weights."]
+        lines += [
+            "",
+            "`+int4`: the GGUF's Q4_1 linears read as their own 4-bit codes (exact repack, "
+            '`weight_quant="int4"`) for steps of at most 4 rows; larger steps use the dense weights.',
+        ]
     return "\n".join(lines)
 
 
@@ -46,28 +52,39 @@ def gpu_table() -> str:
     if not data:
         return "_no GPU artifact yet (`bash tests/gpu/run.sh OUT` on a GPU machine)_"
     p = data["provenance"]
-    lines = [f"`results/gpu/engine_h200.json` — {p.get('gpu')}, torch {p['torch']}, triton {p['triton']}, "
-             f"commit `{p['commit'][:12]}`, {p['date']}. Random weights of the exact Qwen3-0.6B shape, bf16.", "",
-             "| figure | kernellab | HF transformers 5.17 (gate run, same GPU) | target | met |", "| --- | ---: | ---: | ---: | :---: |"]
+    lines = [
+        f"`results/gpu/engine_h200.json` — {p.get('gpu')}, torch {p['torch']}, triton {p['triton']}, "
+        f"commit `{p['commit'][:12]}`, {p['date']}. Random weights of the exact Qwen3-0.6B shape, bf16.",
+        "",
+        "| figure | kernellab | HF transformers 5.17 (gate run, same GPU) | target | met |",
+        "| --- | ---: | ---: | ---: | :---: |",
+    ]
     off = {r["system"]: r for r in data["offline"]}
     # The offline figure comes from the later, warmed run when there is one (its own provenance line below).
     follow = load("results/gpu/engine_h200_offline.json")
     if follow and follow.get("offline"):
         off["kernellab"] = follow["offline"][0]
         fp = follow["provenance"]
-        lines.insert(1, f"Offline row: `results/gpu/engine_h200_offline.json` — commit `{fp['commit'][:12]}`, {fp['date']} "
-                        "(after the prefill-path fixes; the gate artifact's own offline run included JIT warm-up).")
+        lines.insert(
+            1,
+            f"Offline row: `results/gpu/engine_h200_offline.json` — commit `{fp['commit'][:12]}`, {fp['date']} "
+            "(after the prefill-path fixes; the gate artifact's own offline run included JIT warm-up).",
+        )
     ours = off.get("kernellab")
     if ours:
         hf = off.get("hf-continuous-batching")
         hf_s = f"{hf['output_tok_per_s']:,.0f} ({hf['workload']})" if hf else "—"
-        lines.append(f"| offline nano-vllm workload, output tok/s | {ours['output_tok_per_s']:,.0f} | {hf_s} | ≥ 20,000 "
-                     f"| {'yes' if ours['output_tok_per_s'] >= 20000 else 'no'} |")
+        lines.append(
+            f"| offline nano-vllm workload, output tok/s | {ours['output_tok_per_s']:,.0f} | {hf_s} | ≥ 20,000 "
+            f"| {'yes' if ours['output_tok_per_s'] >= 20000 else 'no'} |"
+        )
     lat = data.get("latency") or {}
     rows = {(r["system"], r["metric"], r["tokens"]): r["ms_p50"] for r in lat.get("rows", [])}
-    for metric, tokens, target, label in (("itl", 128, 0.8, "batch-1 decode ms/token, context 128"),
-                                          ("itl", 2048, 1.0, "batch-1 decode ms/token, context 2,048"),
-                                          ("ttft", 2048, 5.0, "TTFT ms, 2,048-token prompt")):
+    for metric, tokens, target, label in (
+        ("itl", 128, 0.8, "batch-1 decode ms/token, context 128"),
+        ("itl", 2048, 1.0, "batch-1 decode ms/token, context 2,048"),
+        ("ttft", 2048, 5.0, "TTFT ms, 2,048-token prompt"),
+    ):
         ours_v = rows.get(("kernellab", metric, tokens))
         hf_v = rows.get(("hf-transformers", metric, tokens))
         if ours_v is None:
@@ -75,22 +92,30 @@ def gpu_table() -> str:
         hf_s = f"{hf_v:.2f}" if hf_v is not None else "—"
         lines.append(f"| {label} | {ours_v:.3f} | {hf_s} | ≤ {target} | {'yes' if ours_v <= target else 'no'} |")
     if ours:
-        lines.append(f"| peak GPU memory (KV pool sized from free memory) | {ours.get('peak_memory_gib')} GiB "
-                     f"(KV {ours.get('kv_cache_gib')} GiB) | | | |")
+        lines.append(
+            f"| peak GPU memory (KV pool sized from free memory) | {ours.get('peak_memory_gib')} GiB "
+            f"(KV {ours.get('kv_cache_gib')} GiB) | | | |"
+        )
     n = data["numerics"]
     lines += ["", "| numerics gate | result | pass |", "| --- | --- | :---: |"]
     if "layer_cosine" in n:
         c = n["layer_cosine"]
-        lines.append(f"| per-layer hidden-state cosine vs fp32 ({c['prompts']} prompts) | worst layer mean "
-                     f"{c['worst_layer_mean']:.6f} (gate ≥ {c['gate']}) | {'yes' if c['pass'] else 'no'} |")
+        lines.append(
+            f"| per-layer hidden-state cosine vs fp32 ({c['prompts']} prompts) | worst layer mean "
+            f"{c['worst_layer_mean']:.6f} (gate ≥ {c['gate']}) | {'yes' if c['pass'] else 'no'} |"
+        )
     if "teacher_forced" in n:
         t = n["teacher_forced"]
-        lines.append(f"| teacher-forced argmax vs HF fp32 ({t['positions']} positions) | ours {t['ours_bf16_pct']:.2f} % vs "
-                     f"HF bf16 {t['hf_bf16_pct']:.2f} % | {'yes' if t['pass'] else 'no'} |")
+        lines.append(
+            f"| teacher-forced argmax vs HF fp32 ({t['positions']} positions) | ours {t['ours_bf16_pct']:.2f} % vs "
+            f"HF bf16 {t['hf_bf16_pct']:.2f} % | {'yes' if t['pass'] else 'no'} |"
+        )
     if "graph_equals_eager" in n:
         g = n["graph_equals_eager"]
-        lines.append(f"| greedy CUDA-graph output == eager, same runner ({g['sequences']}×{g['tokens']} tokens) | "
-                     f"{'identical' if g['pass'] else 'differs'} | {'yes' if g['pass'] else 'no'} |")
+        lines.append(
+            f"| greedy CUDA-graph output == eager, same runner ({g['sequences']}×{g['tokens']} tokens) | "
+            f"{'identical' if g['pass'] else 'differs'} | {'yes' if g['pass'] else 'no'} |"
+        )
     return "\n".join(lines)
 
 
@@ -101,19 +126,23 @@ def serve_table() -> str:
     f, p, w = data["figures"], data["provenance"], data["workload"]
     t = data["targets"]
     ok = f["throughput_ratio"] >= t["throughput_ratio_min"] and f["added_ttft_p50_ms"] <= t["added_ttft_p50_ms_max"]
-    lines = [f"`results/serve_vs_engine.json` — {p.get('cpu', p.get('device', ''))}, commit `{p['commit'][:12]}`, "
-             f"{p['date']}. {w['clients']} concurrent streaming chat clients, {w['max_tokens']} tokens each (greedy, "
-             f"EOS ignored); medians over {f['pairs_used']} interleaved engine/stack pairs"
-             f"{' (all disturbed)' if f['only_disturbed_pairs'] else ''}.", "",
-             "| figure | engine in-process | through the stack | stack vs engine | target |",
-             "| --- | ---: | ---: | ---: | --- |",
-             f"| throughput, tok/s | {f['engine_throughput_tok_s']:.1f} | {f['stack_throughput_tok_s']:.1f} | "
-             f"{f['throughput_ratio'] * 100:.1f} % | ≥ {t['throughput_ratio_min'] * 100:.0f} % |",
-             f"| TTFT p50, ms ({w['clients']} clients) | {f['engine_ttft_p50_ms']:.1f} | {f['stack_ttft_p50_ms']:.1f} | "
-             f"{f['added_ttft_p50_ms']:+.1f} ms | ≤ +{t['added_ttft_p50_ms_max']:.0f} ms |",
-             f"| TTFT p50, ms (lone request) | {f['engine_single_ttft_p50_ms']:.1f} | "
-             f"{f['stack_single_ttft_p50_ms']:.1f} | {f['added_single_ttft_p50_ms']:+.1f} ms | |",
-             "", f"Both targets {'met' if ok else 'NOT met'}."]
+    lines = [
+        f"`results/serve_vs_engine.json` — {p.get('cpu', p.get('device', ''))}, commit `{p['commit'][:12]}`, "
+        f"{p['date']}. {w['clients']} concurrent streaming chat clients, {w['max_tokens']} tokens each (greedy, "
+        f"EOS ignored); medians over {f['pairs_used']} interleaved engine/stack pairs"
+        f"{' (all disturbed)' if f['only_disturbed_pairs'] else ''}.",
+        "",
+        "| figure | engine in-process | through the stack | stack vs engine | target |",
+        "| --- | ---: | ---: | ---: | --- |",
+        f"| throughput, tok/s | {f['engine_throughput_tok_s']:.1f} | {f['stack_throughput_tok_s']:.1f} | "
+        f"{f['throughput_ratio'] * 100:.1f} % | ≥ {t['throughput_ratio_min'] * 100:.0f} % |",
+        f"| TTFT p50, ms ({w['clients']} clients) | {f['engine_ttft_p50_ms']:.1f} | {f['stack_ttft_p50_ms']:.1f} | "
+        f"{f['added_ttft_p50_ms']:+.1f} ms | ≤ +{t['added_ttft_p50_ms_max']:.0f} ms |",
+        f"| TTFT p50, ms (lone request) | {f['engine_single_ttft_p50_ms']:.1f} | "
+        f"{f['stack_single_ttft_p50_ms']:.1f} | {f['added_single_ttft_p50_ms']:+.1f} ms | |",
+        "",
+        f"Both targets {'met' if ok else 'NOT met'}.",
+    ]
     return "\n".join(lines)
 
 
@@ -123,25 +152,33 @@ def gpu_serve_table() -> str:
         return "_no GPU serving artifact yet (`bash benchmarks/gpu/serve_h200.sh` on the GPU machine)_"
     f, p, t, c = data["figures"], data["provenance"], data["targets"], data["config"]
     nano, inter = data["workloads"]["nanovllm"], data["workloads"]["interactive"]
-    lines = [f"`results/gpu/serve_h200.json` — {p.get('gpu_count', 1)}× {p.get('gpu', '')}, {p.get('cpu_count')} CPU "
-             f"cores, torch {p['torch']}, commit `{p['commit'][:12]}`, {p['date']}. Random weights of the exact "
-             f"Qwen3-0.6B shape, synthetic tokenizer of its vocabulary; {c['client_processes']} client processes "
-             f"(busiest at {f['max_client_cpu_util'] * 100:.0f} % of a core). nano-vllm workload: "
-             f"{nano['num_seqs']} streaming completions, {nano['min_len']}–{nano['max_len']} tokens in and out; "
-             f"interactive: {inter['clients']} clients, {inter['prompt_tokens']} → {inter['output_tokens']} tokens. "
-             "Each stack run is paired with an engine run on the same prompts; figures are medians over pairs.", "",
-             "| stack configuration | nano-vllm tok/s | vs engine (paired) | interactive TTFT p50 | added vs engine |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"`results/gpu/serve_h200.json` — {p.get('gpu_count', 1)}× {p.get('gpu', '')}, {p.get('cpu_count')} CPU "
+        f"cores, torch {p['torch']}, commit `{p['commit'][:12]}`, {p['date']}. Random weights of the exact "
+        f"Qwen3-0.6B shape, synthetic tokenizer of its vocabulary; {c['client_processes']} client processes "
+        f"(busiest at {f['max_client_cpu_util'] * 100:.0f} % of a core). nano-vllm workload: "
+        f"{nano['num_seqs']} streaming completions, {nano['min_len']}–{nano['max_len']} tokens in and out; "
+        f"interactive: {inter['clients']} clients, {inter['prompt_tokens']} → {inter['output_tokens']} tokens. "
+        "Each stack run is paired with an engine run on the same prompts; figures are medians over pairs.",
+        "",
+        "| stack configuration | nano-vllm tok/s | vs engine (paired) | interactive TTFT p50 | added vs engine |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     for name, ph in f["stack_by_phase"].items():
         g, *variants = name.removeprefix("g").split("-")
-        label = f"{g} gateway process{'es' if g != '1' else ''}" + (", no burst gather" if "nogather" in variants else
-                                                                    ", burst gather")
-        lines.append(f"| {label} | {ph['nanovllm_tok_s']:,.0f} | {ph['throughput_ratio'] * 100:.1f} % | "
-                     f"{ph['interactive_ttft_p50_ms']:.1f} ms | {ph['interactive_added_ttft_p50_ms']:+.1f} ms |")
+        label = f"{g} gateway process{'es' if g != '1' else ''}" + (
+            ", no burst gather" if "nogather" in variants else ", burst gather"
+        )
+        lines.append(
+            f"| {label} | {ph['nanovllm_tok_s']:,.0f} | {ph['throughput_ratio'] * 100:.1f} % | "
+            f"{ph['interactive_ttft_p50_ms']:.1f} ms | {ph['interactive_added_ttft_p50_ms']:+.1f} ms |"
+        )
     best = f"stack-{f['product_phase']}"
     if "two_gpu_scaling" in f:
-        lines.append(f"| 2 GPUs, 2 workers, {f['product_phase'].split('-')[0][1:]} gateway processes, 2× the requests "
-                     f"| {f['two_gpu_nanovllm_x2_tok_s']:,.0f} | {f['two_gpu_scaling']:.2f}× one GPU's stack | | |")
+        lines.append(
+            f"| 2 GPUs, 2 workers, {f['product_phase'].split('-')[0][1:]} gateway processes, 2× the requests "
+            f"| {f['two_gpu_nanovllm_x2_tok_s']:,.0f} | {f['two_gpu_scaling']:.2f}× one GPU's stack | | |"
+        )
 
     def inter_row(label, phase):
         rs = [r for r in data["runs"] if r["phase"] == phase and r["workload"] == "interactive"]
@@ -151,30 +188,44 @@ def gpu_serve_table() -> str:
         d = lambda k: " / ".join(f"{r[k][q]:.1f}" for q in ("p50", "p90", "p99"))  # noqa: E731
         return f"| {label} | {d('ttft_ms')} | {d('tpot_ms')} | {d('itl_chunk_ms')} | {d('e2e_ms')} |"
 
-    lines += ["", "Interactive mix, the median run (ms, p50 / p90 / p99):", "",
-              "| side | TTFT | TPOT | gap between SSE chunks | E2E |", "| --- | --- | --- | --- | --- |"]
-    lines += [x for x in (inter_row("engine in-process", "engine"), inter_row(f"stack ({f['product_phase']})", best))
-              if x]
+    lines += [
+        "",
+        "Interactive mix, the median run (ms, p50 / p90 / p99):",
+        "",
+        "| side | TTFT | TPOT | gap between SSE chunks | E2E |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    lines += [
+        x for x in (inter_row("engine in-process", "engine"), inter_row(f"stack ({f['product_phase']})", best)) if x
+    ]
     met = f["met"]
     miss = [k for k, v in met.items() if not v]
-    lines += ["", f"Targets: throughput ≥ {t['throughput_ratio_min'] * 100:.0f} % of the engine "
-              f"({'met' if met['throughput_ratio'] else 'missed'}); interactive TTFT p50 within "
-              f"+{t['interactive_added_ttft_p50_ms_max']:.0f} ms ({'met' if met['interactive_ttft'] else 'missed'}); "
-              f"2 GPUs ≥ {t['two_gpu_scaling_min']}× ({'met' if met.get('two_gpu_scaling') else 'missed'}); every "
-              f"request returned exactly its max_tokens ({'yes' if f['all_requests_exact'] else 'NO'})."
-              + (f" Missed: {', '.join(miss)}." if miss else "")]
+    lines += [
+        "",
+        f"Targets: throughput ≥ {t['throughput_ratio_min'] * 100:.0f} % of the engine "
+        f"({'met' if met['throughput_ratio'] else 'missed'}); interactive TTFT p50 within "
+        f"+{t['interactive_added_ttft_p50_ms_max']:.0f} ms ({'met' if met['interactive_ttft'] else 'missed'}); "
+        f"2 GPUs ≥ {t['two_gpu_scaling_min']}× ({'met' if met.get('two_gpu_scaling') else 'missed'}); every "
+        f"request returned exactly its max_tokens ({'yes' if f['all_requests_exact'] else 'NO'})."
+        + (f" Missed: {', '.join(miss)}." if miss else ""),
+    ]
     rerun = load("results/gpu/serve_h200_dev/run7_fast_path_abab_16_pairs.json")
     if rerun:
         rp, rf = rerun["provenance"], rerun["figures"]["stack_by_phase"]
         rows = [(name, ph) for name, ph in rf.items() if name in ("g16", "g16-slowpath")]
-        lines += ["", f"Rerun, `results/gpu/serve_h200_dev/run7_fast_path_abab_16_pairs.json` (same host kind, commit "
-                  f"`{rp['commit'][:12]}`, {rp['date']}; phases alternated ABAB, "
-                  f"{rows[0][1]['pairs']['interactive']} interactive pairs each): "
-                  + "; ".join(f"{'generation routes through FastAPI' if 'slowpath' in n else 'the gateway fast path'} "
-                              f"{ph['throughput_ratio'] * 100:.1f} % of the engine, TTFT {ph['interactive_added_ttft_p50_ms']:+.1f} ms"
-                              for n, ph in rows)
-                  + ". The same product configuration added +9.0 ms above and about +19 ms here: the spread between "
-                    "runs and hosts is larger than the fast path's effect, and the +5 ms target is missed either way."]
+        lines += [
+            "",
+            f"Rerun, `results/gpu/serve_h200_dev/run7_fast_path_abab_16_pairs.json` (same host kind, commit "
+            f"`{rp['commit'][:12]}`, {rp['date']}; phases alternated ABAB, "
+            f"{rows[0][1]['pairs']['interactive']} interactive pairs each): "
+            + "; ".join(
+                f"{'generation routes through FastAPI' if 'slowpath' in n else 'the gateway fast path'} "
+                f"{ph['throughput_ratio'] * 100:.1f} % of the engine, TTFT {ph['interactive_added_ttft_p50_ms']:+.1f} ms"
+                for n, ph in rows
+            )
+            + ". The same product configuration added +9.0 ms above and about +19 ms here: the spread between "
+            "runs and hosts is larger than the fast path's effect, and the +5 ms target is missed either way.",
+        ]
     return "\n".join(lines)
 
 
@@ -184,37 +235,58 @@ def structured_table() -> str:
     if not cpu and not gpu:
         return "_no constrained-decoding artifacts yet_"
     lines = []
-    for art, rel, where in ((cpu, "results/structured_overhead_cpu.json", "one worker, SmolLM2 on the CPU"),
-                            (stack_gpu, "results/gpu/structured_stack_h200.json",
-                             "one worker on the H200, Qwen3-0.6B shape with random weights")):
+    for art, rel, where in (
+        (cpu, "results/structured_overhead_cpu.json", "one worker, SmolLM2 on the CPU"),
+        (
+            stack_gpu,
+            "results/gpu/structured_stack_h200.json",
+            "one worker on the H200, Qwen3-0.6B shape with random weights",
+        ),
+    ):
         if not art:
             continue
         p, w = art["provenance"], art["workload"]
         machine = p.get("gpu") or f"{p['cpu']}, {p['cpu_count']} cores"
-        lines += [f"`{rel}` — {machine}, commit `{p['commit'][:12]}`, {p['date']}. The stack ({where}) under "
-                  f"{w['concurrency']} closed-loop clients at temperature 1, {w['max_tokens']} tokens at most, with "
-                  f"and without a JSON schema (six records), {w['rounds']} alternating pairs: json_schema throughput "
-                  f"is **{art['ratio_median'] * 100:.0f} %** of the unconstrained load (bound ≥ "
-                  f"{art['bound'] * 100:.0f} %; pairs {', '.join(f'{x * 100:.0f} %' for x in art['ratios'])}); "
-                  f"{art['structured_valid']} of {art['structured_validated']} answers the grammar finished "
-                  "validate (the others reached max_tokens).", ""]
+        lines += [
+            f"`{rel}` — {machine}, commit `{p['commit'][:12]}`, {p['date']}. The stack ({where}) under "
+            f"{w['concurrency']} closed-loop clients at temperature 1, {w['max_tokens']} tokens at most, with "
+            f"and without a JSON schema (six records), {w['rounds']} alternating pairs: json_schema throughput "
+            f"is **{art['ratio_median'] * 100:.0f} %** of the unconstrained load (bound ≥ "
+            f"{art['bound'] * 100:.0f} %; pairs {', '.join(f'{x * 100:.0f} %' for x in art['ratios'])}); "
+            f"{art['structured_valid']} of {art['structured_validated']} answers the grammar finished "
+            "validate (the others reached max_tokens).",
+            "",
+        ]
     if gpu:
         p, w, sm = gpu["provenance"], gpu["workload"], gpu["summary"]
-        labels = {"plain": "no constraint (multi-step decode windows)", "plain-1step": "no constraint, one step per "
-                  "engine step", "json": "every row under a JSON schema", "regex": "every row under a regex",
-                  "half-json": "half the rows under a JSON schema"}
-        lines += [f"`results/gpu/structured_h200.json` — {p.get('gpu')}, torch {p['torch']}, llguidance "
-                  f"{gpu['grammar_engine']['version']}, commit `{p['commit'][:12]}`, {p['date']}. The engine alone, "
-                  f"Qwen3-0.6B shape (random weights, synthetic tokenizer of its 151,936 ids), {w['num_seqs']} "
-                  f"greedy sequences × {w['output_tokens']} tokens:", "",
-                  "| batch | output tok/s | vs unconstrained | host ms per step: mask fill (during the forward) / "
-                  "grammar advance |", "| --- | ---: | ---: | ---: |"]
+        labels = {
+            "plain": "no constraint (multi-step decode windows)",
+            "plain-1step": "no constraint, one step per engine step",
+            "json": "every row under a JSON schema",
+            "regex": "every row under a regex",
+            "half-json": "half the rows under a JSON schema",
+        }
+        lines += [
+            f"`results/gpu/structured_h200.json` — {p.get('gpu')}, torch {p['torch']}, llguidance "
+            f"{gpu['grammar_engine']['version']}, commit `{p['commit'][:12]}`, {p['date']}. The engine alone, "
+            f"Qwen3-0.6B shape (random weights, synthetic tokenizer of its 151,936 ids), {w['num_seqs']} "
+            f"greedy sequences × {w['output_tokens']} tokens:",
+            "",
+            "| batch | output tok/s | vs unconstrained | host ms per step: mask fill (during the forward) / "
+            "grammar advance |",
+            "| --- | ---: | ---: | ---: |",
+        ]
         runs = gpu["runs"]
         for v, s in sm.items():
             host = [r["host_ms_per_step"] for r in runs if r["variant"] == v and r["repeat"] > 0]
-            h = (f"{sum(x['mask_fill'] for x in host) / len(host):.2f} / "
-                 f"{sum(x['grammar_advance'] for x in host) / len(host):.2f}") if host and v not in ("plain",
-                                                                                              "plain-1step") else ""
+            h = (
+                (
+                    f"{sum(x['mask_fill'] for x in host) / len(host):.2f} / "
+                    f"{sum(x['grammar_advance'] for x in host) / len(host):.2f}"
+                )
+                if host and v not in ("plain", "plain-1step")
+                else ""
+            )
             lines.append(f"| {labels.get(v, v)} | {s['output_tok_s']:,.0f} | {s['vs_plain'] * 100:.0f} % | {h} |")
     return "\n".join(lines)
 
@@ -224,19 +296,31 @@ def batch_table() -> str:
     if not data:
         return "_no batch artifact yet (`python benchmarks/batch_ttft.py`)_"
     p, i, b = data["provenance"], data["idle"], data["under_batch"]
-    return "\n".join([
-        f"`results/batch_interactive_ttft.json` — commit `{p['commit'][:12]}`, {p['date']}. Streaming chat, "
-        f"{i['n']} requests per phase, a {data['workload']['batch_lines']}-line batch running in the busy phase.", "",
-        "| phase | TTFT p50 | TTFT p90 |", "| --- | ---: | ---: |",
-        f"| idle | {i['p50_s'] * 1e3:.1f} ms | {i['p90_s'] * 1e3:.1f} ms |",
-        f"| under a batch | {b['p50_s'] * 1e3:.1f} ms | {b['p90_s'] * 1e3:.1f} ms |", "",
-        f"Ratio of the p50s: {data['ratio_p50']:.2f} (bound {data['bound']})."])
+    return "\n".join(
+        [
+            f"`results/batch_interactive_ttft.json` — commit `{p['commit'][:12]}`, {p['date']}. Streaming chat, "
+            f"{i['n']} requests per phase, a {data['workload']['batch_lines']}-line batch running in the busy phase.",
+            "",
+            "| phase | TTFT p50 | TTFT p90 |",
+            "| --- | ---: | ---: |",
+            f"| idle | {i['p50_s'] * 1e3:.1f} ms | {i['p90_s'] * 1e3:.1f} ms |",
+            f"| under a batch | {b['p50_s'] * 1e3:.1f} ms | {b['p90_s'] * 1e3:.1f} ms |",
+            "",
+            f"Ratio of the p50s: {data['ratio_p50']:.2f} (bound {data['bound']}).",
+        ]
+    )
 
 
 def main() -> None:
     text = README.read_text()
-    for name, fn in (("CPU", cpu_table), ("GPU", gpu_table), ("SERVE", serve_table), ("GPUSERVE", gpu_serve_table),
-                     ("STRUCTURED", structured_table), ("BATCH", batch_table)):
+    for name, fn in (
+        ("CPU", cpu_table),
+        ("GPU", gpu_table),
+        ("SERVE", serve_table),
+        ("GPUSERVE", gpu_serve_table),
+        ("STRUCTURED", structured_table),
+        ("BATCH", batch_table),
+    ):
         block = f"<!-- BEGIN {name} TABLE -->\n{fn()}\n<!-- END {name} TABLE -->"
         pattern = re.compile(rf"<!-- BEGIN {name} TABLE -->.*?<!-- END {name} TABLE -->", re.S)
         text = pattern.sub(lambda _m, b=block: b, text) if pattern.search(text) else text

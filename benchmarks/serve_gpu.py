@@ -51,21 +51,41 @@ from kernellab.services.stress import free_port
 
 SCHEMA = "kernellab.bench.serve_gpu/v1"
 PROFILES = {
-    "h200": {"shape": "qwen3-0.6b", "device": "cuda", "dtype": "bfloat16", "max_num_seqs": 256,
-             "max_num_batched_tokens": 16384, "num_kv_blocks": 20480, "max_model_len": 4096,
-             "nanovllm": {"num_seqs": 256, "min_len": 100, "max_len": 1024},
-             "interactive": {"clients": 64, "prompt_tokens": 512, "output_tokens": 128},
-             "phases": ["g1-nogather", "g16-nogather", "g16"], "client_processes": 4, "run_timeout_s": 240},
-    "ci": {"shape": "tiny-qwen3", "device": "cpu", "dtype": "float32", "max_num_seqs": 16,
-           "max_num_batched_tokens": 512, "num_kv_blocks": 256, "max_model_len": 512,
-           "nanovllm": {"num_seqs": 12, "min_len": 8, "max_len": 40},
-           "interactive": {"clients": 6, "prompt_tokens": 48, "output_tokens": 12},
-           "phases": ["g1-nogather", "g2"], "client_processes": 2, "run_timeout_s": 240},
+    "h200": {
+        "shape": "qwen3-0.6b",
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 16384,
+        "num_kv_blocks": 20480,
+        "max_model_len": 4096,
+        "nanovllm": {"num_seqs": 256, "min_len": 100, "max_len": 1024},
+        "interactive": {"clients": 64, "prompt_tokens": 512, "output_tokens": 128},
+        "phases": ["g1-nogather", "g16-nogather", "g16"],
+        "client_processes": 4,
+        "run_timeout_s": 240,
+    },
+    "ci": {
+        "shape": "tiny-qwen3",
+        "device": "cpu",
+        "dtype": "float32",
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": 512,
+        "num_kv_blocks": 256,
+        "max_model_len": 512,
+        "nanovllm": {"num_seqs": 12, "min_len": 8, "max_len": 40},
+        "interactive": {"clients": 6, "prompt_tokens": 48, "output_tokens": 12},
+        "phases": ["g1-nogather", "g2"],
+        "client_processes": 2,
+        "run_timeout_s": 240,
+    },
 }
 # Phase suffixes: worker (VARIANTS) or gateway (GATEWAY_VARIANTS) settings for before/after comparisons.
-VARIANTS = {"nogather": {"KERNELLAB_GATHER_BURST_GAP_S": "0"},  # no burst gather (before it existed)
-            "noflush": {"KERNELLAB_FIRST_TOKEN_FLUSH_S": "0"},  # first tokens not awaited before the next step
-            "flush": {"KERNELLAB_FIRST_TOKEN_FLUSH_S": "0.005"}}
+VARIANTS = {
+    "nogather": {"KERNELLAB_GATHER_BURST_GAP_S": "0"},  # no burst gather (before it existed)
+    "noflush": {"KERNELLAB_FIRST_TOKEN_FLUSH_S": "0"},  # first tokens not awaited before the next step
+    "flush": {"KERNELLAB_FIRST_TOKEN_FLUSH_S": "0.005"},
+}
 GATEWAY_VARIANTS = {"slowpath": {"KERNELLAB_GATEWAY_FAST_PATH": "0"}}  # generation routes through FastAPI
 TARGETS = {"throughput_ratio_min": 0.90, "interactive_added_ttft_p50_ms_max": 5.0, "two_gpu_scaling_min": 1.85}
 
@@ -109,8 +129,11 @@ def pct(values: list[float], q: float) -> float | None:
 def summarize(records: list[dict], expected: list[int], t0: float) -> dict:
     """records: {sent, first, end, chunk_times, tokens, error} with perf_counter times."""
     ok = [r for r, n in zip(records, expected, strict=True) if r["error"] is None and r["tokens"] == n]
-    bad = [{"index": i, "tokens": r["tokens"], "expected": n, "error": r["error"]}
-           for i, (r, n) in enumerate(zip(records, expected, strict=True)) if r["error"] is not None or r["tokens"] != n]
+    bad = [
+        {"index": i, "tokens": r["tokens"], "expected": n, "error": r["error"]}
+        for i, (r, n) in enumerate(zip(records, expected, strict=True))
+        if r["error"] is not None or r["tokens"] != n
+    ]
     end = max((r["end"] for r in records if r["end"] is not None), default=t0)
     tokens = sum(r["tokens"] for r in records)
     ttft = [(r["first"] - r["sent"]) * 1e3 for r in ok if r["first"] is not None]
@@ -121,11 +144,21 @@ def summarize(records: list[dict], expected: list[int], t0: float) -> dict:
     def dist(v):
         return {f"p{q}": None if not v else round(pct(v, q), 3) for q in (0, 50, 90, 99)}
 
-    return {"requests": len(records), "requests_ok": len(ok), "bad_requests": bad[:20], "num_bad": len(bad),
-            "output_tokens": tokens, "expected_tokens": sum(expected), "wall_s": round(end - t0, 4),
-            "throughput_tok_s": round(tokens / (end - t0), 1) if end > t0 else 0.0,
-            "ttft_ms": dist(ttft), "tpot_ms": dist(tpot), "itl_chunk_ms": dist(itl), "e2e_ms": dist(e2e),
-            "mean_tokens_per_chunk": round(tokens / max(1, sum(len(r["chunk_times"]) for r in ok)), 2)}
+    return {
+        "requests": len(records),
+        "requests_ok": len(ok),
+        "bad_requests": bad[:20],
+        "num_bad": len(bad),
+        "output_tokens": tokens,
+        "expected_tokens": sum(expected),
+        "wall_s": round(end - t0, 4),
+        "throughput_tok_s": round(tokens / (end - t0), 1) if end > t0 else 0.0,
+        "ttft_ms": dist(ttft),
+        "tpot_ms": dist(tpot),
+        "itl_chunk_ms": dist(itl),
+        "e2e_ms": dist(e2e),
+        "mean_tokens_per_chunk": round(tokens / max(1, sum(len(r["chunk_times"]) for r in ok)), 2),
+    }
 
 
 # ------------------------------------------------------------------------------------------------ engine side
@@ -151,8 +184,14 @@ def engine_child(cfg: dict) -> None:
         t0 = time.perf_counter()
         for i, (prompt, n) in enumerate(cmd["requests"]):
             rid = f"{tag}-{i}"
-            recs[rid] = {"sent": time.perf_counter(), "first": None, "end": None, "chunk_times": [], "tokens": 0,
-                         "error": None}
+            recs[rid] = {
+                "sent": time.perf_counter(),
+                "first": None,
+                "end": None,
+                "chunk_times": [],
+                "tokens": 0,
+                "error": None,
+            }
             engine.add_request(rid, prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
         steps = []
         while engine.has_unfinished_requests():
@@ -179,8 +218,14 @@ def engine_child(cfg: dict) -> None:
 
 class EngineChild:
     def __init__(self, cfg: dict, env: dict, cwd: str):
-        self.proc = subprocess.Popen([sys.executable, __file__, "--engine-child", json.dumps(cfg)], env=env, cwd=cwd,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--engine-child", json.dumps(cfg)],
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.hello = self._read()
 
     def _read(self) -> dict:
@@ -211,12 +256,20 @@ class StackProcs:
         self.workdir, self.args = workdir, args
         self.redis_port, self.port = free_port(), free_port()
         self.host = "127.0.0.1"
-        self.env = dict(os.environ, PYTHONUNBUFFERED="1", KERNELLAB_MODEL=str(model_dir), KERNELLAB_API_KEYS="",
-                        KERNELLAB_REDIS_URL=f"redis://127.0.0.1:{self.redis_port}/0", KERNELLAB_KEY_PREFIX="klbench:",
-                        KERNELLAB_DEVICE=profile["device"], KERNELLAB_DTYPE=profile["dtype"],
-                        KERNELLAB_MAX_NUM_SEQS=str(profile["max_num_seqs"]),
-                        KERNELLAB_MAX_NUM_BATCHED_TOKENS=str(profile["max_num_batched_tokens"]),
-                        KERNELLAB_MAX_MODEL_LEN=str(profile["max_model_len"]), KERNELLAB_MAX_WAITING="8192")
+        self.env = dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            KERNELLAB_MODEL=str(model_dir),
+            KERNELLAB_API_KEYS="",
+            KERNELLAB_REDIS_URL=f"redis://127.0.0.1:{self.redis_port}/0",
+            KERNELLAB_KEY_PREFIX="klbench:",
+            KERNELLAB_DEVICE=profile["device"],
+            KERNELLAB_DTYPE=profile["dtype"],
+            KERNELLAB_MAX_NUM_SEQS=str(profile["max_num_seqs"]),
+            KERNELLAB_MAX_NUM_BATCHED_TOKENS=str(profile["max_num_batched_tokens"]),
+            KERNELLAB_MAX_MODEL_LEN=str(profile["max_model_len"]),
+            KERNELLAB_MAX_WAITING="8192",
+        )
         self.metrics_urls: dict[str, str] = {}
         self.traces: dict[int, Path] = {}  # GPU → the step trace of its current worker
         if profile["num_kv_blocks"]:
@@ -229,20 +282,40 @@ class StackProcs:
 
     def _spawn(self, name: str, cmd: list[str], env: dict) -> subprocess.Popen:
         out = (self.workdir / f"{name}.log").open("ab")
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir,
-                                start_new_session=True)
+        return subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir, start_new_session=True
+        )
 
     def start_redis(self) -> None:
-        self.redis = self._spawn("redis", [self.args.redis_server, "--port", str(self.redis_port), "--bind",
-                                           "127.0.0.1", "--save", "", "--appendonly", "no", "--dir",
-                                           str(self.workdir)], self.env)
+        self.redis = self._spawn(
+            "redis",
+            [
+                self.args.redis_server,
+                "--port",
+                str(self.redis_port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+            ],
+            self.env,
+        )
 
     def start_worker(self, gpu: int, overrides: dict | None = None) -> None:
         port = free_port()
         self.metrics_urls[f"worker{gpu}"] = f"http://127.0.0.1:{port}/metrics"
         self.traces[gpu] = self.workdir / f"trace-w{gpu}-{time.monotonic_ns()}.jsonl"
-        env = dict(self.env, KERNELLAB_WORKER_METRICS_PORT=str(port), KERNELLAB_WORKER_ID=f"bench-w{gpu}",
-                   KERNELLAB_STEP_TRACE=str(self.traces[gpu]), **(overrides or {}))
+        env = dict(
+            self.env,
+            KERNELLAB_WORKER_METRICS_PORT=str(port),
+            KERNELLAB_WORKER_ID=f"bench-w{gpu}",
+            KERNELLAB_STEP_TRACE=str(self.traces[gpu]),
+            **(overrides or {}),
+        )
         if self.env["KERNELLAB_DEVICE"] == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         self.workers.append(self._spawn(f"worker{gpu}", [sys.executable, "-m", "kernellab.services.worker"], env))
@@ -250,9 +323,14 @@ class StackProcs:
     def start_gateway(self, processes: int, overrides: dict | None = None) -> None:
         port = free_port()
         self.metrics_urls["gateway"] = f"http://127.0.0.1:{port}/metrics"
-        env = dict(self.env, KERNELLAB_HOST=self.host, KERNELLAB_PORT=str(self.port),
-                   KERNELLAB_GATEWAY_PROCESSES=str(processes), KERNELLAB_GATEWAY_METRICS_PORT=str(port),
-                   **(overrides or {}))
+        env = dict(
+            self.env,
+            KERNELLAB_HOST=self.host,
+            KERNELLAB_PORT=str(self.port),
+            KERNELLAB_GATEWAY_PROCESSES=str(processes),
+            KERNELLAB_GATEWAY_METRICS_PORT=str(port),
+            **(overrides or {}),
+        )
         self.gateway = self._spawn(f"gateway-g{processes}", [sys.executable, "-m", "kernellab.services.gateway"], env)
 
     def stop_workers(self) -> None:
@@ -341,8 +419,10 @@ class CpuMeter:
         self.cores = {k: round((end[k] - self.start[k]) / wall, 3) for k in end}
 
 
-TTFT_METRICS = {"gateway": "kernellab_gateway_time_to_first_token_seconds",
-                "worker": "kernellab:time_to_first_token_seconds"}
+TTFT_METRICS = {
+    "gateway": "kernellab_gateway_time_to_first_token_seconds",
+    "worker": "kernellab:time_to_first_token_seconds",
+}
 
 
 def ttft_sums(stack: StackProcs) -> dict[str, tuple[float, float]]:
@@ -367,7 +447,8 @@ def ttft_sums(stack: StackProcs) -> dict[str, tuple[float, float]]:
                 count += float(line.rsplit(" ", 1)[1])
         out["gateway" if name == "gateway" else "workers"] = (
             out.get("workers", (0.0, 0.0))[0] + total if name != "gateway" else total,
-            out.get("workers", (0.0, 0.0))[1] + count if name != "gateway" else count)
+            out.get("workers", (0.0, 0.0))[1] + count if name != "gateway" else count,
+        )
     return out
 
 
@@ -380,20 +461,40 @@ def stack_run(stack: StackProcs, model: str, requests, processes: int, timeout_s
     with CpuMeter(stack.pids()) as cpu:
         out = run_clients(stack.host, stack.port, raws, processes, timeout_s)
     after = ttft_sums(stack)
-    layers = {k: round((after[k][0] - before.get(k, (0, 0))[0]) / (after[k][1] - before.get(k, (0, 0))[1]) * 1e3, 3)
-              for k in after if after[k][1] > before.get(k, (0, 0))[1]}
-    recs = [{"sent": r.sent, "first": r.first, "end": r.end, "chunk_times": r.chunk_times,
-             "tokens": r.completion_tokens, "error": r.error, "rid": f"{r.response_id}:0"} for r in out["records"]]
+    layers = {
+        k: round((after[k][0] - before.get(k, (0, 0))[0]) / (after[k][1] - before.get(k, (0, 0))[1]) * 1e3, 3)
+        for k in after
+        if after[k][1] > before.get(k, (0, 0))[1]
+    }
+    recs = [
+        {
+            "sent": r.sent,
+            "first": r.first,
+            "end": r.end,
+            "chunk_times": r.chunk_times,
+            "tokens": r.completion_tokens,
+            "error": r.error,
+            "rid": f"{r.response_id}:0",
+        }
+        for r in out["records"]
+    ]
     s = summarize(recs, [n for _p, n in requests], out["t0"])
     if len(stack.traces) == 1:  # one worker: its trace holds every request of the run
         time.sleep(0.3)  # the worker writes its trace when it goes idle
         steps, adds = read_trace(next(iter(stack.traces.values())), out["t0"] - 0.5)
         s["timeline"] = timeline(steps, adds, recs, out["t0"])
-    s.update(clients=out["clients"], max_client_cpu_util=out["max_client_cpu_util"],
-             clients_saturated=out["clients_saturated"], server_cpu_cores=cpu.cores,
-             mean_ttft_ms_by_layer={"client": round(statistics.mean(
-                 (r["first"] - r["sent"]) * 1e3 for r in recs if r["first"] is not None), 3) if recs else None,
-                 **layers})
+    s.update(
+        clients=out["clients"],
+        max_client_cpu_util=out["max_client_cpu_util"],
+        clients_saturated=out["clients_saturated"],
+        server_cpu_cores=cpu.cores,
+        mean_ttft_ms_by_layer={
+            "client": round(statistics.mean((r["first"] - r["sent"]) * 1e3 for r in recs if r["first"] is not None), 3)
+            if recs
+            else None,
+            **layers,
+        },
+    )
     return s
 
 
@@ -402,8 +503,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", choices=sorted(PROFILES), default="h200")
     ap.add_argument("--gpus", type=int, default=1, help="2: add the two-GPU scale-out phase")
-    ap.add_argument("--phases", type=lambda s: s.split(","), default=None,
-                    help="comma-separated stack phases, e.g. g1-nogather,g16 (gN: N gateway processes)")
+    ap.add_argument(
+        "--phases",
+        type=lambda s: s.split(","),
+        default=None,
+        help="comma-separated stack phases, e.g. g1-nogather,g16 (gN: N gateway processes)",
+    )
     ap.add_argument("--client-processes", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=1, help="measured nano-vllm runs per phase")
     ap.add_argument("--interactive-repeats", type=int, default=3, help="measured interactive runs per phase")
@@ -429,9 +534,15 @@ def main() -> int:
         t = time.perf_counter()
         write_checkpoint(model_dir, profile["shape"], device="cuda" if profile["device"] == "cuda" else "cpu")
         log(f"wrote the {profile['shape']} checkpoint to {model_dir} in {time.perf_counter() - t:.1f}s")
-    engine_cfg = {"model": str(model_dir), "device": profile["device"], "dtype": profile["dtype"],
-                  "max_num_seqs": profile["max_num_seqs"], "max_num_batched_tokens": profile["max_num_batched_tokens"],
-                  "max_model_len": profile["max_model_len"], "num_kv_blocks": profile["num_kv_blocks"]}
+    engine_cfg = {
+        "model": str(model_dir),
+        "device": profile["device"],
+        "dtype": profile["dtype"],
+        "max_num_seqs": profile["max_num_seqs"],
+        "max_num_batched_tokens": profile["max_num_batched_tokens"],
+        "max_model_len": profile["max_model_len"],
+        "num_kv_blocks": profile["num_kv_blocks"],
+    }
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if profile["device"] == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = "0"
@@ -443,8 +554,10 @@ def main() -> int:
     def record(phase: str, wl: str, s: dict, **extra) -> None:
         runs.append({"phase": phase, "workload": wl, **extra, **s})
         write_artifact(args, profile, prov, runs, started)  # after every run: a cut-off job keeps what it measured
-        log(f"{phase:18} {wl:12} {s['throughput_tok_s']:9.1f} tok/s  TTFT p50 {s['ttft_ms']['p50']} ms  "
-            f"bad {s['num_bad']}  client cpu {s.get('max_client_cpu_util', '-')}  server {s.get('server_cpu_cores', '')}")
+        log(
+            f"{phase:18} {wl:12} {s['throughput_tok_s']:9.1f} tok/s  TTFT p50 {s['ttft_ms']['p50']} ms  "
+            f"bad {s['num_bad']}  client cpu {s.get('max_client_cpu_util', '-')}  server {s.get('server_cpu_cores', '')}"
+        )
 
     # The engine child and the stack's worker share GPU 0 (fixed KV pools, one of them idle at a time), so every
     # stack run is paired with an engine run on the same prompts, back to back, in alternating order: drift of
@@ -480,17 +593,19 @@ def main() -> int:
             stack.start_gateway(g, gateway_over)
             stack.wait_ready(1)
             log(f"stack ready ({phase}) in {time.perf_counter() - t:.1f}s")
-            stack_run(stack, str(model_dir), workload(profile, "warmup", next(run_id)), profile["client_processes"],
-                      timeout)
+            stack_run(
+                stack, str(model_dir), workload(profile, "warmup", next(run_id)), profile["client_processes"], timeout
+            )
             for wl, repeats in (("nanovllm", args.repeats), ("interactive", args.interactive_repeats)):
                 for rep in range(repeats):
                     rid, k = next(run_id), next(pair)
-                    for side in (("engine", "stack") if k % 2 == 0 else ("stack", "engine")):
+                    for side in ("engine", "stack") if k % 2 == 0 else ("stack", "engine"):
                         if side == "engine":
                             engine_run(wl, rid, f"stack-{phase}", pair=k, repeat=rep)
                         else:
-                            s = stack_run(stack, str(model_dir), workload(profile, wl, rid),
-                                          profile["client_processes"], timeout)
+                            s = stack_run(
+                                stack, str(model_dir), workload(profile, wl, rid), profile["client_processes"], timeout
+                            )
                             record(f"stack-{phase}", wl, s, gateway_processes=g, gpus=1, repeat=rep, pair=k)
             if args.gpus > 1 and phase == profile["phases"][-1]:
                 for i in range(1, args.gpus):
@@ -498,14 +613,30 @@ def main() -> int:
                 t = time.perf_counter()
                 stack.wait_ready(args.gpus)
                 log(f"{args.gpus} workers ready in {time.perf_counter() - t:.1f}s")
-                stack_run(stack, str(model_dir), workload(profile, "warmup", next(run_id)),
-                          profile["client_processes"], timeout)
+                stack_run(
+                    stack,
+                    str(model_dir),
+                    workload(profile, "warmup", next(run_id)),
+                    profile["client_processes"],
+                    timeout,
+                )
                 clients = profile["client_processes"] * (args.gpus if profile["device"] == "cuda" else 1)
                 for rep in range(args.repeats):
-                    s = stack_run(stack, str(model_dir), workload(profile, "nanovllm", next(run_id), scale=args.gpus),
-                                  clients, timeout)
-                    record(f"stack-{args.gpus}gpu-{phase}", f"nanovllm-x{args.gpus}", s, gateway_processes=g,
-                           gpus=args.gpus, repeat=rep)
+                    s = stack_run(
+                        stack,
+                        str(model_dir),
+                        workload(profile, "nanovllm", next(run_id), scale=args.gpus),
+                        clients,
+                        timeout,
+                    )
+                    record(
+                        f"stack-{args.gpus}gpu-{phase}",
+                        f"nanovllm-x{args.gpus}",
+                        s,
+                        gateway_processes=g,
+                        gpus=args.gpus,
+                        repeat=rep,
+                    )
             stack.stop_gateway()
     finally:
         stack.stop()
@@ -523,8 +654,9 @@ def write_artifact(args, profile: dict, prov: dict, runs: list[dict], started: f
     from importlib import metadata
 
     prov = dict(prov)
-    prov["redis_server"] = subprocess.run([args.redis_server, "--version"], capture_output=True,
-                                          text=True).stdout.strip()
+    prov["redis_server"] = subprocess.run(
+        [args.redis_server, "--version"], capture_output=True, text=True
+    ).stdout.strip()
     for dist in ("redis", "fastapi", "uvicorn", "starlette", "msgpack", "tokenizers", "prometheus-client"):
         try:
             prov[dist] = metadata.version(dist)
@@ -536,16 +668,25 @@ def write_artifact(args, profile: dict, prov: dict, runs: list[dict], started: f
         prov["gpus_used"] = args.gpus
         prov["gpu_count"] = torch.cuda.device_count()
     artifact = {
-        "schema": SCHEMA, "provenance": prov, "profile": args.profile,
-        "model": {"shape": profile["shape"], "weights": "random bf16 (kernellab.bench.synthetic, seed 0)",
-                  "tokenizer": "synthetic byte-level BPE, vocabulary = the model's (kernellab.bench.synthetic)"},
+        "schema": SCHEMA,
+        "provenance": prov,
+        "profile": args.profile,
+        "model": {
+            "shape": profile["shape"],
+            "weights": "random bf16 (kernellab.bench.synthetic, seed 0)",
+            "tokenizer": "synthetic byte-level BPE, vocabulary = the model's (kernellab.bench.synthetic)",
+        },
         "config": {k: v for k, v in profile.items() if k not in ("nanovllm", "interactive")},
-        "workloads": {"nanovllm": profile["nanovllm"], "interactive": profile["interactive"],
-                      "request": "POST /v1/completions, token-id prompt, stream, temperature 0, ignore_eos, "
-                                 "stream_options.include_usage; all requests of a run written at one instant",
-                      "engine": "LLMEngine in a child process, same EngineConfig as the workers, all requests added "
-                                "at t0"},
-        "targets": TARGETS, "figures": compute_figures(runs, args.gpus), "runs": runs,
+        "workloads": {
+            "nanovllm": profile["nanovllm"],
+            "interactive": profile["interactive"],
+            "request": "POST /v1/completions, token-id prompt, stream, temperature 0, ignore_eos, "
+            "stream_options.include_usage; all requests of a run written at one instant",
+            "engine": "LLMEngine in a child process, same EngineConfig as the workers, all requests added at t0",
+        },
+        "targets": TARGETS,
+        "figures": compute_figures(runs, args.gpus),
+        "runs": runs,
         "seconds": round(time.perf_counter() - started, 1),
     }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
@@ -569,22 +710,37 @@ def compute_figures(runs: list[dict], gpus: int) -> dict:
     engine_by_pair = {r["pair"]: r for r in runs if r["phase"] == "engine" and "pair" in r}
     per_phase = {}
     for ph in phases:
-        pairs = {wl: [(engine_by_pair[r["pair"]], r) for r in sel(ph, wl) if r.get("pair") in engine_by_pair]
-                 for wl in ("nanovllm", "interactive")}
+        pairs = {
+            wl: [(engine_by_pair[r["pair"]], r) for r in sel(ph, wl) if r.get("pair") in engine_by_pair]
+            for wl in ("nanovllm", "interactive")
+        }
         nano = _median(sel(ph, "nanovllm"), lambda r: r["throughput_tok_s"])
         ttft = _median(sel(ph, "interactive"), lambda r: r["ttft_ms"]["p50"])
         ratio = _median(pairs["nanovllm"], lambda er: er[1]["throughput_tok_s"] / er[0]["throughput_tok_s"])
-        added = _median(pairs["interactive"], lambda er: None if None in (er[1]["ttft_ms"]["p50"], er[0]["ttft_ms"]["p50"])
-                        else er[1]["ttft_ms"]["p50"] - er[0]["ttft_ms"]["p50"])
+        added = _median(
+            pairs["interactive"],
+            lambda er: (
+                None
+                if None in (er[1]["ttft_ms"]["p50"], er[0]["ttft_ms"]["p50"])
+                else er[1]["ttft_ms"]["p50"] - er[0]["ttft_ms"]["p50"]
+            ),
+        )
         per_phase[ph.removeprefix("stack-")] = {
-            "nanovllm_tok_s": nano, "interactive_ttft_p50_ms": ttft, "pairs": {k: len(v) for k, v in pairs.items()},
+            "nanovllm_tok_s": nano,
+            "interactive_ttft_p50_ms": ttft,
+            "pairs": {k: len(v) for k, v in pairs.items()},
             "engine_nanovllm_tok_s": _median(pairs["nanovllm"], lambda er: er[0]["throughput_tok_s"]),
             "engine_interactive_ttft_p50_ms": _median(pairs["interactive"], lambda er: er[0]["ttft_ms"]["p50"]),
             "throughput_ratio": round(ratio, 4) if ratio is not None else None,
-            "interactive_added_ttft_p50_ms": round(added, 3) if added is not None else None}
+            "interactive_added_ttft_p50_ms": round(added, 3) if added is not None else None,
+        }
     best = phases[-1].removeprefix("stack-") if phases else None
-    out = {"engine_nanovllm_tok_s": eng_nano, "engine_interactive_ttft_p50_ms": eng_ttft, "stack_by_phase": per_phase,
-           "product_phase": best}
+    out = {
+        "engine_nanovllm_tok_s": eng_nano,
+        "engine_interactive_ttft_p50_ms": eng_ttft,
+        "stack_by_phase": per_phase,
+        "product_phase": best,
+    }
     if best:
         out["throughput_ratio"] = per_phase[best]["throughput_ratio"]
         out["interactive_added_ttft_p50_ms"] = per_phase[best]["interactive_added_ttft_p50_ms"]
@@ -596,10 +752,12 @@ def compute_figures(runs: list[dict], gpus: int) -> dict:
     out["all_requests_exact"] = all(r["num_bad"] == 0 for r in runs)
     out["clients_saturated"] = any(r.get("clients_saturated") for r in runs)
     out["max_client_cpu_util"] = max((r.get("max_client_cpu_util") or 0 for r in runs), default=0)
-    met = {"throughput_ratio": (out.get("throughput_ratio") or 0) >= TARGETS["throughput_ratio_min"],
-           "interactive_ttft": out.get("interactive_added_ttft_p50_ms") is not None and
-           out["interactive_added_ttft_p50_ms"] <= TARGETS["interactive_added_ttft_p50_ms_max"],
-           "exact_tokens": out["all_requests_exact"]}
+    met = {
+        "throughput_ratio": (out.get("throughput_ratio") or 0) >= TARGETS["throughput_ratio_min"],
+        "interactive_ttft": out.get("interactive_added_ttft_p50_ms") is not None
+        and out["interactive_added_ttft_p50_ms"] <= TARGETS["interactive_added_ttft_p50_ms_max"],
+        "exact_tokens": out["all_requests_exact"],
+    }
     if gpus > 1:
         met["two_gpu_scaling"] = (out.get("two_gpu_scaling") or 0) >= TARGETS["two_gpu_scaling_min"]
     out["met"] = met
@@ -608,25 +766,38 @@ def compute_figures(runs: list[dict], gpus: int) -> dict:
 
 def print_table(a: dict) -> None:
     f = a["figures"]
-    print(f"\n{'run':22}{'workload':14}{'tok/s':>10}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'E2E p50':>10}"
-          f"{'bad':>5}{'cli cpu':>8}")
+    print(
+        f"\n{'run':22}{'workload':14}{'tok/s':>10}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'E2E p50':>10}"
+        f"{'bad':>5}{'cli cpu':>8}"
+    )
     for r in a["runs"]:
-        print(f"{r['phase']:22}{r['workload']:14}{r['throughput_tok_s']:10.1f}{r['ttft_ms']['p50'] or 0:10.1f}"
-              f"{r['ttft_ms']['p99'] or 0:9.1f}{r['tpot_ms']['p50'] or 0:10.2f}{r['e2e_ms']['p50'] or 0:10.0f}"
-              f"{r['num_bad']:5d}{r.get('max_client_cpu_util') or 0:8.2f}")
+        print(
+            f"{r['phase']:22}{r['workload']:14}{r['throughput_tok_s']:10.1f}{r['ttft_ms']['p50'] or 0:10.1f}"
+            f"{r['ttft_ms']['p99'] or 0:9.1f}{r['tpot_ms']['p50'] or 0:10.2f}{r['e2e_ms']['p50'] or 0:10.0f}"
+            f"{r['num_bad']:5d}{r.get('max_client_cpu_util') or 0:8.2f}"
+        )
     timed = [r for r in a["runs"] if r["workload"] == "interactive" and r.get("timeline")]
     if timed:
-        print(f"\nTTFT parts, medians in ms (kernellab.bench.timeline)\n{'run':22}{'to worker':>10}{'queued':>8}"
-              f"{'step':>8}{'delivery':>9}   first steps [start ms, ms, rows, tokens, first tokens]")
+        print(
+            f"\nTTFT parts, medians in ms (kernellab.bench.timeline)\n{'run':22}{'to worker':>10}{'queued':>8}"
+            f"{'step':>8}{'delivery':>9}   first steps [start ms, ms, rows, tokens, first tokens]"
+        )
         for r in timed:
             m = r["timeline"]["median_ms"]
-            print(f"{r['phase']:22}" + "".join(f"{m[k] if m[k] is not None else float('nan'):{w}.2f}" for k, w in
-                                              (("to_worker", 10), ("queued", 8), ("step", 8), ("delivery", 9)))
-                  + f"   {r['timeline']['steps'][:4]}")
-    print(f"\nstack/engine throughput {f.get('throughput_ratio')} (target ≥ {TARGETS['throughput_ratio_min']}); "
-          f"interactive TTFT p50 added {f.get('interactive_added_ttft_p50_ms')} ms (≤ "
-          f"{TARGETS['interactive_added_ttft_p50_ms_max']}); 2-GPU scaling {f.get('two_gpu_scaling')} (≥ "
-          f"{TARGETS['two_gpu_scaling_min']}); exact tokens {f['all_requests_exact']}; met {f['met']}")
+            print(
+                f"{r['phase']:22}"
+                + "".join(
+                    f"{m[k] if m[k] is not None else float('nan'):{w}.2f}"
+                    for k, w in (("to_worker", 10), ("queued", 8), ("step", 8), ("delivery", 9))
+                )
+                + f"   {r['timeline']['steps'][:4]}"
+            )
+    print(
+        f"\nstack/engine throughput {f.get('throughput_ratio')} (target ≥ {TARGETS['throughput_ratio_min']}); "
+        f"interactive TTFT p50 added {f.get('interactive_added_ttft_p50_ms')} ms (≤ "
+        f"{TARGETS['interactive_added_ttft_p50_ms_max']}); 2-GPU scaling {f.get('two_gpu_scaling')} (≥ "
+        f"{TARGETS['two_gpu_scaling_min']}); exact tokens {f['all_requests_exact']}; met {f['met']}"
+    )
 
 
 if __name__ == "__main__":

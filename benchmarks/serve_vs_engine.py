@@ -36,10 +36,44 @@ from pathlib import Path
 from kernellab.bench.stream_clients import RequestRecord, SSEConnection, post_request
 from kernellab.services.stress import free_port
 
-TOPICS = ["the sea", "volcanoes", "bees", "the moon", "bread", "trains", "chess", "rivers", "owls", "glass",
-          "deserts", "music", "coffee", "maps", "bridges", "rain", "paper", "clocks", "whales", "salt", "kites",
-          "tea", "forests", "copper", "snow", "bicycles", "honey", "lighthouses", "cotton", "ants", "ice", "wind",
-          "mountains", "gardens", "libraries", "stars"]
+TOPICS = [
+    "the sea",
+    "volcanoes",
+    "bees",
+    "the moon",
+    "bread",
+    "trains",
+    "chess",
+    "rivers",
+    "owls",
+    "glass",
+    "deserts",
+    "music",
+    "coffee",
+    "maps",
+    "bridges",
+    "rain",
+    "paper",
+    "clocks",
+    "whales",
+    "salt",
+    "kites",
+    "tea",
+    "forests",
+    "copper",
+    "snow",
+    "bicycles",
+    "honey",
+    "lighthouses",
+    "cotton",
+    "ants",
+    "ice",
+    "wind",
+    "mountains",
+    "gardens",
+    "libraries",
+    "stars",
+]
 SERVE_CONFIG = {"device": "cpu", "dtype": "auto", "max_num_seqs": 64, "max_num_batched_tokens": 2048}
 QUIET_CORES = 0.1  # a run during which other processes used more CPU than this (in cores) is disturbed
 
@@ -47,8 +81,10 @@ QUIET_CORES = 0.1  # a run during which other processes used more CPU than this 
 def chats(n: int, run: int) -> list[list[dict]]:
     """The prompts of one run. ``run`` makes every run's prompts new past the system prompt, so neither side
     answers from its prefix cache what an earlier run computed."""
-    return [[{"role": "user", "content": f"[run {run}] Tell me a few facts about {TOPICS[i % len(TOPICS)]}."}]
-            for i in range(n)]
+    return [
+        [{"role": "user", "content": f"[run {run}] Tell me a few facts about {TOPICS[i % len(TOPICS)]}."}]
+        for i in range(n)
+    ]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -78,8 +114,13 @@ class CpuMeter:
         end, wall = self._sample(), time.perf_counter() - self.t0
         busy, own, steal = (e - s for e, s in zip(end, self.start, strict=True))
         foreign = max(0.0, busy - own)
-        self.result = {"busy_cpu_s": busy, "own_cpu_s": own, "foreign_cpu_s": foreign, "steal_s": steal,
-                       "foreign_cores": foreign / wall}
+        self.result = {
+            "busy_cpu_s": busy,
+            "own_cpu_s": own,
+            "foreign_cpu_s": foreign,
+            "steal_s": steal,
+            "foreign_cores": foreign / wall,
+        }
 
 
 # --------------------------------------------------------------------------------------------- engine side
@@ -107,8 +148,11 @@ def engine_server(model: str, clients: int, max_tokens: int) -> None:
                 if out.new_token_ids:
                     n += len(out.new_token_ids)
                     first.setdefault(out.request_id, time.perf_counter() - submitted[out.request_id])
-        return {"ttft_s": [first[f"{tag}-{i}"] for i in range(len(batch))], "tokens": n,
-                "wall_s": time.perf_counter() - t0}
+        return {
+            "ttft_s": [first[f"{tag}-{i}"] for i in range(len(batch))],
+            "tokens": n,
+            "wall_s": time.perf_counter() - t0,
+        }
 
     run(chats(clients, -1), 4)  # warm-up, as the stack gets one
     print(json.dumps({"ready": True, "provenance": provenance("cpu")}), flush=True)
@@ -125,8 +169,17 @@ def engine_server(model: str, clients: int, max_tokens: int) -> None:
 
 class EngineChild:
     def __init__(self, args):
-        cmd = [sys.executable, __file__, "--engine-server", "--model", args.model, "--clients", str(args.clients),
-               "--max-tokens", str(args.max_tokens)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--engine-server",
+            "--model",
+            args.model,
+            "--clients",
+            str(args.clients),
+            "--max-tokens",
+            str(args.max_tokens),
+        ]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.provenance = self._read()["provenance"]
 
@@ -153,12 +206,20 @@ class Stack:
         self.redis_port, self.port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.workdir = workdir
-        self.env = dict(os.environ, PYTHONUNBUFFERED="1", KERNELLAB_MODEL=model, KERNELLAB_API_KEYS="",
-                        KERNELLAB_REDIS_URL=f"redis://127.0.0.1:{self.redis_port}/0", KERNELLAB_KEY_PREFIX="klbench:",
-                        KERNELLAB_DEVICE=SERVE_CONFIG["device"], KERNELLAB_DTYPE=SERVE_CONFIG["dtype"],
-                        KERNELLAB_MAX_NUM_SEQS=str(SERVE_CONFIG["max_num_seqs"]),
-                        KERNELLAB_MAX_NUM_BATCHED_TOKENS=str(SERVE_CONFIG["max_num_batched_tokens"]),
-                        KERNELLAB_MAX_WAITING="1024", KERNELLAB_NICE="10")  # as `kernellab up` runs a CPU worker
+        self.env = dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            KERNELLAB_MODEL=model,
+            KERNELLAB_API_KEYS="",
+            KERNELLAB_REDIS_URL=f"redis://127.0.0.1:{self.redis_port}/0",
+            KERNELLAB_KEY_PREFIX="klbench:",
+            KERNELLAB_DEVICE=SERVE_CONFIG["device"],
+            KERNELLAB_DTYPE=SERVE_CONFIG["dtype"],
+            KERNELLAB_MAX_NUM_SEQS=str(SERVE_CONFIG["max_num_seqs"]),
+            KERNELLAB_MAX_NUM_BATCHED_TOKENS=str(SERVE_CONFIG["max_num_batched_tokens"]),
+            KERNELLAB_MAX_WAITING="1024",
+            KERNELLAB_NICE="10",
+        )  # as `kernellab up` runs a CPU worker
         self.procs: list[subprocess.Popen] = []
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
@@ -168,8 +229,22 @@ class Stack:
     def start(self) -> None:
         import httpx
 
-        self._spawn("redis", ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
-                              "--appendonly", "no", "--dir", str(self.workdir)])
+        self._spawn(
+            "redis",
+            [
+                "redis-server",
+                "--port",
+                str(self.redis_port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+            ],
+        )
         kl = [sys.executable, "-m", "kernellab"]
         self._spawn("worker", [*kl, "worker", "--metrics-port", str(free_port())])
         self._spawn("gateway", [*kl, "gateway", "--port", str(self.port), "--metrics-port", str(free_port())])
@@ -196,9 +271,20 @@ class Stack:
 
 
 def chat_request(host: str, port: int, messages, max_tokens: int) -> bytes:
-    return post_request(host, port, "/v1/chat/completions", {
-        "model": "smollm2-135m", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+    return post_request(
+        host,
+        port,
+        "/v1/chat/completions",
+        {
+            "model": "smollm2-135m",
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
 
 
 async def stream(conn: SSEConnection, raw: bytes) -> tuple[float, float | None, int]:
@@ -228,8 +314,12 @@ class StackClient:
         await self.fresh(self.clients)
         t0 = time.perf_counter()
         outs = await asyncio.gather(*(stream(c, r) for c, r in zip(self.conns, raws, strict=True)))
-        return {"ttft_s": [o[1] for o in outs], "tokens": sum(o[2] for o in outs),
-                "wall_s": time.perf_counter() - t0, "send_spread_s": max(o[0] for o in outs) - t0}
+        return {
+            "ttft_s": [o[1] for o in outs],
+            "tokens": sum(o[2] for o in outs),
+            "wall_s": time.perf_counter() - t0,
+            "send_spread_s": max(o[0] for o in outs) - t0,
+        }
 
     async def single(self, run: int) -> dict:
         raw = chat_request(self.host, self.port, chats(1, run)[0], 2)
@@ -259,11 +349,14 @@ async def measure(args, engine: EngineChild, stack: Stack) -> dict:
         pair = {side: await timed(side, "concurrent", len(pairs)) for side in order}
         pair["clean"] = all(pair[s]["cpu"]["foreign_cores"] < QUIET_CORES for s in order)
         pairs.append(pair)
-        print(f"pair {len(pairs)}: engine {tput(pair['engine']):.1f} tok/s, stack {tput(pair['stack']):.1f} tok/s"
-              f"{'' if pair['clean'] else '  (disturbed: other processes were busy)'}", file=sys.stderr)
+        print(
+            f"pair {len(pairs)}: engine {tput(pair['engine']):.1f} tok/s, stack {tput(pair['stack']):.1f} tok/s"
+            f"{'' if pair['clean'] else '  (disturbed: other processes were busy)'}",
+            file=sys.stderr,
+        )
     singles = {"engine": [], "stack": []}
     for i in range(args.single):
-        for side in (("engine", "stack") if i % 2 == 0 else ("stack", "engine")):
+        for side in ("engine", "stack") if i % 2 == 0 else ("stack", "engine"):
             singles[side].append(await timed(side, "single", 1000 + i))
     return {"pairs": pairs, "singles": singles}
 
@@ -276,10 +369,15 @@ def figures(m: dict) -> dict:
     clean = [p for p in m["pairs"] if p["clean"]]
     use = clean or m["pairs"]
     p50 = {s: [pct(p[s]["ttft_s"], 50) * 1e3 for p in use] for s in ("engine", "stack")}
-    single = {s: [r["ttft_s"][0] * 1e3 for r in m["singles"][s] if r["cpu"]["foreign_cores"] < QUIET_CORES]
-              or [r["ttft_s"][0] * 1e3 for r in m["singles"][s]] for s in ("engine", "stack")}
+    single = {
+        s: [r["ttft_s"][0] * 1e3 for r in m["singles"][s] if r["cpu"]["foreign_cores"] < QUIET_CORES]
+        or [r["ttft_s"][0] * 1e3 for r in m["singles"][s]]
+        for s in ("engine", "stack")
+    }
     return {
-        "pairs_used": len(use), "pairs_run": len(m["pairs"]), "only_disturbed_pairs": not clean,
+        "pairs_used": len(use),
+        "pairs_run": len(m["pairs"]),
+        "only_disturbed_pairs": not clean,
         "engine_throughput_tok_s": statistics.median(tput(p["engine"]) for p in use),
         "stack_throughput_tok_s": statistics.median(tput(p["stack"]) for p in use),
         "throughput_ratio": statistics.median(tput(p["stack"]) / tput(p["engine"]) for p in use),
@@ -320,27 +418,45 @@ def main() -> None:
     for dist in ("redis", "fastapi", "uvicorn", "starlette", "msgpack", "tokenizers"):
         prov[dist] = metadata.version(dist)
     artifact = {
-        "schema": "kernellab.bench.serve_vs_engine/v1", "provenance": prov, "model": args.model,
-        "workload": {"clients": args.clients, "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0.0,
-                     "prompts": "chat template + '[run <k>] Tell me a few facts about <topic>.' (new to the prefix "
-                                "cache in every run; the same on both sides of a pair)", "single_requests": args.single,
-                     "stack": "1 worker, 1 gateway, private redis-server, raw-socket SSE clients, all on this machine",
-                     "engine_config": SERVE_CONFIG, "quiet_cores": QUIET_CORES},
-        "figures": f, "targets": {"throughput_ratio_min": 0.90, "added_ttft_p50_ms_max": 5.0},
-        "pairs": m["pairs"], "singles": m["singles"],
+        "schema": "kernellab.bench.serve_vs_engine/v1",
+        "provenance": prov,
+        "model": args.model,
+        "workload": {
+            "clients": args.clients,
+            "max_tokens": args.max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "prompts": "chat template + '[run <k>] Tell me a few facts about <topic>.' (new to the prefix "
+            "cache in every run; the same on both sides of a pair)",
+            "single_requests": args.single,
+            "stack": "1 worker, 1 gateway, private redis-server, raw-socket SSE clients, all on this machine",
+            "engine_config": SERVE_CONFIG,
+            "quiet_cores": QUIET_CORES,
+        },
+        "figures": f,
+        "targets": {"throughput_ratio_min": 0.90, "added_ttft_p50_ms_max": 5.0},
+        "pairs": m["pairs"],
+        "singles": m["singles"],
     }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(artifact, indent=2) + "\n")
     print(f"{'':28}{'engine':>10}{'stack':>10}")
-    print(f"{'throughput tok/s':28}{f['engine_throughput_tok_s']:10.1f}{f['stack_throughput_tok_s']:10.1f}"
-          f"   ratio {f['throughput_ratio']:.3f}")
+    print(
+        f"{'throughput tok/s':28}{f['engine_throughput_tok_s']:10.1f}{f['stack_throughput_tok_s']:10.1f}"
+        f"   ratio {f['throughput_ratio']:.3f}"
+    )
     label = f"TTFT p50 ms ({args.clients} clients)"
-    print(f"{label:28}{f['engine_ttft_p50_ms']:10.1f}{f['stack_ttft_p50_ms']:10.1f}"
-          f"   added {f['added_ttft_p50_ms']:+.1f}")
-    print(f"{'TTFT p50 ms (lone request)':28}{f['engine_single_ttft_p50_ms']:10.1f}"
-          f"{f['stack_single_ttft_p50_ms']:10.1f}   added {f['added_single_ttft_p50_ms']:+.1f}")
-    print(f"{f['pairs_used']} of {f['pairs_run']} pairs used" +
-          ("  WARNING: every pair was disturbed by other processes" if f["only_disturbed_pairs"] else ""))
+    print(
+        f"{label:28}{f['engine_ttft_p50_ms']:10.1f}{f['stack_ttft_p50_ms']:10.1f}   added {f['added_ttft_p50_ms']:+.1f}"
+    )
+    print(
+        f"{'TTFT p50 ms (lone request)':28}{f['engine_single_ttft_p50_ms']:10.1f}"
+        f"{f['stack_single_ttft_p50_ms']:10.1f}   added {f['added_single_ttft_p50_ms']:+.1f}"
+    )
+    print(
+        f"{f['pairs_used']} of {f['pairs_run']} pairs used"
+        + ("  WARNING: every pair was disturbed by other processes" if f["only_disturbed_pairs"] else "")
+    )
     print(f"wrote {args.output}")
 
 

@@ -32,16 +32,38 @@ from pathlib import Path
 
 SCHEMA = "kernellab.bench.structured_engine/v1"
 PROFILES = {
-    "h200": {"shape": "qwen3-0.6b", "device": "cuda", "dtype": "bfloat16", "num_seqs": 256, "prompt_tokens": 128,
-             "output_tokens": 256, "max_num_seqs": 256, "max_num_batched_tokens": 16384, "num_kv_blocks": 8192},
-    "ci": {"shape": "tiny-qwen3", "device": "cpu", "dtype": "float32", "num_seqs": 8, "prompt_tokens": 16,
-           "output_tokens": 12, "max_num_seqs": 8, "max_num_batched_tokens": 512, "num_kv_blocks": 64},
+    "h200": {
+        "shape": "qwen3-0.6b",
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "num_seqs": 256,
+        "prompt_tokens": 128,
+        "output_tokens": 256,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 16384,
+        "num_kv_blocks": 8192,
+    },
+    "ci": {
+        "shape": "tiny-qwen3",
+        "device": "cpu",
+        "dtype": "float32",
+        "num_seqs": 8,
+        "prompt_tokens": 16,
+        "output_tokens": 12,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 512,
+        "num_kv_blocks": 64,
+    },
 }
 # A JSON object whose one string cannot close within the output budget: every row decodes all its tokens under
 # the JSON grammar (string lexemes, escapes), so each variant produces the same tokens and the figures compare
 # per-token cost, not batches that shrink as rows finish.
-JSON_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 100000}},
-               "required": ["text"], "additionalProperties": False}
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "minLength": 100000}},
+    "required": ["text"],
+    "additionalProperties": False,
+}
 VARIANTS = ("plain", "plain-1step", "json", "regex", "half-json")
 
 
@@ -59,8 +81,9 @@ def run_variant(engine, variant: str, prompts: list[list[int]], output_tokens: i
     # 0: the runner's default (multi-step windows with CUDA graphs); the engine reads its config every step
     engine.config = dataclasses.replace(engine.config, num_scheduler_steps=1 if variant == "plain-1step" else 0)
     for i, p in enumerate(prompts):
-        params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True,
-                                structured=structured_for(variant, i))
+        params = SamplingParams(
+            temperature=0.0, max_tokens=output_tokens, ignore_eos=True, structured=structured_for(variant, i)
+        )
         engine.add_request(f"{tag}-{i}", p, params)
     sync = _sync(engine)
     timers = _instrument(engine)
@@ -82,12 +105,18 @@ def run_variant(engine, variant: str, prompts: list[list[int]], output_tokens: i
     sync()
     wall = time.perf_counter() - t0
     _restore(engine)
-    out = {"variant": variant, "output_tokens": tokens, "wall_s": round(wall, 4), "engine_steps": steps,
-           "output_tok_s": round(tokens / wall, 1), "finish_reasons": reasons,
-           # host time per engine step in the constrained parts: mask fill (overlaps the forward on a GPU) and
-           # feeding the sampled tokens to the matchers (after the step's tokens came back)
-           "host_ms_per_step": {k: round(v * 1e3 / max(steps, 1), 3) for k, v in timers.items()},
-           **_check(engine, variant, produced)}
+    out = {
+        "variant": variant,
+        "output_tokens": tokens,
+        "wall_s": round(wall, 4),
+        "engine_steps": steps,
+        "output_tok_s": round(tokens / wall, 1),
+        "finish_reasons": reasons,
+        # host time per engine step in the constrained parts: mask fill (overlaps the forward on a GPU) and
+        # feeding the sampled tokens to the matchers (after the step's tokens came back)
+        "host_ms_per_step": {k: round(v * 1e3 / max(steps, 1), 3) for k, v in timers.items()},
+        **_check(engine, variant, produced),
+    }
     if first_decode is not None and tokens > first_decode[1]:
         decode_s = wall - (first_decode[0] - t0)
         out["decode_tok_s"] = round((tokens - first_decode[1]) / decode_s, 1)
@@ -106,6 +135,7 @@ def _instrument(engine) -> dict:
                 return fn(*a, **kw)
             finally:
                 timers[name] += time.perf_counter() - t
+
         return wrapper
 
     sampler.constraints = timed("mask_fill", type(sampler).constraints.__get__(sampler))
@@ -172,9 +202,17 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = Path(args.model_dir) if args.model_dir else Path(tempfile.mkdtemp(prefix="kl-structured-")) / "m"
     if not (model_dir / "config.json").exists():
         write_checkpoint(model_dir, profile["shape"], device=profile["device"])
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device=profile["device"], dtype=profile["dtype"],
-                                    max_num_seqs=profile["max_num_seqs"], num_kv_blocks=profile["num_kv_blocks"],
-                                    max_num_batched_tokens=profile["max_num_batched_tokens"], max_model_len=2048))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            device=profile["device"],
+            dtype=profile["dtype"],
+            max_num_seqs=profile["max_num_seqs"],
+            num_kv_blocks=profile["num_kv_blocks"],
+            max_num_batched_tokens=profile["max_num_batched_tokens"],
+            max_model_len=2048,
+        )
+    )
     rng = random.Random(0)
     n, plen, olen = profile["num_seqs"], profile["prompt_tokens"], profile["output_tokens"]
     runs = []
@@ -184,23 +222,43 @@ def main(argv: list[str] | None = None) -> int:
             r = run_variant(engine, variant, prompts, olen, f"r{rep}-{k}")
             r["repeat"] = rep
             runs.append(r)
-            print(f"repeat {rep} {variant:<12} {r['output_tok_s']:>9.1f} tok/s  {r['output_tokens']:>6} tokens  "
-                  f"{r['engine_steps']:>5} steps  {r['finish_reasons']}", flush=True)
+            print(
+                f"repeat {rep} {variant:<12} {r['output_tok_s']:>9.1f} tok/s  {r['output_tokens']:>6} tokens  "
+                f"{r['engine_steps']:>5} steps  {r['finish_reasons']}",
+                flush=True,
+            )
     summary = {}
     for variant in VARIANTS:
         measured = [r for r in runs if r["variant"] == variant and r["repeat"] > 0]
-        summary[variant] = {"output_tok_s": round(statistics.median(r["output_tok_s"] for r in measured), 1),
-                            "output_tokens": round(statistics.median(r["output_tokens"] for r in measured))}
+        summary[variant] = {
+            "output_tok_s": round(statistics.median(r["output_tok_s"] for r in measured), 1),
+            "output_tokens": round(statistics.median(r["output_tokens"] for r in measured)),
+        }
     base = summary["plain"]["output_tok_s"]
     for variant in VARIANTS:
         summary[variant]["vs_plain"] = round(summary[variant]["output_tok_s"] / base, 4)
-    result = {"schema": SCHEMA, "provenance": provenance(profile["device"]), "profile": args.profile,
-              "model": {"shape": profile["shape"], "weights": "random (kernellab.bench.synthetic, seed 0)",
-                        "tokenizer": "synthetic byte-level BPE of the model's vocabulary"},
-              "workload": {"num_seqs": n, "prompt_tokens": plen, "output_tokens": olen, "greedy": True,
-                           "ignore_eos": True, "json_schema": JSON_SCHEMA, "regex": "[a-z ]+"},
-              "grammar_engine": {"name": "llguidance", "version": _version("llguidance")},
-              "runs": runs, "summary": summary}
+    result = {
+        "schema": SCHEMA,
+        "provenance": provenance(profile["device"]),
+        "profile": args.profile,
+        "model": {
+            "shape": profile["shape"],
+            "weights": "random (kernellab.bench.synthetic, seed 0)",
+            "tokenizer": "synthetic byte-level BPE of the model's vocabulary",
+        },
+        "workload": {
+            "num_seqs": n,
+            "prompt_tokens": plen,
+            "output_tokens": olen,
+            "greedy": True,
+            "ignore_eos": True,
+            "json_schema": JSON_SCHEMA,
+            "regex": "[a-z ]+",
+        },
+        "grammar_engine": {"name": "llguidance", "version": _version("llguidance")},
+        "runs": runs,
+        "summary": summary,
+    }
     write(args.output, result)
     print(f"{'variant':<14}{'tok/s':>10}{'tokens':>9}{'vs plain':>10}")
     for variant, s in summary.items():

@@ -30,27 +30,46 @@ SCHEMA = "kernellab.bench.structured/v1"
 BOUND = 0.80
 RECORDS = {
     "type": "object",
-    "properties": {"people": {"type": "array", "minItems": 6, "maxItems": 6, "items": {
-        "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 16}, "city": {"type": "string", "maxLength": 16},
-                       "age": {"type": "integer", "minimum": 0, "maximum": 99}},
-        "required": ["name", "city", "age"], "additionalProperties": False}}},
-    "required": ["people"], "additionalProperties": False,
+    "properties": {
+        "people": {
+            "type": "array",
+            "minItems": 6,
+            "maxItems": 6,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 16},
+                    "city": {"type": "string", "maxLength": 16},
+                    "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                },
+                "required": ["name", "city", "age"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["people"],
+    "additionalProperties": False,
 }
 PROMPT = "List six people with their city and age, as JSON."
 
 
-def run_phase(client, model: str, kind: str, concurrency: int, per_client: int, max_tokens: int,
-              seed0: int) -> dict:
+def run_phase(client, model: str, kind: str, concurrency: int, per_client: int, max_tokens: int, seed0: int) -> dict:
     """``client``: an httpx.Client on the gateway (plain JSON over HTTP: the GPU machine has no openai package)."""
     import jsonschema
 
     def one(i: int) -> tuple[int, str, bool | None]:
-        body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
-                "temperature": 1.0, "seed": seed0 + i}
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": max_tokens,
+            "temperature": 1.0,
+            "seed": seed0 + i,
+        }
         if kind == "json_schema":
-            body["response_format"] = {"type": "json_schema",
-                                       "json_schema": {"name": "people", "schema": RECORDS, "strict": True}}
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "people", "schema": RECORDS, "strict": True},
+            }
         else:
             body["ignore_eos"] = True
         resp = client.post("/v1/chat/completions", json=body)
@@ -78,19 +97,41 @@ def run_phase(client, model: str, kind: str, concurrency: int, per_client: int, 
     for _, reason, _ in results:
         reasons[reason] = reasons.get(reason, 0) + 1
     checked = [r[2] for r in results if r[2] is not None]
-    return {"kind": kind, "requests": len(results), "completion_tokens": tokens, "wall_s": round(wall, 3),
-            "output_tok_s": round(tokens / wall, 2), "finish_reasons": reasons,
-            "valid": sum(checked), "validated": len(checked)}
+    return {
+        "kind": kind,
+        "requests": len(results),
+        "completion_tokens": tokens,
+        "wall_s": round(wall, 3),
+        "output_tok_s": round(tokens / wall, 2),
+        "finish_reasons": reasons,
+        "valid": sum(checked),
+        "validated": len(checked),
+    }
 
 
 PROFILES = {
     "cpu": {"device": "cpu", "per_client": 2, "rounds": 2, "env": {"KERNELLAB_NUM_KV_BLOCKS": "1024"}},
     # the GPU profile's path (synthetic checkpoint) in small, on the CPU: CI keeps it from rotting
-    "tiny": {"device": "cpu", "per_client": 1, "rounds": 1, "shape": "tiny-qwen3",
-             "env": {"KERNELLAB_NUM_KV_BLOCKS": "256", "KERNELLAB_MAX_MODEL_LEN": "1024"}},
-    "h200": {"device": "cuda", "per_client": 16, "rounds": 3, "shape": "qwen3-0.6b",
-             "env": {"KERNELLAB_DEVICE": "cuda", "KERNELLAB_DTYPE": "bfloat16", "KERNELLAB_NUM_KV_BLOCKS": "8192",
-                     "KERNELLAB_MAX_MODEL_LEN": "4096", "KERNELLAB_NICE": "0"}},
+    "tiny": {
+        "device": "cpu",
+        "per_client": 1,
+        "rounds": 1,
+        "shape": "tiny-qwen3",
+        "env": {"KERNELLAB_NUM_KV_BLOCKS": "256", "KERNELLAB_MAX_MODEL_LEN": "1024"},
+    },
+    "h200": {
+        "device": "cuda",
+        "per_client": 16,
+        "rounds": 3,
+        "shape": "qwen3-0.6b",
+        "env": {
+            "KERNELLAB_DEVICE": "cuda",
+            "KERNELLAB_DTYPE": "bfloat16",
+            "KERNELLAB_NUM_KV_BLOCKS": "8192",
+            "KERNELLAB_MAX_MODEL_LEN": "4096",
+            "KERNELLAB_NICE": "0",
+        },
+    },
 }
 
 
@@ -121,8 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         model = str(write_checkpoint(workdir / "model", profile["shape"], device=profile["device"]))
         env["KERNELLAB_MODEL"] = model
     with LocalStack(workdir, workers=1, deadline_s=0, env=env) as stack:
-        client = httpx.Client(base_url=stack.url, headers=stack.auth, timeout=600,
-                              limits=httpx.Limits(max_connections=args.concurrency + 4))
+        client = httpx.Client(
+            base_url=stack.url,
+            headers=stack.auth,
+            timeout=600,
+            limits=httpx.Limits(max_connections=args.concurrency + 4),
+        )
         run_phase(client, model, "json_schema", 4, 1, 32, 10_000)  # warm-up: compile paths, tokenizer caches
         run_phase(client, model, "plain", 4, 1, 32, 10_000)
         phases = []
@@ -131,8 +176,11 @@ def main(argv: list[str] | None = None) -> int:
                 phase = run_phase(client, model, kind, args.concurrency, per_client, args.max_tokens, r * 1000)
                 phase["round"] = r
                 phases.append(phase)
-                print(f"round {r} {kind:<12} {phase['output_tok_s']:>8.1f} tok/s  {phase['completion_tokens']:>6} "
-                      f"tokens  {phase['wall_s']:>6.1f} s  {phase['finish_reasons']}", flush=True)
+                print(
+                    f"round {r} {kind:<12} {phase['output_tok_s']:>8.1f} tok/s  {phase['completion_tokens']:>6} "
+                    f"tokens  {phase['wall_s']:>6.1f} s  {phase['finish_reasons']}",
+                    flush=True,
+                )
     ratios = []
     for r in range(rounds):
         plain = next(p for p in phases if p["round"] == r and p["kind"] == "plain")
@@ -140,11 +188,20 @@ def main(argv: list[str] | None = None) -> int:
         ratios.append(structured["output_tok_s"] / plain["output_tok_s"])
     structured_phases = [p for p in phases if p["kind"] == "json_schema"]
     result = {
-        "schema": SCHEMA, "provenance": provenance(profile["device"]),
+        "schema": SCHEMA,
+        "provenance": provenance(profile["device"]),
         "model": model if "shape" not in profile else f"{profile['shape']} (random weights, synthetic tokenizer)",
-        "workload": {"concurrency": args.concurrency, "requests_per_client": per_client,
-                     "max_tokens": args.max_tokens, "temperature": 1.0, "rounds": rounds, "workers": 1,
-                     "prompt": PROMPT, "json_schema": RECORDS, "profile": args.profile},
+        "workload": {
+            "concurrency": args.concurrency,
+            "requests_per_client": per_client,
+            "max_tokens": args.max_tokens,
+            "temperature": 1.0,
+            "rounds": rounds,
+            "workers": 1,
+            "prompt": PROMPT,
+            "json_schema": RECORDS,
+            "profile": args.profile,
+        },
         "phases": phases,
         "ratios": [round(x, 4) for x in ratios],
         "ratio_median": round(statistics.median(ratios), 4),
@@ -154,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         "structured_validated": sum(p["validated"] for p in structured_phases),
     }
     write(args.output, result)
-    print(f"json_schema throughput / plain: median {result['ratio_median']:.3f} over {rounds} pairs "
-          f"(bound {BOUND}); {result['structured_valid']}/{result['structured_validated']} answers valid")
+    print(
+        f"json_schema throughput / plain: median {result['ratio_median']:.3f} over {rounds} pairs "
+        f"(bound {BOUND}); {result['structured_valid']}/{result['structured_validated']} answers valid"
+    )
     print(f"wrote {args.output}")
     return 0
 

@@ -15,9 +15,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 STATUS = ROOT / "runtime" / "kernel_status.json"
 # Ops a model never calls (its decoder uses a fused op instead).
-OFF_PATH = {"qwen3-0.6b": {"rotary_embedding": "Qwen3 uses qk_norm_rope_store_kv",
-                           "qk_norm_rope": "fused into qk_norm_rope_store_kv",
-                           "store_kv": "fused into qk_norm_rope_store_kv"}}
+OFF_PATH = {
+    "qwen3-0.6b": {
+        "rotary_embedding": "Qwen3 uses qk_norm_rope_store_kv",
+        "qk_norm_rope": "fused into qk_norm_rope_store_kv",
+        "store_kv": "fused into qk_norm_rope_store_kv",
+    }
+}
 
 
 def main(artifact: str) -> int:
@@ -32,9 +36,13 @@ def main(artifact: str) -> int:
         row = ablation.get(op)
         if op in OFF_PATH.get(data["model"], ()):
             # Turning off an op the model never calls changes nothing: any "gain" measured is noise.
-            ops[op] = {"status": "experimental", "numerics": row["numerics"] if isinstance(row, dict) else None,
-                       "reason": f"not on {data['model']}'s path ({OFF_PATH[data['model']][op]}); no end-to-end "
-                                 "effect to measure on the GPU model", "artifact": artifact}
+            ops[op] = {
+                "status": "experimental",
+                "numerics": row["numerics"] if isinstance(row, dict) else None,
+                "reason": f"not on {data['model']}'s path ({OFF_PATH[data['model']][op]}); no end-to-end "
+                "effect to measure on the GPU model",
+                "artifact": artifact,
+            }
             if ops[op]["numerics"] is None:
                 del ops[op]["numerics"]
             continue
@@ -44,16 +52,24 @@ def main(artifact: str) -> int:
         ops[op] = {
             "status": row["status"],
             "numerics": row["numerics"],
-            "e2e": {"throughput_gain_pct": row["e2e_gain_tok_per_s_pct"], "itl_gain_pct": row["e2e_gain_itl_pct"],
-                    "noise_band_pct": ablation.get("__noise_pct__")},
+            "e2e": {
+                "throughput_gain_pct": row["e2e_gain_tok_per_s_pct"],
+                "itl_gain_pct": row["e2e_gain_itl_pct"],
+                "noise_band_pct": ablation.get("__noise_pct__"),
+            },
             "artifact": str(Path(artifact).relative_to(ROOT)) if Path(artifact).is_absolute() else artifact,
         }
-    out = {"schema": "kernellab.acceptance/v1",
-           "source": {"commit": data["provenance"]["commit"], "gpu": data["provenance"].get("gpu"),
-                      "date": data["provenance"]["date"]},
-           "rule": "accepted = numerics pass at real shapes AND turning the op off slows the complete workload "
-                   "(decode 64x128 throughput or batch-1 ITL) beyond the noise band without speeding up the other",
-           "ops": ops}
+    out = {
+        "schema": "kernellab.acceptance/v1",
+        "source": {
+            "commit": data["provenance"]["commit"],
+            "gpu": data["provenance"].get("gpu"),
+            "date": data["provenance"]["date"],
+        },
+        "rule": "accepted = numerics pass at real shapes AND turning the op off slows the complete workload "
+        "(decode 64x128 throughput or batch-1 ITL) beyond the noise band without speeding up the other",
+        "ops": ops,
+    }
     STATUS.write_text(json.dumps(out, indent=2) + "\n")
     for op, e in ops.items():
         print(f"{op:24s} {e['status']}")

@@ -54,9 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with open(args.pyproject, "rb") as handle:
         pyproject = tomllib.load(handle)
-    sys.stdout.write(
-        "".join(line + "\n" for line in select(pyproject, args.all_core, args.dep, args.exclude))
-    )
+    sys.stdout.write("".join(line + "\n" for line in select(pyproject, args.all_core, args.dep, args.exclude)))
     return 0
 
 

@@ -29,11 +29,21 @@ def git_commit() -> str:
     if os.environ.get("KERNELLAB_COMMIT"):  # the device machine's copy of the tree has no git history
         return os.environ["KERNELLAB_COMMIT"]
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent.parent)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
         # "-dirty" when the code differs from the commit (edits to docs or results do not change a figure)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS],
-                               capture_output=True, text=True, timeout=5, cwd=Path(__file__).resolve().parent.parent)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
         commit = out.stdout.strip() or "unknown"
         return commit + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
@@ -69,13 +79,29 @@ def provenance(device: str = "cpu") -> dict:
     }
     if device.startswith("cuda") and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        info.update(gpu=props.name, gpu_sms=props.multi_processor_count,
-                    gpu_memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
+        info.update(
+            gpu=props.name,
+            gpu_sms=props.multi_processor_count,
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            cuda=torch.version.cuda,
+        )
     return info
 
 
-CODE_PATHS = ("kernellab", "runtime", "kernels", "services", "benchmarks", "tests", "scripts", "runpod", "images",
-              "pyproject.toml", "Makefile", "docker-compose.yml")
+CODE_PATHS = (
+    "kernellab",
+    "runtime",
+    "kernels",
+    "services",
+    "benchmarks",
+    "tests",
+    "scripts",
+    "runpod",
+    "images",
+    "pyproject.toml",
+    "Makefile",
+    "docker-compose.yml",
+)
 
 
 def schema_path(schema: str) -> Path:

@@ -99,9 +99,7 @@ def _topk_partial_kernel(x_ptr, key_ptr, n_cols, stride_x, n_chunks, CHUNK: tl.c
 
 
 @triton.jit
-def _topk_merge_kernel(
-    x_ptr, key_ptr, val_ptr, idx_ptr, stride_x, n_keys, k, K_PAD: tl.constexpr, N_PAD: tl.constexpr
-):
+def _topk_merge_kernel(x_ptr, key_ptr, val_ptr, idx_ptr, stride_x, n_keys, k, K_PAD: tl.constexpr, N_PAD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, N_PAD)
     key = tl.load(key_ptr + row * n_keys + j, mask=j < n_keys, other=-9223372036854775807 - 1)
@@ -144,7 +142,11 @@ def argmax(logits: torch.Tensor, *, out: torch.Tensor | None = None, chunk: int 
 
 
 def topk(
-    logits: torch.Tensor, k: int, *, values: torch.Tensor | None = None, indices: torch.Tensor | None = None,
+    logits: torch.Tensor,
+    k: int,
+    *,
+    values: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
     chunk: int = _TOPK_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest logits per row, descending, and their int64 indices (``1 ≤ k ≤ 256``)."""

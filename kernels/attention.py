@@ -48,8 +48,26 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, start, end, n_keys, d, d_mask,
-            qk_scale, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, IEEE: tl.constexpr):
+def _attend(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_base,
+    v_base,
+    stride_kt,
+    stride_vt,
+    q_pos,
+    start,
+    end,
+    n_keys,
+    d,
+    d_mask,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     for s0 in range(start, end, BLOCK_N):
         kp = s0 + tl.arange(0, BLOCK_N)
         kv_mask = (kp < n_keys)[:, None] & d_mask[None, :]
@@ -76,9 +94,27 @@ def _attend(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, start
 
 @triton.jit
 def _causal_attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, n_queries, n_keys, qk_scale, group, head_dim,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, IEEE: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    n_queries,
+    n_keys,
+    qk_scale,
+    group,
+    head_dim,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_PAD: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
@@ -99,18 +135,66 @@ def _causal_attention_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     k_base = k_ptr + hk * stride_kh
     v_base = v_ptr + hk * stride_vh
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, 0, lo, n_keys, d, d_mask,
-                            qk_scale, BLOCK_N, False, IEEE)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, lo, hi, n_keys, d, d_mask,
-                            qk_scale, BLOCK_N, True, IEEE)
+    acc, l_i, m_i = _attend(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        stride_kt,
+        stride_vt,
+        q_pos,
+        0,
+        lo,
+        n_keys,
+        d,
+        d_mask,
+        qk_scale,
+        BLOCK_N,
+        False,
+        IEEE,
+    )
+    acc, l_i, m_i = _attend(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        stride_kt,
+        stride_vt,
+        q_pos,
+        lo,
+        hi,
+        n_keys,
+        d,
+        d_mask,
+        qk_scale,
+        BLOCK_N,
+        True,
+        IEEE,
+    )
     o = acc / l_i[:, None]
-    tl.store(o_ptr + rows.to(tl.int64)[:, None] * stride_ot + h * stride_oh + d[None, :],
-             o.to(o_ptr.dtype.element_ty), mask=row_mask)
+    tl.store(
+        o_ptr + rows.to(tl.int64)[:, None] * stride_ot + h * stride_oh + d[None, :],
+        o.to(o_ptr.dtype.element_ty),
+        mask=row_mask,
+    )
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, group: int, *,
-    out: torch.Tensor | None = None, block_m: int = 128, block_n: int = 64, num_warps: int = 8, num_stages: int = 3,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    group: int,
+    *,
+    out: torch.Tensor | None = None,
+    block_m: int = 128,
+    block_n: int = 64,
+    num_warps: int = 8,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """Causal GQA attention of ``q: (Tq, Hq, D)`` over ``k, v: (Tk, Hk, D)`` (Tk ≥ Tq, queries at the end)."""
     Tq, Hq, D = q.shape
@@ -126,9 +210,28 @@ def causal_attention(
     if Tq == 0:
         return out
     _causal_attention_kernel[(cdiv(Tq, block_m), Hq)](
-        q, k, v, out, Tq, Tk, scale * _LOG2E, group, D,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=max(16, next_pow2(D)), IEEE=q.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
+        q,
+        k,
+        v,
+        out,
+        Tq,
+        Tk,
+        scale * _LOG2E,
+        group,
+        D,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        D_PAD=max(16, next_pow2(D)),
+        IEEE=q.dtype == torch.float32,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out

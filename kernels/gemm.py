@@ -45,8 +45,19 @@ __all__ = ["bucket_config", "linear"]
 
 @triton.jit
 def _gemm_kernel(
-    a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_bn, stride_cm,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -106,7 +117,16 @@ def linear(
     cfg = dict(config or bucket_config(M))
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
     _gemm_kernel[grid](
-        x2, weight, out2, M, N, K, x2.stride(0), weight.stride(0), out2.stride(0),
-        IEEE=x.dtype == torch.float32, **cfg,
+        x2,
+        weight,
+        out2,
+        M,
+        N,
+        K,
+        x2.stride(0),
+        weight.stride(0),
+        out2.stride(0),
+        IEEE=x.dtype == torch.float32,
+        **cfg,
     )
     return out

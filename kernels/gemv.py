@@ -91,11 +91,29 @@ class GemvConfig:
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, K, stride_xm, stride_wn, stride_om, k_per_split, split_k,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    W_BITS: tl.constexpr, USE_DOT: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    k_per_split,
+    split_k,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    W_BITS: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -135,8 +153,9 @@ def _gemv_kernel(
             hi = ((b >> 4) - 8).to(tl.float32)
             if USE_DOT:
                 k = k0 + tl.arange(0, BLOCK_K)
-                xt = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
-                             mask=m_mask[:, None] & (k < k_hi)[None, :], other=0.0)
+                xt = tl.load(
+                    x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & (k < k_hi)[None, :], other=0.0
+                )
                 w = tl.interleave(lo, hi).to(x_ty)
                 acc = tl.dot(xt, tl.trans(w), acc)
             else:
@@ -148,8 +167,7 @@ def _gemv_kernel(
             km = k < k_hi
             w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & km[None, :], other=0)
             if USE_DOT:
-                xt = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
-                             mask=m_mask[:, None] & km[None, :], other=0.0)
+                xt = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0)
                 wt = tl.trans(w.to(tl.float32).to(x_ty))  # int8 → fp32 → x dtype: exact for |q| ≤ 128
                 if IEEE:
                     acc = tl.dot(xt, wt, acc, input_precision="ieee")
@@ -223,8 +241,12 @@ def split_for(N: int, K: int, block_n: int, block_k: int, device: torch.device) 
 
 
 def gemv(
-    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, w_bits: int,
-    out: torch.Tensor | None, config: GemvConfig | None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor | None,
+    w_bits: int,
+    out: torch.Tensor | None,
+    config: GemvConfig | None,
 ) -> torch.Tensor:
     """Launcher shared by the dense and quantized entry points. ``weight`` holds K/2 bytes per row for int4."""
     K = x.shape[-1]
@@ -253,11 +275,31 @@ def gemv(
     else:
         ws = cnt = out2  # unused (SPLIT=False)
     _gemv_kernel[(n_blocks, split)](
-        x2, weight, scales if scales is not None else weight, out2, ws, cnt,
-        M, N, K, x2.stride(0), weight.stride(0), out2.stride(0), k_per_split, split,
-        BLOCK_M=16 if use_dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, W_BITS=w_bits, USE_DOT=use_dot,
-        SPLIT=split > 1, IEEE=x.dtype == torch.float32, NUM_STAGES=cfg.num_stages, PDL=pdl,
-        num_warps=cfg.num_warps, launch_pdl=pdl,
+        x2,
+        weight,
+        scales if scales is not None else weight,
+        out2,
+        ws,
+        cnt,
+        M,
+        N,
+        K,
+        x2.stride(0),
+        weight.stride(0),
+        out2.stride(0),
+        k_per_split,
+        split,
+        BLOCK_M=16 if use_dot else 1,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        W_BITS=w_bits,
+        USE_DOT=use_dot,
+        SPLIT=split > 1,
+        IEEE=x.dtype == torch.float32,
+        NUM_STAGES=cfg.num_stages,
+        PDL=pdl,
+        num_warps=cfg.num_warps,
+        launch_pdl=pdl,
     )
     return out
 

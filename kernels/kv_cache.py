@@ -36,9 +36,23 @@ __all__ = ["store_kv"]
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_size, n_kv_heads, head_dim,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_co, stride_ch,
-    H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    block_size,
+    n_kv_heads,
+    head_dim,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_co,
+    stride_ch,
+    H_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -68,7 +82,20 @@ def store_kv(
     if T == 0:
         return
     _store_kv_kernel[(T,)](
-        k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1], Hk, D,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3],
-        H_PAD=next_pow2(Hk), D_PAD=next_pow2(D), num_warps=4,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k_cache.shape[1],
+        Hk,
+        D,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        *k_cache.stride()[:3],
+        H_PAD=next_pow2(Hk),
+        D_PAD=next_pow2(D),
+        num_warps=4,
     )

@@ -67,11 +67,37 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, acc_ws_ptr, ml_ws_ptr, cnt_ptr,
-    qk_scale, block_size, tokens_per_split, n_splits, n_q_heads, n_kv_heads, head_dim,
-    stride_qb, stride_qh, stride_cb, stride_co, stride_ch, stride_bt, stride_ob, stride_oh,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    S_PAD: tl.constexpr, IEEE: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    acc_ws_ptr,
+    ml_ws_ptr,
+    cnt_ptr,
+    qk_scale,
+    block_size,
+    tokens_per_split,
+    n_splits,
+    n_q_heads,
+    n_kv_heads,
+    head_dim,
+    stride_qb,
+    stride_qh,
+    stride_cb,
+    stride_co,
+    stride_ch,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    S_PAD: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -85,8 +111,11 @@ def _paged_decode_kernel(
     g_mask = g < GROUP
     d_mask = d < head_dim
     heads = hk * GROUP + g
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
 
     m_i = tl.full([G_PAD], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
@@ -135,12 +164,19 @@ def _paged_decode_kernel(
                 rows = (b.to(tl.int64) * n_q_heads + hk * GROUP + gi) * n_splits + sl
                 m_s = tl.load(ml_ws_ptr + rows * 2, mask=s_mask, other=-float("inf"), cache_modifier=".cg")
                 l_s = tl.load(ml_ws_ptr + rows * 2 + 1, mask=s_mask, other=0.0, cache_modifier=".cg")
-                a_s = tl.load(acc_ws_ptr + rows[:, None] * D_PAD + d[None, :], mask=s_mask[:, None] & d_mask[None, :],
-                              other=0.0, cache_modifier=".cg")
+                a_s = tl.load(
+                    acc_ws_ptr + rows[:, None] * D_PAD + d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
                 w = tl.exp2(m_s - tl.max(m_s, axis=0))  # the max is finite: slice 0 always holds token 0
                 o = tl.sum(a_s * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
-                tl.store(out_ptr + b.to(tl.int64) * stride_ob + (hk * GROUP + gi) * stride_oh + d,
-                         o.to(out_ptr.dtype.element_ty), mask=d_mask)
+                tl.store(
+                    out_ptr + b.to(tl.int64) * stride_ob + (hk * GROUP + gi) * stride_oh + d,
+                    o.to(out_ptr.dtype.element_ty),
+                    mask=d_mask,
+                )
             tl.atomic_xchg(counter, 0)
     else:
         o = acc / l_i[:, None]
@@ -157,9 +193,18 @@ def num_splits(batch: int, kv_heads: int, max_context: int, block_n: int, device
 
 
 def paged_decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
-    max_context_len: int | None = None, splits: int | None = None, block_n: int = 64, num_warps: int = 4,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    max_context_len: int | None = None,
+    splits: int | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
     """Decode attention of ``q: (B, Hq, D)`` over the paged caches; returns ``(B, Hq, D)`` in q's dtype.
@@ -195,10 +240,36 @@ def paged_decode_attention(
     else:
         acc_ws = ml_ws = counters = out  # unused (SPLIT=False)
     _paged_decode_kernel[(B, Hk, n_split)](
-        q, k_cache, v_cache, block_tables, context_lens, out, acc_ws, ml_ws, counters,
-        scale * _LOG2E, block_size, tokens_per_split, n_split, Hq, Hk, D,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, G_PAD=max(16, next_pow2(group)), D_PAD=d_pad, BLOCK_N=block_n, SPLIT=n_split > 1,
-        S_PAD=next_pow2(n_split), IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        acc_ws,
+        ml_ws,
+        counters,
+        scale * _LOG2E,
+        block_size,
+        tokens_per_split,
+        n_split,
+        Hq,
+        Hk,
+        D,
+        q.stride(0),
+        q.stride(1),
+        *k_cache.stride()[:3],
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        G_PAD=max(16, next_pow2(group)),
+        D_PAD=d_pad,
+        BLOCK_N=block_n,
+        SPLIT=n_split > 1,
+        S_PAD=next_pow2(n_split),
+        IEEE=q.dtype == torch.float32,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out

@@ -91,7 +91,11 @@ def dequantize_weight(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -
 
 
 def linear_w8a16(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, out: torch.Tensor | None = None,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
     config: GemvConfig | None = None,
 ) -> torch.Tensor:
     """``x @ (scales[:, None] · qweight).T`` for int8 ``qweight: (N, K)``; ``x: (M ≤ 16, K)`` in bf16/fp16/fp32."""
@@ -100,7 +104,11 @@ def linear_w8a16(
 
 
 def linear_w4a16(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, out: torch.Tensor | None = None,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
     config: GemvConfig | None = None,
 ) -> torch.Tensor:
     """``x @ dequant(qweight).T`` for packed int4 ``qweight: (N, K/2)`` uint8; ``x: (M ≤ 16, K)``."""

@@ -55,9 +55,22 @@ _MAX_SINGLE_PASS = 8192  # widest row held in registers at once
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    n_rows, H, stride_x, stride_res, stride_out, stride_res_out, eps,
-    BLOCK_H: tl.constexpr, ROWS: tl.constexpr, ADD_RESIDUAL: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    n_rows,
+    H,
+    stride_x,
+    stride_res,
+    stride_out,
+    stride_res_out,
+    eps,
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
+    SINGLE_PASS: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
@@ -144,26 +157,52 @@ def _launch(x, residual, weight, eps, out, residual_out, rows_per_program, num_w
     single, block_h, rows, warps = _config(H, n_rows, rows_per_program, num_warps, max_single_pass)
     if n_rows:
         _rms_norm_kernel[(cdiv(n_rows, rows),)](
-            x2, res2, weight, out2, res_out2,
-            n_rows, H, x2.stride(0), res2.stride(0), out2.stride(0), res_out2.stride(0), eps,
-            BLOCK_H=block_h, ROWS=rows, ADD_RESIDUAL=residual is not None, SINGLE_PASS=single,
+            x2,
+            res2,
+            weight,
+            out2,
+            res_out2,
+            n_rows,
+            H,
+            x2.stride(0),
+            res2.stride(0),
+            out2.stride(0),
+            res_out2.stride(0),
+            eps,
+            BLOCK_H=block_h,
+            ROWS=rows,
+            ADD_RESIDUAL=residual is not None,
+            SINGLE_PASS=single,
             num_warps=warps,
         )
     return out, residual_out
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None,
-    rows_per_program: int | None = None, num_warps: int | None = None, max_single_pass: int = _MAX_SINGLE_PASS,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    out: torch.Tensor | None = None,
+    rows_per_program: int | None = None,
+    num_warps: int | None = None,
+    max_single_pass: int = _MAX_SINGLE_PASS,
 ) -> torch.Tensor:
     """``weight · (x / sqrt(mean(x², -1) + eps))`` over the last dim of ``x: (..., H)``; ``weight: (H,)``."""
     return _launch(x, None, weight, eps, out, None, rows_per_program, num_warps, max_single_pass)[0]
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
-    out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
-    rows_per_program: int | None = None, num_warps: int | None = None, max_single_pass: int = _MAX_SINGLE_PASS,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    rows_per_program: int | None = None,
+    num_warps: int | None = None,
+    max_single_pass: int = _MAX_SINGLE_PASS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``r = x + residual``; returns ``(rms_norm(r, weight, eps), r)``. ``residual_out=residual`` is in place."""
     return _launch(x, residual, weight, eps, out, residual_out, rows_per_program, num_warps, max_single_pass)

@@ -56,8 +56,17 @@ __all__ = ["qk_norm_rope", "qk_norm_rope_store_kv", "rotary_embedding"]
 
 @triton.jit
 def _norm_rope_heads(
-    x_ptr, stride_h, n_heads, w_ptr, cos, sin, eps,
-    H_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr,
+    x_ptr,
+    stride_h,
+    n_heads,
+    w_ptr,
+    cos,
+    sin,
+    eps,
+    H_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """Load ``n_heads`` heads of one token, optionally RMS-normalise each over D, rotate; return both halves."""
     h = tl.arange(0, H_PAD)
@@ -86,15 +95,42 @@ def _norm_rope_heads(
 
 @triton.jit
 def _qk_rope_kernel(
-    pos_ptr, cs_ptr, q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr,
-    k_cache_ptr, v_cache_ptr, slot_ptr, eps, block_size,
-    n_q_heads, n_kv_heads,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_qot, stride_qoh, stride_kot, stride_koh,
-    stride_cb, stride_co, stride_ch,
+    pos_ptr,
+    cs_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    qw_ptr,
+    kw_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    eps,
+    block_size,
+    n_q_heads,
+    n_kv_heads,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
+    stride_cb,
+    stride_co,
+    stride_ch,
     stride_cs,
-    HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-    NORM: tl.constexpr, STORE: tl.constexpr,
+    HQ_PAD: tl.constexpr,
+    HK_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    NORM: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -103,15 +139,17 @@ def _qk_rope_kernel(
     cos = tl.load(cs_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0).to(act_ty).to(tl.float32)[None, :]
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=d < HALF, other=0.0).to(act_ty).to(tl.float32)[None, :]
 
-    q1, q2, qmask = _norm_rope_heads(q_ptr + t * stride_qt, stride_qh, n_q_heads, qw_ptr, cos, sin, eps,
-                                     HQ_PAD, HALF, HALF_PAD, NORM)
+    q1, q2, qmask = _norm_rope_heads(
+        q_ptr + t * stride_qt, stride_qh, n_q_heads, qw_ptr, cos, sin, eps, HQ_PAD, HALF, HALF_PAD, NORM
+    )
     hq = tl.arange(0, HQ_PAD)
     qo = q_out_ptr + t * stride_qot + hq[:, None] * stride_qoh + d[None, :]
     tl.store(qo, q1, mask=qmask)
     tl.store(qo + HALF, q2, mask=qmask)
 
-    k1, k2, kmask = _norm_rope_heads(k_ptr + t * stride_kt, stride_kh, n_kv_heads, kw_ptr, cos, sin, eps,
-                                     HK_PAD, HALF, HALF_PAD, NORM)
+    k1, k2, kmask = _norm_rope_heads(
+        k_ptr + t * stride_kt, stride_kh, n_kv_heads, kw_ptr, cos, sin, eps, HK_PAD, HALF, HALF_PAD, NORM
+    )
     hk = tl.arange(0, HK_PAD)
     ko = k_out_ptr + t * stride_kot + hk[:, None] * stride_koh + d[None, :]
     tl.store(ko, k1, mask=kmask)
@@ -170,21 +208,54 @@ def _launch(positions, q, k, v, q_w, k_w, eps, cos_sin_cache, k_cache, v_cache, 
         return q_out, k_out
     half = D // 2
     _qk_rope_kernel[(T,)](
-        positions, cos_sin_cache, q, k, v, q_w if norm else q, k_w if norm else k, q_out, k_out,
-        k_cache, v_cache, slot_mapping, eps, block_size, Hq, Hk,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-        *cache_strides, cos_sin_cache.stride(0),
-        HQ_PAD=next_pow2(Hq), HK_PAD=next_pow2(Hk), HALF=half, HALF_PAD=next_pow2(half),
-        NORM=norm, STORE=store, num_warps=4,
+        positions,
+        cos_sin_cache,
+        q,
+        k,
+        v,
+        q_w if norm else q,
+        k_w if norm else k,
+        q_out,
+        k_out,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        eps,
+        block_size,
+        Hq,
+        Hk,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_out.stride(0),
+        k_out.stride(1),
+        *cache_strides,
+        cos_sin_cache.stride(0),
+        HQ_PAD=next_pow2(Hq),
+        HK_PAD=next_pow2(Hk),
+        HALF=half,
+        HALF_PAD=next_pow2(half),
+        NORM=norm,
+        STORE=store,
+        num_warps=4,
         enable_fp_fusion=False,  # keep every bf16 rounding of the reference (see Precision)
     )
     return q_out, k_out
 
 
 def rotary_embedding(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, *,
-    q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    *,
+    q_out: torch.Tensor | None = None,
+    k_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on ``q: (T, Hq, D)`` and ``k: (T, Hk, D)`` at ``positions: (T,)``; returns ``(q_rot, k_rot)``.
 
@@ -194,24 +265,55 @@ def rotary_embedding(
 
 
 def qk_norm_rope(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm_weight: torch.Tensor,
-    k_norm_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor, *,
-    q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    *,
+    q_out: torch.Tensor | None = None,
+    k_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3: per-head RMSNorm of q and k over D, then RoPE, in one pass."""
-    return _launch(positions, q, k, None, q_norm_weight, k_norm_weight, eps, cos_sin_cache,
-                   None, None, None, q_out, k_out)
+    return _launch(
+        positions, q, k, None, q_norm_weight, k_norm_weight, eps, cos_sin_cache, None, None, None, q_out, k_out
+    )
 
 
 def qk_norm_rope_store_kv(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_weight: torch.Tensor,
-    k_norm_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
-    v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
-    q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    q_out: torch.Tensor | None = None,
+    k_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``qk_norm_rope`` and then ``store_kv(k_rot, v, k_cache, v_cache, slot_mapping)``, in one pass.
 
     Slots < 0 are skipped (padding tokens). Returns ``(q_rot, k_rot)``.
     """
-    return _launch(positions, q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache,
-                   k_cache, v_cache, slot_mapping, q_out, k_out)
+    return _launch(
+        positions,
+        q,
+        k,
+        v,
+        q_norm_weight,
+        k_norm_weight,
+        eps,
+        cos_sin_cache,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        q_out,
+        k_out,
+    )

@@ -110,7 +110,15 @@ def softmax(
     warps = max(1, min(16, chunk // 512))
     _softmax_partial_kernel[(rows, n_chunks)](x2, ml, n, x2.stride(0), n_chunks, CHUNK=chunk, num_warps=warps)
     _softmax_normalize_kernel[(rows, n_chunks)](
-        x2, ml, out2, n, x2.stride(0), out2.stride(0), n_chunks, CHUNK=chunk, C_PAD=next_pow2(n_chunks),
+        x2,
+        ml,
+        out2,
+        n,
+        x2.stride(0),
+        out2.stride(0),
+        n_chunks,
+        CHUNK=chunk,
+        C_PAD=next_pow2(n_chunks),
         num_warps=warps,
     )
     return out

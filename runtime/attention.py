@@ -33,20 +33,36 @@ class AttentionMetadata:
 
 
 def paged_attention(
-    ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float,
+    ops,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
 ) -> torch.Tensor:
     """``q: (T, Hq, D)`` → ``(T, Hq, D)``; the step's K/V (``k, v``) must already be stored in the caches."""
     nd = meta.num_decode_tokens
     if nd == q.shape[0]:
-        return ops.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        return ops.paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+        )
     if meta.prefill_fresh:
         prefill = ops.varlen_causal_attention(q[nd:], k[nd:], v[nd:], meta.prefill_cu_seqlens_host, scale)
     else:
-        prefill = ops.paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
-                                              meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale)
+        prefill = ops.paged_prefill_attention(
+            q[nd:],
+            k_cache,
+            v_cache,
+            meta.prefill_block_tables,
+            meta.prefill_cu_seqlens_q,
+            meta.prefill_context_lens,
+            scale,
+        )
     if nd == 0:
         return prefill
-    decode = ops.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                        scale)
+    decode = ops.paged_decode_attention(
+        q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+    )
     return torch.cat([decode, prefill])

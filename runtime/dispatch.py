@@ -23,8 +23,16 @@ STATUS_FILE = Path(__file__).with_name("kernel_status.json")
 # The ops with a Triton kernel in ``kernellab.kernels.KERNELS`` (the same set: tests/unit/kernels/test_registry.py).
 # The kernels of ``kernels.STANDALONE`` (teaching chapters, quantized GEMVs) are never dispatched.
 REPLACEABLE = (
-    "rms_norm", "add_rms_norm", "rotary_embedding", "qk_norm_rope", "qk_norm_rope_store_kv", "store_kv",
-    "silu_and_mul", "linear", "paged_decode_attention", "argmax",
+    "rms_norm",
+    "add_rms_norm",
+    "rotary_embedding",
+    "qk_norm_rope",
+    "qk_norm_rope_store_kv",
+    "store_kv",
+    "silu_and_mul",
+    "linear",
+    "paged_decode_attention",
+    "argmax",
 )
 _TORCH_ONLY = ("paged_prefill_attention", "varlen_causal_attention")  # the model's other ops: always the reference
 LEVELS = {"accepted": ("accepted",), "experimental": ("accepted", "experimental"), "none": ()}
@@ -40,8 +48,9 @@ def triton_runs_on(device) -> bool:
     return getattr(device, "type", str(device)) == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def build_ops(kernels: str, device, status: dict[str, dict] | None = None, disabled: tuple[str, ...] = ()
-              ) -> SimpleNamespace:
+def build_ops(
+    kernels: str, device, status: dict[str, dict] | None = None, disabled: tuple[str, ...] = ()
+) -> SimpleNamespace:
     """An ops namespace: the torch reference for every op, with the allowed Triton kernels swapped in.
     ``ns.enabled`` lists the ops that run as Triton kernels."""
     if kernels not in LEVELS:

@@ -116,8 +116,14 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        log.info("engine ready: %s on %s/%s, %d KV blocks, %.1fs", self.spec.name, device, dtype,
-                 self.runner.num_blocks, time.perf_counter() - t0)
+        log.info(
+            "engine ready: %s on %s/%s, %d KV blocks, %.1fs",
+            self.spec.name,
+            device,
+            dtype,
+            self.runner.num_blocks,
+            time.perf_counter() - t0,
+        )
 
     @property
     def tokenizer(self):
@@ -128,8 +134,16 @@ class LLMEngine:
         return self._tokenizer
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
-                    priority: int = 0, deadline: float | None = None, output_token_ids=()) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        deadline: float | None = None,
+        output_token_ids=(),
+    ) -> None:
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
@@ -139,19 +153,25 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if not prompt:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in [*prompt, *output_token_ids]):
+        if any(
+            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in [*prompt, *output_token_ids]
+        ):
             raise InvalidRequestError(f"token ids must be integers in [0, {vocab})", param="prompt")
         total = len(prompt) + len(output_token_ids)
         if total >= self.max_model_len:
             raise ContextLengthError(
                 f"the prompt has {total} tokens; this model's context is {self.max_model_len} tokens, which leaves no "
-                "room to generate", param="prompt")
+                "room to generate",
+                param="prompt",
+            )
         if params.max_tokens is None:
             max_tokens = self.max_model_len - len(prompt)
         elif len(prompt) + params.max_tokens > self.max_model_len:
             raise ContextLengthError(
                 f"max_tokens={params.max_tokens} plus the prompt's {len(prompt)} tokens exceeds the context of "
-                f"{self.max_model_len} tokens", param="max_tokens")
+                f"{self.max_model_len} tokens",
+                param="max_tokens",
+            )
         else:
             max_tokens = params.max_tokens
         if params.logit_bias and any(t >= vocab for t in params.logit_bias):
@@ -171,8 +191,9 @@ class LLMEngine:
         try:
             tokenizer = self.tokenizer
         except (ModelNotAvailableError, FileNotFoundError):
-            raise InvalidRequestError(f"structured output needs {self.spec.name}'s tokenizer, which is not here",
-                                      param=structured.PARAM) from None
+            raise InvalidRequestError(
+                f"structured output needs {self.spec.name}'s tokenizer, which is not here", param=structured.PARAM
+            ) from None
         lltok = structured.ll_tokenizer(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         return structured.GrammarState(lltok, spec, output_token_ids)
 
@@ -256,8 +277,12 @@ class LLMEngine:
             if ok and not grammar.is_stopped:
                 continue
             if grammar.is_error:
-                log.warning("request %s: grammar matcher failed after token %d, stopping it: %s", seq.request_id,
-                            token, grammar.error)
+                log.warning(
+                    "request %s: grammar matcher failed after token %d, stopping it: %s",
+                    seq.request_id,
+                    token,
+                    grammar.error,
+                )
             if seq.is_finished:
                 seq.finish_reason, seq.stop_reason = "stop", None
             else:
@@ -267,14 +292,32 @@ class LLMEngine:
         if seq.is_finished:
             self._detokenizers.pop(seq.request_id, None)
             seq.grammar = None
-        return RequestOutput(seq.request_id, tokens, logprobs, seq.is_finished, seq.finish_reason, seq.stop_reason,
-                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
+        return RequestOutput(
+            seq.request_id,
+            tokens,
+            logprobs,
+            seq.is_finished,
+            seq.finish_reason,
+            seq.stop_reason,
+            seq.num_prompt_tokens,
+            seq.num_output_tokens,
+            seq.num_cached_tokens,
+        )
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage, bm.num_free_blocks,
-                           bm.num_blocks, bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
-                           self.prompt_tokens, self.generation_tokens)
+        return EngineStats(
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            bm.usage,
+            bm.num_free_blocks,
+            bm.num_blocks,
+            bm.prefix_queries,
+            bm.prefix_hits,
+            self.scheduler.num_preemptions,
+            self.prompt_tokens,
+            self.generation_tokens,
+        )
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
@@ -326,9 +369,12 @@ class LLM:
             return list(prompt)
         raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}", param="prompt")
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, on_step=None
-                 ) -> list[GenerationOutput]:
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int | dict))
+    def generate(
+        self, prompts, params: SamplingParams | list[SamplingParams] | None = None, on_step=None
+    ) -> list[GenerationOutput]:
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int | dict)
+        )
         prompts = [prompts] if single else list(prompts)
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         results: dict[str, GenerationOutput] = {}

@@ -25,8 +25,16 @@ PREFILL_BUCKETS = (128, 256, 512, 1024, 2048, 4096)
 
 
 class GraphRunner:
-    def __init__(self, model, kv_caches, device, block_size: int, max_model_len: int, max_num_seqs: int,
-                 prefill_buckets: tuple[int, ...] = PREFILL_BUCKETS):
+    def __init__(
+        self,
+        model,
+        kv_caches,
+        device,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        prefill_buckets: tuple[int, ...] = PREFILL_BUCKETS,
+    ):
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.block_size = block_size
         self.width = -(-max_model_len // block_size)
@@ -55,17 +63,32 @@ class GraphRunner:
     # ------------------------------------------------------------------ capture
     def _decode_meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
-            positions=self.inputs[1, :bs], slot_mapping=self.inputs[2, :bs], num_decode_tokens=bs,
-            decode_block_tables=self.tables[:bs], decode_context_lens=self.context_lens[:bs],
-            prefill_block_tables=None, prefill_cu_seqlens_q=None, prefill_context_lens=None,
-            logits_indices=torch.arange(bs, device=self.device), max_decode_context=self.width * self.block_size)
+            positions=self.inputs[1, :bs],
+            slot_mapping=self.inputs[2, :bs],
+            num_decode_tokens=bs,
+            decode_block_tables=self.tables[:bs],
+            decode_context_lens=self.context_lens[:bs],
+            prefill_block_tables=None,
+            prefill_cu_seqlens_q=None,
+            prefill_context_lens=None,
+            logits_indices=torch.arange(bs, device=self.device),
+            max_decode_context=self.width * self.block_size,
+        )
 
     def _prefill_meta(self, n: int) -> AttentionMetadata:
         return AttentionMetadata(
-            positions=self.inputs[1, :n], slot_mapping=self.inputs[2, :n], num_decode_tokens=0,
-            decode_block_tables=None, decode_context_lens=None, prefill_block_tables=None,
-            prefill_cu_seqlens_q=None, prefill_context_lens=None,
-            logits_indices=self.inputs[3, :1], prefill_cu_seqlens_host=[0, n], prefill_fresh=True)
+            positions=self.inputs[1, :n],
+            slot_mapping=self.inputs[2, :n],
+            num_decode_tokens=0,
+            decode_block_tables=None,
+            decode_context_lens=None,
+            prefill_block_tables=None,
+            prefill_cu_seqlens_q=None,
+            prefill_context_lens=None,
+            logits_indices=self.inputs[3, :1],
+            prefill_cu_seqlens_host=[0, n],
+            prefill_fresh=True,
+        )
 
     def _capture(self, key: tuple[str, int], meta: AttentionMetadata) -> None:
         n = key[1]
@@ -130,7 +153,9 @@ class GraphRunner:
         pos = pos0[None, :] + k  # (steps, n)
         live = k < np.asarray(allowed, dtype=np.int64)[None, :]
         pos = np.where(live, pos, pos0[None, :])
-        slots = t[np.arange(n)[None, :], pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
+        slots = (
+            t[np.arange(n)[None, :], pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
+        )
         plan = self.host_plan.numpy()
         plan[:steps, :, :bs] = 0
         plan[:steps, 0, :n] = pos

@@ -94,8 +94,9 @@ class CausalLM(nn.Module):
         return self.ops.linear(x, lin.weight)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list,
-                collect: list | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list, collect: list | None = None
+    ) -> torch.Tensor:
         """``collect``, when given, receives the residual stream after each layer (numerics checks)."""
         cfg, ops = self.cfg, self.ops
         eps = cfg.rms_norm_eps
@@ -114,8 +115,19 @@ class CausalLM(nn.Module):
             k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
             if cfg.qk_norm:
-                q, k = ops.qk_norm_rope_store_kv(meta.positions, q, k, v, attn.q_norm.weight, attn.k_norm.weight, eps,
-                                                 self.cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
+                q, k = ops.qk_norm_rope_store_kv(
+                    meta.positions,
+                    q,
+                    k,
+                    v,
+                    attn.q_norm.weight,
+                    attn.k_norm.weight,
+                    eps,
+                    self.cos_sin_cache,
+                    k_cache,
+                    v_cache,
+                    meta.slot_mapping,
+                )
             else:
                 q, k = ops.rotary_embedding(meta.positions, q, k, self.cos_sin_cache)
                 ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -156,8 +168,12 @@ class CausalLM(nn.Module):
             lin = self.get_submodule(module_name)
             parts = [got[i] for i in sorted(got)]
             kinds = {p[0] for p in parts}
-            if (sorted(got) != list(range(len(got))) or len(kinds) != 1
-                    or sum(p[1].shape[0] for p in parts) != lin.weight.shape[0] or lin.weight.shape[0] % 16):
+            if (
+                sorted(got) != list(range(len(got)))
+                or len(kinds) != 1
+                or sum(p[1].shape[0] for p in parts) != lin.weight.shape[0]
+                or lin.weight.shape[0] % 16
+            ):
                 continue  # a shard missing or of another type, or rows the int4pack layout cannot hold: dense
             arrays = fuse_rows([p[1:] for p in parts])
             lin.int4 = (Int4Weight.from_q4_1(*arrays) if kinds == {"q4_1"} else Int4Pair.from_q8_0(*arrays)).to(dtype)
@@ -191,7 +207,9 @@ class CausalLM(nn.Module):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
             dest.copy_(tensor)
             loaded.add(target)
-        missing = {n for n in params if n not in loaded and not (n == "lm_head.weight" and self.cfg.tie_word_embeddings)}
+        missing = {
+            n for n in params if n not in loaded and not (n == "lm_head.weight" and self.cfg.tie_word_embeddings)
+        }
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
         return loaded

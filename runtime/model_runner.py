@@ -29,7 +29,7 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device, preferred: str = "bfloat16") -> torch.dtype:
-    """"auto": the model's serving dtype on a GPU; on a CPU bf16 where the CPU has native bf16 dot
+    """ "auto": the model's serving dtype on a GPU; on a CPU bf16 where the CPU has native bf16 dot
     products (AVX512-BF16/AMX: half the weight bytes per token), else fp32."""
     if dtype != "auto":
         return DTYPES[dtype]
@@ -41,8 +41,17 @@ def resolve_dtype(dtype: str, device: torch.device, preferred: str = "bfloat16")
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int, weights=None, ops=torch_ops, int4_weights=None):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        cfg: EngineConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+        weights=None,
+        ops=torch_ops,
+        int4_weights=None,
+    ):
         self.cfg, self.model_cfg = cfg, model_cfg
         self.device, self.dtype = device, dtype
         self.block_size = cfg.block_size
@@ -76,8 +85,9 @@ class ModelRunner:
         self.graphs = None
         self.use_graphs = False  # False replays nothing: the same runner, eager (graph == eager checks)
         if device.type == "cuda" and cfg.cuda_graphs and graph_safe(ops, model_cfg.qk_norm):
-            self.graphs = GraphRunner(self.model, self.kv_caches, device, self.block_size, max_model_len,
-                                      cfg.max_num_seqs)
+            self.graphs = GraphRunner(
+                self.model, self.kv_caches, device, self.block_size, max_model_len, cfg.max_num_seqs
+            )
             self.graphs.capture()
             self.use_graphs = True
 
@@ -186,8 +196,9 @@ class ModelRunner:
             seqs = [s for s, _ in out.scheduled]
             pos = [s.num_computed_tokens for s in seqs]
             ids = [s.token_ids[p] for s, p in zip(seqs, pos, strict=True)]
-            steps = self.graphs.decode_multi(ids, pos, [s.block_table for s in seqs], out.allowed, out.window,
-                                             self.sampler.argmax)
+            steps = self.graphs.decode_multi(
+                ids, pos, [s.block_table for s in seqs], out.allowed, out.window, self.sampler.argmax
+            )
             return [[steps[k][i] for k in range(a)] for i, a in enumerate(out.allowed)], {}
         logits_and_seqs = self._execute_graph(out) if self.use_graphs else None
         if logits_and_seqs is None:

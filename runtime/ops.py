@@ -133,9 +133,7 @@ def store_kv(
     v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slots] = v[valid]
 
 
-def _gather_context(
-    cache: torch.Tensor, block_table: torch.Tensor, context_len: int
-) -> torch.Tensor:
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
     n = -(-context_len // cache.shape[1])
     return cache[block_table[:n].long()].flatten(0, 1)[:context_len]
 

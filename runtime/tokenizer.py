@@ -64,8 +64,9 @@ class TextTokenizer:
     def template_knows_tools(self) -> bool:
         return bool(self.chat_template) and "tools" in self.chat_template
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
-                    **kwargs) -> str:
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, **kwargs
+    ) -> str:
         """The chat template applied to validated messages, as text. ``tools`` (OpenAI function tools) go to a
         template that renders them; a template that does not (SmolLM2's) gets them described in a system turn
         in the same ``<tool_call>`` format the gateway parses. ``kwargs`` are the template's own switches
@@ -82,8 +83,9 @@ class TextTokenizer:
             self._template = _compile_template(self.chat_template)
         reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"} & kwargs.keys()
         if reserved:
-            raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}",
-                                      param="chat_template_kwargs")
+            raise InvalidRequestError(
+                f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}", param="chat_template_kwargs"
+            )
         try:
             return self._template.render(
                 messages=messages,
@@ -96,8 +98,9 @@ class TextTokenizer:
         except InvalidRequestError:
             raise
         except Exception as exc:  # the template met input it cannot render (TemplateError, TypeError, ...)
-            raise InvalidRequestError(f"the model's chat template cannot render these messages: "
-                                      f"{type(exc).__name__}: {exc}", param="messages") from None
+            raise InvalidRequestError(
+                f"the model's chat template cannot render these messages: {type(exc).__name__}: {exc}", param="messages"
+            ) from None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         # The rendered template already carries any BOS text, as transformers assumes.
@@ -124,16 +127,21 @@ def validate_messages(messages) -> list[dict]:
         tool_calls = message.get("tool_calls")
         if tool_calls is not None:
             if role != "assistant":
-                raise InvalidRequestError(f"messages[{i}]: only assistant messages carry tool_calls",
-                                          param=f"messages[{i}].tool_calls")
+                raise InvalidRequestError(
+                    f"messages[{i}]: only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls"
+                )
             _validate_tool_calls(tool_calls, i)
         if content is None:
             if not (role == "assistant" and tool_calls):
-                raise InvalidRequestError(f"messages[{i}].content is required (a {role} message without content)",
-                                          param=f"messages[{i}].content")
+                raise InvalidRequestError(
+                    f"messages[{i}].content is required (a {role} message without content)",
+                    param=f"messages[{i}].content",
+                )
             message = {**message, "content": ""}
         if role == "tool" and not isinstance(message.get("tool_call_id", ""), str):
-            raise InvalidRequestError(f"messages[{i}].tool_call_id must be a string", param=f"messages[{i}].tool_call_id")
+            raise InvalidRequestError(
+                f"messages[{i}].tool_call_id must be a string", param=f"messages[{i}].tool_call_id"
+            )
         out.append(message)
     return out
 
@@ -144,19 +152,27 @@ def _validate_tool_calls(tool_calls, i: int) -> None:
         raise InvalidRequestError(f"{param} must be a list", param=param)
     for j, call in enumerate(tool_calls):
         fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
-                or not isinstance(fn.get("arguments", ""), str | dict):
-            raise InvalidRequestError(f"{param}[{j}] must be {{'type': 'function', 'function': {{'name': str, "
-                                      "'arguments': str}}}", param=param)
+        if (
+            not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not isinstance(fn.get("arguments", ""), str | dict)
+        ):
+            raise InvalidRequestError(
+                f"{param}[{j}] must be {{'type': 'function', 'function': {{'name': str, 'arguments': str}}}}}}",
+                param=param,
+            )
 
 
 def _with_tool_system_turn(messages: list[dict], tools: list[dict]) -> list[dict]:
     """Describe the tools in the system turn for a template that has no place for them."""
     listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    text = ("You can call functions. Their signatures are inside <tools></tools>:\n<tools>\n" + listing +
-            "\n</tools>\nTo call one, answer with a JSON object holding the function's name and its arguments "
-            "inside <tool_call></tool_call> tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-            "<args-json-object>}\n</tool_call>")
+    text = (
+        "You can call functions. Their signatures are inside <tools></tools>:\n<tools>\n"
+        + listing
+        + "\n</tools>\nTo call one, answer with a JSON object holding the function's name and its arguments "
+        'inside <tool_call></tool_call> tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+        "<args-json-object>}\n</tool_call>"
+    )
     if messages[0]["role"] == "system":
         return [{**messages[0], "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]]
     return [{"role": "system", "content": text}, *messages]

@@ -286,14 +286,18 @@ def image_hygiene(stack: Stack) -> dict:
     out = {}
     for service, what in BUILT.items():
         image = config["services"][service]["image"]
-        user = run([docker_cli(), "image", "inspect", "--format", "{{.Config.User}}", image], 60, quiet=True).stdout.strip()
+        user = run(
+            [docker_cli(), "image", "inspect", "--format", "{{.Config.User}}", image], 60, quiet=True
+        ).stdout.strip()
         uid = run([docker_cli(), "run", "--rm", "--entrypoint", "id", image, "-u"], 120, quiet=True).stdout.strip()
         # The CA bundle came in as a build secret: mounted for single RUNs, so no file of the image may be
         # the secret and no layer may set PIP_CERT.
         secret_files = run([docker_cli(), "run", "--rm", "--user", "0", "--entrypoint", "sh", image, "-c",
                             "find / -xdev \\( -name pip_cert -o -path '/run/secrets/*' \\) -print 2>/dev/null"], 300,
                            quiet=True).stdout.split()  # fmt: skip
-        history = run([docker_cli(), "history", "--no-trunc", "--format", "{{.CreatedBy}}", image], 60, quiet=True).stdout
+        history = run(
+            [docker_cli(), "history", "--no-trunc", "--format", "{{.CreatedBy}}", image], 60, quiet=True
+        ).stdout
         entry = {"service": service, "image": image, "what": what, "size_bytes": image_size(image),
                  "user": user, "runs_as_uid": int(uid), "non_root": int(uid) != 0,
                  "build_secret_absent": not secret_files and "PIP_CERT=" not in history}  # fmt: skip
@@ -331,7 +335,9 @@ def wait_healthy(stack: Stack, services: list[str], started: float, timeout_s: f
         if not pending:
             return ready
         time.sleep(1)
-    raise SmokeFailure(f"not healthy within {timeout_s:.0f} s: {sorted(set(services) - {k.split('/')[0] for k in ready})}")
+    raise SmokeFailure(
+        f"not healthy within {timeout_s:.0f} s: {sorted(set(services) - {k.split('/')[0] for k in ready})}"
+    )
 
 
 def openai_requests(client) -> dict:
@@ -345,7 +351,9 @@ def openai_requests(client) -> dict:
     out["chat"] = {"text": text, "finish_reason": chat.choices[0].finish_reason,
                    "completion_tokens": chat.usage.completion_tokens, "seconds": round(time.monotonic() - started, 2)}  # fmt: skip
     started = time.monotonic()
-    completion = client.completions.create(model=MODEL, prompt="The three primary colours are", max_tokens=24, temperature=0)
+    completion = client.completions.create(
+        model=MODEL, prompt="The three primary colours are", max_tokens=24, temperature=0
+    )
     if not completion.choices[0].text.strip():
         raise SmokeFailure(f"empty completion: {completion}")
     out["completion"] = {"text": completion.choices[0].text, "finish_reason": completion.choices[0].finish_reason,
@@ -519,10 +527,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default=str(REPO / "results" / "compose_smoke.json"))
     parser.add_argument("--torch-wheel", help="a CPU torch wheel for python3.11 (default: pip download of the host's)")
-    parser.add_argument("--pip-cert", default="/etc/ssl/certs/ca-certificates.crt",
-                        help="CA bundle handed to pip in the builds as a BuildKit secret")
-    parser.add_argument("--no-cold", action="store_true", help="skip the no-cache build and reuse the base image "
-                        "of an earlier run (quick reruns; the artifact has no cold figure and is not one to commit)")
+    parser.add_argument(
+        "--pip-cert",
+        default="/etc/ssl/certs/ca-certificates.crt",
+        help="CA bundle handed to pip in the builds as a BuildKit secret",
+    )
+    parser.add_argument(
+        "--no-cold",
+        action="store_true",
+        help="skip the no-cache build and reuse the base image "
+        "of an earlier run (quick reruns; the artifact has no cold figure and is not one to commit)",
+    )
     parser.add_argument("--locust-seconds", type=int, default=30)
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
@@ -552,7 +567,10 @@ def main(argv: list[str] | None = None) -> int:
         images_before = smoke_image_ids()
         result["provenance"] = provenance(compose, compose_source)
         result["provenance"]["dockerd_started_by_test"] = dockerd.process is not None
-        reuse = args.no_cold and run([docker_cli(), "image", "inspect", BASE_IMAGE], 60, check=False, quiet=True).returncode == 0
+        reuse = (
+            args.no_cold
+            and run([docker_cli(), "image", "inspect", BASE_IMAGE], 60, check=False, quiet=True).returncode == 0
+        )
         result["base_image"] = step("base_image", build_base_image, workdir, reuse)
         wheel, torch_version = step("torch_wheel", host_torch_wheel, REPO / "images" / "wheels", args.torch_wheel)
         port, api_key = free_port(), "sk-smoke-" + secrets.token_hex(12)
@@ -610,7 +628,9 @@ def main(argv: list[str] | None = None) -> int:
         if result["passed"]:  # kept for its logs when the run failed
             shutil.rmtree(workdir, ignore_errors=True)
         result["duration_s"] = round(time.monotonic() - started, 1)
-    result.setdefault("provenance", {"date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "commit": "unknown"})
+    result.setdefault(
+        "provenance", {"date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "commit": "unknown"}
+    )
     from kernellab.results import write
 
     path = write(args.output, result)

@@ -20,11 +20,14 @@ Opt = typer.Option
 def batch_worker(
     model: Annotated[str | None, Opt(help="registry name or hub id [env KERNELLAB_MODEL]")] = None,
     redis_url: Annotated[str | None, Opt(help="[env KERNELLAB_REDIS_URL]")] = None,
-    broker_url: Annotated[str | None, Opt(help="Celery broker; default the Redis URL [env "
-                                               "KERNELLAB_CELERY_BROKER_URL]")] = None,
+    broker_url: Annotated[
+        str | None, Opt(help="Celery broker; default the Redis URL [env KERNELLAB_CELERY_BROKER_URL]")
+    ] = None,
     files_dir: Annotated[str | None, Opt(help="shared with the gateway [env KERNELLAB_FILES_DIR]")] = None,
-    concurrency: Annotated[int | None, Opt(min=1, help="lines of a batch in the queue at once [env "
-                                                       "KERNELLAB_BATCH_CONCURRENCY; default 8]")] = None,
+    concurrency: Annotated[
+        int | None,
+        Opt(min=1, help="lines of a batch in the queue at once [env KERNELLAB_BATCH_CONCURRENCY; default 8]"),
+    ] = None,
     key_prefix: Annotated[str | None, Opt(help="Redis key prefix [env KERNELLAB_KEY_PREFIX; default kl:]")] = None,
     loglevel: Annotated[str, Opt(help="debug | info | warning")] = "info",
 ) -> None:
@@ -32,8 +35,14 @@ def batch_worker(
     from kernellab.services.batch.celery_app import serve
     from kernellab.services.batch.settings import BatchSettings
 
-    flags = {"model": model, "redis_url": redis_url, "celery_broker_url": broker_url, "files_dir": files_dir,
-             "batch_concurrency": concurrency, "key_prefix": key_prefix}
+    flags = {
+        "model": model,
+        "redis_url": redis_url,
+        "celery_broker_url": broker_url,
+        "files_dir": files_dir,
+        "batch_concurrency": concurrency,
+        "key_prefix": key_prefix,
+    }
     serve(BatchSettings(**{k: v for k, v in flags.items() if v is not None}), loglevel=loglevel)
 
 
@@ -42,8 +51,9 @@ def batch(
     input_file: Annotated[Path, Opt("--input", "-i", exists=True, dir_okay=False, help="requests, JSONL")],
     output_file: Annotated[Path, Opt("--output", "-o", dir_okay=False, help="successful lines, JSONL")],
     model: Annotated[str, Opt(help="registry name or hub id")] = "smollm2-135m",
-    errors_file: Annotated[Path | None, Opt("--errors", "-e", dir_okay=False,
-                                            help="failed lines, JSONL; default <output>.errors.jsonl")] = None,
+    errors_file: Annotated[
+        Path | None, Opt("--errors", "-e", dir_okay=False, help="failed lines, JSONL; default <output>.errors.jsonl")
+    ] = None,
     device: Annotated[str, Opt(help="cpu | cuda | auto")] = "auto",
     dtype: Annotated[str, Opt(help="auto | float32 | bfloat16 | float16")] = "auto",
     max_num_seqs: Annotated[int, Opt(min=1, help="requests the engine runs at once")] = 64,
@@ -60,18 +70,34 @@ def batch(
     errors_file = errors_file or output_file.with_name(output_file.name.removesuffix(".jsonl") + ".errors.jsonl")
     engine_kwargs = {"device": device, "dtype": dtype, "max_num_seqs": max_num_seqs, "num_kv_blocks": num_kv_blocks}
     console = Console(stderr=True)
-    with Progress(TextColumn("[bold]batch"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=False) as bar:
+    with Progress(
+        TextColumn("[bold]batch"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as bar:
         task = bar.add_task("lines", total=None)
 
         def progress(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
 
         try:
-            summary = run_offline(input_file, output_file, errors_file, model=model, concurrency=max_num_seqs,
-                                  engine_kwargs=engine_kwargs, max_model_len=max_model_len, progress=progress)
+            summary = run_offline(
+                input_file,
+                output_file,
+                errors_file,
+                model=model,
+                concurrency=max_num_seqs,
+                engine_kwargs=engine_kwargs,
+                max_model_len=max_model_len,
+                progress=progress,
+            )
         except KernellabError as exc:
             console.print(f"error: {exc.message}")
             raise typer.Exit(1) from None
-    console.print(f"{summary.total} lines in {summary.seconds:.1f}s: {summary.completed} completed → {output_file}"
-                  + (f", {summary.failed} failed → {summary.errors}" if summary.failed else ""))
+    console.print(
+        f"{summary.total} lines in {summary.seconds:.1f}s: {summary.completed} completed → {output_file}"
+        + (f", {summary.failed} failed → {summary.errors}" if summary.failed else "")
+    )

@@ -34,8 +34,14 @@ def models() -> None:
         table.add_column(col)
     for spec in REGISTRY.values():
         local = local_snapshot(spec)
-        table.add_row(spec.name, spec.architecture, spec.source, spec.dtype, f"{spec.max_model_len:,}",
-                      "[green]yes[/]" if local else "[dim]no[/]")
+        table.add_row(
+            spec.name,
+            spec.architecture,
+            spec.source,
+            spec.dtype,
+            f"{spec.max_model_len:,}",
+            "[green]yes[/]" if local else "[dim]no[/]",
+        )
     Console().print(table)
 
 
@@ -57,7 +63,9 @@ def doctor(redis_url: Annotated[str, typer.Option(envvar="KERNELLAB_REDIS_URL")]
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
             free, total = torch.cuda.mem_get_info(i)
-            rows.append((f"cuda:{i}", f"{p.name}, sm_{p.major}{p.minor}, {free / 2**30:.1f}/{total / 2**30:.1f} GiB free"))
+            rows.append(
+                (f"cuda:{i}", f"{p.name}, sm_{p.major}{p.minor}, {free / 2**30:.1f}/{total / 2**30:.1f} GiB free")
+            )
     else:
         rows.append(("cuda", "[yellow]no GPU: CPU engine (Triton kernels only under TRITON_INTERPRET=1)[/]"))
     rows.append(("cpu capability", torch.backends.cpu.get_cpu_capability()))
@@ -88,8 +96,12 @@ def download(model: str) -> None:
 
 
 @app.command()
-def preflight(model: str, memory_gib: Annotated[float, typer.Option(help="GPU/CPU memory to plan for")] = 80.0,
-              dtype: str = "bfloat16", block_size: int = 16) -> None:
+def preflight(
+    model: str,
+    memory_gib: Annotated[float, typer.Option(help="GPU/CPU memory to plan for")] = 80.0,
+    dtype: str = "bfloat16",
+    block_size: int = 16,
+) -> None:
     """Plan memory without weights: parameter bytes, KV bytes per token, how many tokens/sequences fit."""
     from kernellab.runtime.config import ModelConfig
     from kernellab.runtime.registry import resolve_model
@@ -173,7 +185,8 @@ def bench_offline_cmd(
     random_weights: Annotated[bool, typer.Option("--random-weights")] = False,
     backend: str = "auto",
     weight_quant: Annotated[list[str], typer.Option("--weight-quant", help="repeat to compare (none, int4)")] = [  # noqa: B006
-        "none"],
+        "none"
+    ],
     output: Annotated[Path | None, typer.Option()] = None,
 ) -> None:
     """Offline throughput of the engine and its peers, same prompts, same run; a JSON artifact."""
@@ -181,17 +194,33 @@ def bench_offline_cmd(
     from kernellab.bench.offline import bench_offline
 
     try:
-        data = bench_offline(model, num_prompts, max_tokens, tuple(dtype), device, workload, tuple(peer),
-                             random_weights, {"backend": backend}, progress=lambda m: err.print(f"[dim]… {m}[/]"),
-                             weight_quants=tuple(weight_quant))
+        data = bench_offline(
+            model,
+            num_prompts,
+            max_tokens,
+            tuple(dtype),
+            device,
+            workload,
+            tuple(peer),
+            random_weights,
+            {"backend": backend},
+            progress=lambda m: err.print(f"[dim]… {m}[/]"),
+            weight_quants=tuple(weight_quant),
+        )
     except KernellabError as exc:
         fail(exc)
     table = Table(title=f"offline throughput: {model}")
     for col in ("system", "workload", "dtype", "output tokens", "seconds", "output tok/s"):
         table.add_column(col)
     for r in data["runs"]:
-        table.add_row(r["system"], r["workload"], r["dtype"], str(r["output_tokens"]), f"{r['seconds']:.2f}",
-                      f"{r['output_tok_per_s']:.1f}")
+        table.add_row(
+            r["system"],
+            r["workload"],
+            r["dtype"],
+            str(r["output_tokens"]),
+            f"{r['seconds']:.2f}",
+            f"{r['output_tok_per_s']:.1f}",
+        )
     Console().print(table)
     if output:
         results.write(output, data)
@@ -222,10 +251,25 @@ def bench_serve_cmd(
     from kernellab.bench.serve import run_bench_serve
     from kernellab.services.loadgen.stats import format_table
 
-    report = run_bench_serve(url, model, concurrency, num_requests, api_key=api_key, mix=mix, endpoint=endpoint,
-                             temperature=temperature, ignore_eos=ignore_eos, request_rate=request_rate, seed=seed,
-                             slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, slo_e2e_ms=slo_e2e_ms,
-                             timeout_s=timeout_s, output=output, plot=plot)
+    report = run_bench_serve(
+        url,
+        model,
+        concurrency,
+        num_requests,
+        api_key=api_key,
+        mix=mix,
+        endpoint=endpoint,
+        temperature=temperature,
+        ignore_eos=ignore_eos,
+        request_rate=request_rate,
+        seed=seed,
+        slo_ttft_ms=slo_ttft_ms,
+        slo_tpot_ms=slo_tpot_ms,
+        slo_e2e_ms=slo_e2e_ms,
+        timeout_s=timeout_s,
+        output=output,
+        plot=plot,
+    )
     Console().print(format_table(report))
     err.print(f"wrote {output}" + (f" and {plot}" if plot else ""))
     if report["requests"]["failed"]:
@@ -252,8 +296,16 @@ def bench_latency_cmd(
 
     try:
         longest = max([*prompt_len, *context]) + 128
-        engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, random_weights=random_weights,
-                                        max_model_len=longest, max_num_seqs=8))
+        engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                device=device,
+                dtype=dtype,
+                random_weights=random_weights,
+                max_model_len=longest,
+                max_num_seqs=8,
+            )
+        )
         hf = load_hf(model, str(engine.runner.device), engine.runner.dtype, random_weights) if peer else None
         data = bench_latency(engine, tuple(prompt_len), tuple(context), hf)
     except KernellabError as exc:

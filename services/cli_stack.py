@@ -31,16 +31,29 @@ def gateway(
     metrics_port: Annotated[int | None, Opt(help="0: off [env KERNELLAB_GATEWAY_METRICS_PORT; default 9100]")] = None,
     max_waiting: Annotated[int | None, Opt(help="429 beyond this many waiting [env KERNELLAB_MAX_WAITING]")] = None,
     key_prefix: Annotated[str | None, Opt(help="Redis key prefix [env KERNELLAB_KEY_PREFIX; default kl:]")] = None,
-    processes: Annotated[int | None, Opt(min=1, help="gateway processes sharing the port [env "
-                                                     "KERNELLAB_GATEWAY_PROCESSES; default 1]")] = None,
+    processes: Annotated[
+        int | None, Opt(min=1, help="gateway processes sharing the port [env KERNELLAB_GATEWAY_PROCESSES; default 1]")
+    ] = None,
 ) -> None:
     """The OpenAI-compatible gateway (FastAPI, no torch)."""
     from kernellab.services.config import GatewaySettings
     from kernellab.services.gateway.main import serve
 
-    serve(_settings(GatewaySettings, model=model, host=host, port=port, redis_url=redis_url, api_keys=api_keys,
-                    api_key_file=api_key_file, gateway_metrics_port=metrics_port, max_waiting=max_waiting,
-                    key_prefix=key_prefix, gateway_processes=processes))
+    serve(
+        _settings(
+            GatewaySettings,
+            model=model,
+            host=host,
+            port=port,
+            redis_url=redis_url,
+            api_keys=api_keys,
+            api_key_file=api_key_file,
+            gateway_metrics_port=metrics_port,
+            max_waiting=max_waiting,
+            key_prefix=key_prefix,
+            gateway_processes=processes,
+        )
+    )
 
 
 @app.command(rich_help_panel="Serving stack")
@@ -60,49 +73,93 @@ def worker(
     from kernellab.services.config import WorkerSettings
     from kernellab.services.worker.main import serve
 
-    serve(_settings(WorkerSettings, model=model, redis_url=redis_url, device=device, dtype=dtype,
-                    worker_metrics_port=metrics_port, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                    num_kv_blocks=num_kv_blocks, worker_id=worker_id, key_prefix=key_prefix))
+    serve(
+        _settings(
+            WorkerSettings,
+            model=model,
+            redis_url=redis_url,
+            device=device,
+            dtype=dtype,
+            worker_metrics_port=metrics_port,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            num_kv_blocks=num_kv_blocks,
+            worker_id=worker_id,
+            key_prefix=key_prefix,
+        )
+    )
 
 
 @app.command(rich_help_panel="Serving stack")
 def up(
     model: Annotated[str, Opt(help="registry name or hub id")] = "smollm2-135m",
     workers: Annotated[int, Opt(min=1, help="worker processes")] = 1,
-    gateway_processes: Annotated[int | None, Opt(min=1, help="gateway processes sharing the port [env "
-                                                             "KERNELLAB_GATEWAY_PROCESSES; default 1]")] = None,
+    gateway_processes: Annotated[
+        int | None, Opt(min=1, help="gateway processes sharing the port [env KERNELLAB_GATEWAY_PROCESSES; default 1]")
+    ] = None,
     host: Annotated[str, Opt(help="gateway address")] = "127.0.0.1",
     port: Annotated[int, Opt(help="gateway port")] = 8000,
     no_auth: Annotated[bool, Opt("--no-auth", help="serve without an API key")] = False,
-    metrics_port: Annotated[int | None, Opt(help="gateway metrics port, 0: off [env KERNELLAB_GATEWAY_METRICS_PORT; "
-                                                 "default 9100]")] = None,
-    worker_metrics_port: Annotated[int | None, Opt(help="first worker's metrics port, worker i uses this + i [env "
-                                                        "KERNELLAB_WORKER_METRICS_PORT; default 9200]")] = None,
+    metrics_port: Annotated[
+        int | None, Opt(help="gateway metrics port, 0: off [env KERNELLAB_GATEWAY_METRICS_PORT; default 9100]")
+    ] = None,
+    worker_metrics_port: Annotated[
+        int | None,
+        Opt(
+            help="first worker's metrics port, worker i uses this + i [env KERNELLAB_WORKER_METRICS_PORT; default 9200]"
+        ),
+    ] = None,
     redis_url: Annotated[str | None, Opt(help="[env KERNELLAB_REDIS_URL; default redis://127.0.0.1:6379/0]")] = None,
     ready_timeout: Annotated[float, Opt(help="seconds to wait for /ready")] = 600.0,
 ) -> None:
     """Redis (the one at KERNELLAB_REDIS_URL, else a private redis-server), the gateway and N workers on this
     machine; prints the URL, the API key and a curl example; Ctrl-C stops everything it started."""
-    raise typer.Exit(_StackUp(model=model, workers=workers, gateway_processes=gateway_processes, host=host, port=port, no_auth=no_auth,
-                             metrics_port=metrics_port, worker_metrics_port=worker_metrics_port,
-                             redis_url=redis_url, ready_timeout=ready_timeout).run())
+    raise typer.Exit(
+        _StackUp(
+            model=model,
+            workers=workers,
+            gateway_processes=gateway_processes,
+            host=host,
+            port=port,
+            no_auth=no_auth,
+            metrics_port=metrics_port,
+            worker_metrics_port=worker_metrics_port,
+            redis_url=redis_url,
+            ready_timeout=ready_timeout,
+        ).run()
+    )
 
 
 class _StackUp:
     """Children run in their own sessions so Ctrl-C reaches only us; we stop them in order (gateway first,
     so no new work arrives, then the workers), each with SIGTERM and a grace period before SIGKILL."""
 
-    def __init__(self, *, model, workers, gateway_processes, host, port, no_auth, metrics_port, worker_metrics_port, redis_url,
-                 ready_timeout):
+    def __init__(
+        self,
+        *,
+        model,
+        workers,
+        gateway_processes,
+        host,
+        port,
+        no_auth,
+        metrics_port,
+        worker_metrics_port,
+        redis_url,
+        ready_timeout,
+    ):
         import os
 
         self.model, self.workers, self.host, self.port = model, workers, host, port
         self.gateway_processes = gateway_processes
         self.no_auth = no_auth
         env = os.environ
-        self.metrics_port = int(env.get("KERNELLAB_GATEWAY_METRICS_PORT", 9100)) if metrics_port is None else metrics_port
-        self.worker_metrics_port = (int(env.get("KERNELLAB_WORKER_METRICS_PORT", 9200)) if worker_metrics_port is None
-                                    else worker_metrics_port)
+        self.metrics_port = (
+            int(env.get("KERNELLAB_GATEWAY_METRICS_PORT", 9100)) if metrics_port is None else metrics_port
+        )
+        self.worker_metrics_port = (
+            int(env.get("KERNELLAB_WORKER_METRICS_PORT", 9200)) if worker_metrics_port is None else worker_metrics_port
+        )
         self.redis_url = redis_url or os.environ.get("KERNELLAB_REDIS_URL") or "redis://127.0.0.1:6379/0"
         self.ready_timeout = ready_timeout
         self.procs: list[tuple[str, object]] = []  # (name, Popen), in start order
@@ -164,8 +221,23 @@ class _StackUp:
             if binary is None:
                 raise typer.BadParameter(f"no Redis answers at {self.redis_url} and redis-server is not installed")
             port = _free_port()
-            self._spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                  "--appendonly", "no", "--dir", str(self.logs)], env)
+            self._spawn(
+                "redis",
+                [
+                    binary,
+                    "--port",
+                    str(port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    str(self.logs),
+                ],
+                env,
+            )
             self.redis_url = f"redis://127.0.0.1:{port}/0"
             _wait(lambda: _redis_answers(self.redis_url), 10, "the private redis-server did not start")
             self.out.print(f"started a private redis-server at {self.redis_url}")
@@ -181,13 +253,22 @@ class _StackUp:
             env.pop("KERNELLAB_API_KEY_FILE", None)
         for i in range(self.workers):
             wport = self.worker_metrics_port + i if self.worker_metrics_port else 0
-            self._spawn(f"worker-{i}", [sys.executable, "-m", "kernellab.services.worker"],
-                        dict(env, KERNELLAB_WORKER_METRICS_PORT=str(wport)))
-        self._spawn("gateway", [sys.executable, "-m", "kernellab.services.gateway"],
-                    dict(env, KERNELLAB_HOST=self.host, KERNELLAB_PORT=str(self.port),
-                         KERNELLAB_GATEWAY_METRICS_PORT=str(self.metrics_port),
-                         **({"KERNELLAB_GATEWAY_PROCESSES": str(self.gateway_processes)}
-                            if self.gateway_processes else {})))
+            self._spawn(
+                f"worker-{i}",
+                [sys.executable, "-m", "kernellab.services.worker"],
+                dict(env, KERNELLAB_WORKER_METRICS_PORT=str(wport)),
+            )
+        self._spawn(
+            "gateway",
+            [sys.executable, "-m", "kernellab.services.gateway"],
+            dict(
+                env,
+                KERNELLAB_HOST=self.host,
+                KERNELLAB_PORT=str(self.port),
+                KERNELLAB_GATEWAY_METRICS_PORT=str(self.metrics_port),
+                **({"KERNELLAB_GATEWAY_PROCESSES": str(self.gateway_processes)} if self.gateway_processes else {}),
+            ),
+        )
         self.out.print(f"starting the gateway and {self.workers} worker(s) for {self.model} (logs in {self.logs})")
         return key
 
@@ -227,15 +308,21 @@ class _StackUp:
         base = f"http://{_client_host(self.host)}:{self.port}"
         auth = f" -H 'Authorization: Bearer {key}'" if key else ""
         self.out.print(f"[bold green]kernellab is up[/]: {base}/v1  (model {self.model}, {self.workers} worker(s))")
-        self.out.print(f"API key: {key}" if key else "API key: none (--no-auth)" if self.no_auth
-                       else "API key: from KERNELLAB_API_KEY_FILE")
+        self.out.print(
+            f"API key: {key}"
+            if key
+            else "API key: none (--no-auth)"
+            if self.no_auth
+            else "API key: from KERNELLAB_API_KEY_FILE"
+        )
         if self.metrics_port:
             wm = ", ".join(f"{self.worker_metrics_port + i}" for i in range(self.workers))
             self.out.print(f"metrics: gateway :{self.metrics_port}/metrics, workers :{wm}/metrics")
-        body = json.dumps({"model": self.model, "messages": [{"role": "user", "content": "Hello!"}],
-                           "max_tokens": 32})
-        self.out.print(f"try:\n  curl {base}/v1/chat/completions{auth} -H 'Content-Type: application/json' "
-                       f"-d '{body}'", soft_wrap=True)
+        body = json.dumps({"model": self.model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
+        self.out.print(
+            f"try:\n  curl {base}/v1/chat/completions{auth} -H 'Content-Type: application/json' -d '{body}'",
+            soft_wrap=True,
+        )
         self.out.print("Ctrl-C stops everything.")
 
     def _tail(self, name: str, lines: int = 20) -> None:

@@ -26,9 +26,16 @@ Opt = typer.Option
 
 @app.command(rich_help_panel="Serving stack")
 def stress(
-    scenario: Annotated[list[str] | None, Opt("--scenario", "-s", help="load | worker-kill | worker-pause | "
-                                              "redis-restart | gateway-restart | slow-client | vanishing-client | "
-                                              "all (repeatable)")] = None,
+    scenario: Annotated[
+        list[str] | None,
+        Opt(
+            "--scenario",
+            "-s",
+            help="load | worker-kill | worker-pause | "
+            "redis-restart | gateway-restart | slow-client | vanishing-client | "
+            "all (repeatable)",
+        ),
+    ] = None,
     requests: Annotated[int, Opt(min=1, help="requests of the `load` scenario")] = 5000,
     fault_requests: Annotated[int, Opt(min=1, help="requests of each fault scenario")] = 300,
     concurrency: Annotated[int, Opt(min=1, help="clients sending at once")] = 32,
@@ -45,7 +52,9 @@ def stress(
     from kernellab.services import stress as S
 
     if table_only:
-        reports = [r for p in sorted(output_dir.glob("*.json")) if (r := json.loads(p.read_text()))["schema"] == S.SCHEMA]
+        reports = [
+            r for p in sorted(output_dir.glob("*.json")) if (r := json.loads(p.read_text()))["schema"] == S.SCHEMA
+        ]
         order = {name: i for i, name in enumerate(S.SCENARIOS)}
         typer.echo(S.table(sorted(reports, key=lambda r: order.get(r["scenario"], 99))))
         return
@@ -62,12 +71,22 @@ def stress(
     import tempfile
 
     for name in chosen:
-        with tempfile.TemporaryDirectory(prefix=f"kernellab-stress-{name}-") as workdir, \
-                S.LocalStack(Path(workdir), workers=workers, max_waiting=max_waiting) as stack:
+        with (
+            tempfile.TemporaryDirectory(prefix=f"kernellab-stress-{name}-") as workdir,
+            S.LocalStack(Path(workdir), workers=workers, max_waiting=max_waiting) as stack,
+        ):
             n = requests if name == "load" else fault_requests
             typer.echo(f"[{name}] {n} requests, concurrency {concurrency}, {workers} worker(s) …")
-            report = S.run_scenario(stack, name, requests=n, concurrency=concurrency, seed=seed, max_tokens=tokens,
-                                    time_limit_s=time_limit, command=command)
+            report = S.run_scenario(
+                stack,
+                name,
+                requests=n,
+                concurrency=concurrency,
+                seed=seed,
+                max_tokens=tokens,
+                time_limit_s=time_limit,
+                command=command,
+            )
             path = results.write(output_dir / f"{name}.json", report)
             if not report["passed"]:
                 failed.append(name)

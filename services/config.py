@@ -47,9 +47,13 @@ class StackSettings(BaseSettings):
     def serving_options(self, tokenizer):
         from kernellab.services.gateway.requests import ServingOptions
 
-        return ServingOptions.build(tokenizer, generation_config=self.generation_config,
-                                    chat_template_kwargs=self.chat_template_kwargs,
-                                    reasoning_parser=self.reasoning_parser, tool_parser=self.tool_parser)
+        return ServingOptions.build(
+            tokenizer,
+            generation_config=self.generation_config,
+            chat_template_kwargs=self.chat_template_kwargs,
+            reasoning_parser=self.reasoning_parser,
+            tool_parser=self.tool_parser,
+        )
 
     @field_validator("key_prefix")
     @classmethod

@@ -13,14 +13,38 @@ def tiny_checkpoints(tmp_path_factory):
 
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("ckpt")
-    qwen = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1e6,
-                       rms_norm_eps=1e-6, max_position_embeddings=512, tie_word_embeddings=True)
-    llama = LlamaConfig(vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
-                        num_attention_heads=6, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=500000.0,
-                        max_position_embeddings=512, tie_word_embeddings=False,
-                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    qwen = Qwen3Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    llama = LlamaConfig(
+        vocab_size=512,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
     out = {}
     for name, cfg, cls in (("qwen3", qwen, Qwen3ForCausalLM), ("llama", llama, LlamaForCausalLM)):
         model = cls(cfg).eval()

@@ -26,13 +26,35 @@ def cases(device: str, real: bool) -> list[Case]:
     V = VOCAB if real else 1500
     out = []
     for i, B in enumerate((64, 1) if real else (3,)):
-        out.append(Case("argmax", f"B={B},V={V}", "fp32", lambda B=B: (randn(B, V, device=device, dtype=torch.float32),),
-                        argmax, ops.argmax, bytes=B * V * 4 + B * 8, compile_ref=i == 0, group="argmax"))
+        out.append(
+            Case(
+                "argmax",
+                f"B={B},V={V}",
+                "fp32",
+                lambda B=B: (randn(B, V, device=device, dtype=torch.float32),),
+                argmax,
+                ops.argmax,
+                bytes=B * V * 4 + B * 8,
+                compile_ref=i == 0,
+                group="argmax",
+            )
+        )
     B = 64 if real else 3
-    out.append(Case("topk", f"B={B},V={V},k={TOP_K}", "fp32",
-                    lambda: (randn(B, V, device=device, dtype=torch.float32), TOP_K), topk,
-                    lambda x, k: torch.topk(x, k, dim=-1), bytes=B * V * 4 + B * TOP_K * 12, check=_check_topk,
-                    group="argmax", teaching=True, notes="reference torch.topk (radix select)"))
+    out.append(
+        Case(
+            "topk",
+            f"B={B},V={V},k={TOP_K}",
+            "fp32",
+            lambda: (randn(B, V, device=device, dtype=torch.float32), TOP_K),
+            topk,
+            lambda x, k: torch.topk(x, k, dim=-1),
+            bytes=B * V * 4 + B * TOP_K * 12,
+            check=_check_topk,
+            group="argmax",
+            teaching=True,
+            notes="reference torch.topk (radix select)",
+        )
+    )
     return out
 
 

@@ -40,8 +40,13 @@ def paged_inputs(lens, Hq, Hk, D, block_size, device):
 def flash_reference(q, k, v, scale, group):
     """The fastest PyTorch path for the same causal GQA attention: 4-D SDPA (FlashAttention backend)."""
     o = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, scale=scale,
-        enable_gqa=True)
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
+    )
     return o[0].transpose(0, 1)
 
 
@@ -53,44 +58,109 @@ def cases(device: str, real: bool) -> list[Case]:
     Hq, Hk, D = (HQ, HK, HEAD_DIM) if real else (4, 2, 32)
     out = []
     g = torch.Generator().manual_seed(0)
-    decode = {
-        "B=64,ctx=1024": ([1024] * 64, 70.0),
-        "B=1,ctx=4096": ([4096], 50.0),
-        "B=64,ctx=1..2048 mixed": (torch.randint(1, 2049, (64,), generator=g).tolist(), None),
-    } if real else {"B=3,ctx=mixed": ([1, 17, 50], None)}
+    decode = (
+        {
+            "B=64,ctx=1024": ([1024] * 64, 70.0),
+            "B=1,ctx=4096": ([4096], 50.0),
+            "B=64,ctx=1..2048 mixed": (torch.randint(1, 2049, (64,), generator=g).tolist(), None),
+        }
+        if real
+        else {"B=3,ctx=mixed": ([1, 17, 50], None)}
+    )
     for i, (label, (lens, target)) in enumerate(decode.items()):
         max_blocks = -(-max(lens) // BLOCK)
         nbytes = decode_bytes(lens, Hq, Hk, D, max_blocks)
         make = functools.partial(paged_inputs, lens, Hq, Hk, D, BLOCK, device)
-        out.append(Case("paged_decode_attention", f"{label},Hq={Hq},Hk={Hk},D={D},bs={BLOCK}", "bf16", make,
-                        paged_decode_attention, ops.paged_decode_attention, bytes=nbytes, target_pct=target,
-                        atol=2e-2, rtol=2e-2, compile_ref=i < 2, ref_graph=False, group="paged_attention",
-                        notes="reference gathers every sequence's blocks (host sync on max length)"))
+        out.append(
+            Case(
+                "paged_decode_attention",
+                f"{label},Hq={Hq},Hk={Hk},D={D},bs={BLOCK}",
+                "bf16",
+                make,
+                paged_decode_attention,
+                ops.paged_decode_attention,
+                bytes=nbytes,
+                target_pct=target,
+                atol=2e-2,
+                rtol=2e-2,
+                compile_ref=i < 2,
+                ref_graph=False,
+                group="paged_attention",
+                notes="reference gathers every sequence's blocks (host sync on max length)",
+            )
+        )
         if not real or target is None:
             continue
-        variants = [(2, 64, 4, 2), (4, 64, 4, 2), (None, 128, 8, 2), (None, 64, 8, 3)] if len(lens) > 1 else \
-                   [(64, 64, 4, 2), (16, 128, 8, 2), (32, 128, 8, 2), (8, 128, 8, 2), (None, 64, 8, 3)]
+        variants = (
+            [(2, 64, 4, 2), (4, 64, 4, 2), (None, 128, 8, 2), (None, 64, 8, 3)]
+            if len(lens) > 1
+            else [(64, 64, 4, 2), (16, 128, 8, 2), (32, 128, 8, 2), (8, 128, 8, 2), (None, 64, 8, 3)]
+        )
         for splits, bn, w, st in variants:
             fn = functools.partial(paged_decode_attention, splits=splits, block_n=bn, num_warps=w, num_stages=st)
-            out.append(Case("paged_decode_attention", f"{label},Hq={Hq},Hk={Hk},D={D},bs={BLOCK}", "bf16", make, fn,
-                            ops.paged_decode_attention, bytes=nbytes, atol=2e-2, rtol=2e-2,
-                            variant=f"s{splits or 'auto'}_n{bn}_w{w}_st{st}", group="paged_attention"))
+            out.append(
+                Case(
+                    "paged_decode_attention",
+                    f"{label},Hq={Hq},Hk={Hk},D={D},bs={BLOCK}",
+                    "bf16",
+                    make,
+                    fn,
+                    ops.paged_decode_attention,
+                    bytes=nbytes,
+                    atol=2e-2,
+                    rtol=2e-2,
+                    variant=f"s{splits or 'auto'}_n{bn}_w{w}_st{st}",
+                    group="paged_attention",
+                )
+            )
     for i, T in enumerate((2048, 4096) if real else (40,)):
         pairs = T * (T + 1) // 2
 
         def make(T=T):
-            return (randn(T, Hq, D, device=device), randn(T, Hk, D, device=device), randn(T, Hk, D, device=device),
-                    D**-0.5, Hq // Hk)
+            return (
+                randn(T, Hq, D, device=device),
+                randn(T, Hk, D, device=device),
+                randn(T, Hk, D, device=device),
+                D**-0.5,
+                Hq // Hk,
+            )
+
         fn = causal_attention if real else functools.partial(causal_attention, block_m=16, block_n=16)
-        out.append(Case("causal_attention", f"T={T},Hq={Hq},Hk={Hk},D={D}", "bf16", make, fn,
-                        ops.causal_attention, flops=4 * Hq * D * pairs, atol=2e-2, rtol=2e-2, teaching=True,
-                        compile_ref=i == 0, group="attention",
-                        notes="reference ops.causal_attention: 4-D SDPA after repeat_interleave of K/V"))
+        out.append(
+            Case(
+                "causal_attention",
+                f"T={T},Hq={Hq},Hk={Hk},D={D}",
+                "bf16",
+                make,
+                fn,
+                ops.causal_attention,
+                flops=4 * Hq * D * pairs,
+                atol=2e-2,
+                rtol=2e-2,
+                teaching=True,
+                compile_ref=i == 0,
+                group="attention",
+                notes="reference ops.causal_attention: 4-D SDPA after repeat_interleave of K/V",
+            )
+        )
         if real:
-            out.append(Case("causal_attention", f"T={T},Hq={Hq},Hk={Hk},D={D} vs FlashAttention", "bf16", make, fn,
-                            flash_reference, flops=4 * Hq * D * pairs, atol=2e-2, rtol=2e-2, teaching=True,
-                            compile_ref=False, group="attention",
-                            notes="reference: 4-D SDPA, is_causal, enable_gqa (PyTorch's FlashAttention backend)"))
+            out.append(
+                Case(
+                    "causal_attention",
+                    f"T={T},Hq={Hq},Hk={Hk},D={D} vs FlashAttention",
+                    "bf16",
+                    make,
+                    fn,
+                    flash_reference,
+                    flops=4 * Hq * D * pairs,
+                    atol=2e-2,
+                    rtol=2e-2,
+                    teaching=True,
+                    compile_ref=False,
+                    group="attention",
+                    notes="reference: 4-D SDPA, is_causal, enable_gqa (PyTorch's FlashAttention backend)",
+                )
+            )
     return out
 
 

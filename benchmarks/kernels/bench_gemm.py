@@ -19,10 +19,23 @@ def cases(device: str, real: bool) -> list[Case]:
         for i, (name, (N, K)) in enumerate(shapes(real).items()):
             if j > 0 and name != "gate_up":
                 continue
-            out.append(Case("linear[gemm]", f"{name} M={M} N={N} K={K}", "bf16",
-                            lambda M=M, N=N, K=K: (randn(M, K, device=device), randn(N, K, device=device, scale=K**-0.5)),
-                            gemm.linear, ops.linear, flops=2 * M * N * K, atol=3e-2, rtol=2e-2, teaching=True,
-                            compile_ref=i == 0 and j == 0, group="gemm", notes="reference ops.linear = cuBLAS"))
+            out.append(
+                Case(
+                    "linear[gemm]",
+                    f"{name} M={M} N={N} K={K}",
+                    "bf16",
+                    lambda M=M, N=N, K=K: (randn(M, K, device=device), randn(N, K, device=device, scale=K**-0.5)),
+                    gemm.linear,
+                    ops.linear,
+                    flops=2 * M * N * K,
+                    atol=3e-2,
+                    rtol=2e-2,
+                    teaching=True,
+                    compile_ref=i == 0 and j == 0,
+                    group="gemm",
+                    notes="reference ops.linear = cuBLAS",
+                )
+            )
     return out
 
 

@@ -24,25 +24,73 @@ def cases(device: str, real: bool) -> list[Case]:
         return lambda: (randn(T, H, device=device, scale=2.0), 1 + randn(H, device=device, scale=0.1), EPS)
 
     def add_args(T):
-        return lambda: (randn(T, H, device=device), randn(T, H, device=device),
-                        1 + randn(H, device=device, scale=0.1), EPS)
+        return lambda: (
+            randn(T, H, device=device),
+            randn(T, H, device=device),
+            1 + randn(H, device=device, scale=0.1),
+            EPS,
+        )
 
     out = []
     for i, T in enumerate(rows):
         target = 70.0 if i == 0 else None
-        out.append(Case("rms_norm", f"T={T},H={H}", "bf16", norm_args(T), rms_norm, ops.rms_norm,
-                        bytes=2 * T * H * 2 + H * 2, target_pct=target, compile_ref=i == 0, group="rms_norm"))
-        out.append(Case("add_rms_norm", f"T={T},H={H}", "bf16", add_args(T), add_rms_norm, ops.add_rms_norm,
-                        bytes=4 * T * H * 2 + H * 2, target_pct=target, compile_ref=i == 0, group="rms_norm"))
+        out.append(
+            Case(
+                "rms_norm",
+                f"T={T},H={H}",
+                "bf16",
+                norm_args(T),
+                rms_norm,
+                ops.rms_norm,
+                bytes=2 * T * H * 2 + H * 2,
+                target_pct=target,
+                compile_ref=i == 0,
+                group="rms_norm",
+            )
+        )
+        out.append(
+            Case(
+                "add_rms_norm",
+                f"T={T},H={H}",
+                "bf16",
+                add_args(T),
+                add_rms_norm,
+                ops.add_rms_norm,
+                bytes=4 * T * H * 2 + H * 2,
+                target_pct=target,
+                compile_ref=i == 0,
+                group="rms_norm",
+            )
+        )
     T = rows[0]
     for r, w in SWEEP:
-        out.append(Case("rms_norm", f"T={T},H={H}", "bf16", norm_args(T),
-                        functools.partial(rms_norm, rows_per_program=r, num_warps=w), ops.rms_norm,
-                        bytes=2 * T * H * 2 + H * 2, variant=f"rows{r}_warps{w}", group="rms_norm"))
+        out.append(
+            Case(
+                "rms_norm",
+                f"T={T},H={H}",
+                "bf16",
+                norm_args(T),
+                functools.partial(rms_norm, rows_per_program=r, num_warps=w),
+                ops.rms_norm,
+                bytes=2 * T * H * 2 + H * 2,
+                variant=f"rows{r}_warps{w}",
+                group="rms_norm",
+            )
+        )
     for r, w in SWEEP[1:4]:
-        out.append(Case("add_rms_norm", f"T={T},H={H}", "bf16", add_args(T),
-                        functools.partial(add_rms_norm, rows_per_program=r, num_warps=w), ops.add_rms_norm,
-                        bytes=4 * T * H * 2 + H * 2, variant=f"rows{r}_warps{w}", group="rms_norm"))
+        out.append(
+            Case(
+                "add_rms_norm",
+                f"T={T},H={H}",
+                "bf16",
+                add_args(T),
+                functools.partial(add_rms_norm, rows_per_program=r, num_warps=w),
+                ops.add_rms_norm,
+                bytes=4 * T * H * 2 + H * 2,
+                variant=f"rows{r}_warps{w}",
+                group="rms_norm",
+            )
+        )
     return out
 
 

@@ -23,8 +23,11 @@ BLOCK = 16
 
 def _views(T, Hq, Hk, D, device):
     qkv = randn(T, (Hq + 2 * Hk) * D, device=device, scale=2.0)
-    return (qkv[:, : Hq * D].view(T, Hq, D), qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D),
-            qkv[:, (Hq + Hk) * D :].view(T, Hk, D))
+    return (
+        qkv[:, : Hq * D].view(T, Hq, D),
+        qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D),
+        qkv[:, (Hq + Hk) * D :].view(T, Hk, D),
+    )
 
 
 def _check_fused(args):
@@ -34,8 +37,10 @@ def _check_fused(args):
     tri_args[8], tri_args[9] = args[8].clone(), args[9].clone()
     q, k = qk_norm_rope_store_kv(*tri_args)
     q_ref, k_ref = ops.qk_norm_rope_store_kv(*ref_args)
-    errs = [(a.double() - b.double()).abs().max().item()
-            for a, b in ((q, q_ref), (k, k_ref), (tri_args[8], ref_args[8]), (tri_args[9], ref_args[9]))]
+    errs = [
+        (a.double() - b.double()).abs().max().item()
+        for a, b in ((q, q_ref), (k, k_ref), (tri_args[8], ref_args[8]), (tri_args[9], ref_args[9]))
+    ]
     return max(errs) <= 1.6e-2 * 8, max(errs)
 
 
@@ -59,8 +64,16 @@ def cases(device: str, real: bool) -> list[Case]:
             pos = torch.randint(0, max_pos, (T,), device=device)
             if not norm:
                 return pos, q, k, cos_sin
-            return (pos, q, k, 1 + randn(D, device=device, scale=0.1), 1 + randn(D, device=device, scale=0.1),
-                    EPS, cos_sin)
+            return (
+                pos,
+                q,
+                k,
+                1 + randn(D, device=device, scale=0.1),
+                1 + randn(D, device=device, scale=0.1),
+                EPS,
+                cos_sin,
+            )
+
         return make
 
     def fused_args(T):
@@ -71,16 +84,34 @@ def cases(device: str, real: bool) -> list[Case]:
             k_cache = randn(n_blocks, BLOCK, Hk, D, device=device)
             v_cache = randn(n_blocks, BLOCK, Hk, D, device=device)
             slots = torch.randperm(n_blocks * BLOCK, device=device)[:T]
-            return (pos, q, k, v, 1 + randn(D, device=device, scale=0.1), 1 + randn(D, device=device, scale=0.1),
-                    EPS, cos_sin, k_cache, v_cache, slots)
+            return (
+                pos,
+                q,
+                k,
+                v,
+                1 + randn(D, device=device, scale=0.1),
+                1 + randn(D, device=device, scale=0.1),
+                EPS,
+                cos_sin,
+                k_cache,
+                v_cache,
+                slots,
+            )
+
         return make
 
     def store_args(T):
         def make():
             _, k, v = _views(T, Hq, Hk, D, device)
             n_blocks = -(-T // BLOCK) + 1
-            return (k, v, randn(n_blocks, BLOCK, Hk, D, device=device), randn(n_blocks, BLOCK, Hk, D, device=device),
-                    torch.randperm(n_blocks * BLOCK, device=device)[:T])
+            return (
+                k,
+                v,
+                randn(n_blocks, BLOCK, Hk, D, device=device),
+                randn(n_blocks, BLOCK, Hk, D, device=device),
+                torch.randperm(n_blocks * BLOCK, device=device)[:T],
+            )
+
         return make
 
     out = []
@@ -88,19 +119,66 @@ def cases(device: str, real: bool) -> list[Case]:
         rope_bytes = T * ((Hq + Hk) * D * 2 * 2 + D * 4 + 8)
         fused_bytes = rope_bytes + T * (Hk * D * 2 + 2 * Hk * D * 2 + 8)
         first = i == 0
-        out.append(Case("qk_norm_rope_store_kv", f"T={T},Hq={Hq},Hk={Hk},D={D}", "bf16", fused_args(T),
-                        qk_norm_rope_store_kv, ops.qk_norm_rope_store_kv, bytes=fused_bytes, check=_check_fused, ref_graph=False,
-                        compile_ref=first, group="rope",
-                        notes="reference ops.qk_norm_rope_store_kv = qk_norm_rope then store_kv (its boolean mask syncs the host)"))
+        out.append(
+            Case(
+                "qk_norm_rope_store_kv",
+                f"T={T},Hq={Hq},Hk={Hk},D={D}",
+                "bf16",
+                fused_args(T),
+                qk_norm_rope_store_kv,
+                ops.qk_norm_rope_store_kv,
+                bytes=fused_bytes,
+                check=_check_fused,
+                ref_graph=False,
+                compile_ref=first,
+                group="rope",
+                notes="reference ops.qk_norm_rope_store_kv = qk_norm_rope then store_kv (its boolean mask syncs the host)",
+            )
+        )
         if not first:
             continue
-        out.append(Case("qk_norm_rope", f"T={T},Hq={Hq},Hk={Hk},D={D}", "bf16", rope_args(T, True), qk_norm_rope,
-                        ops.qk_norm_rope, bytes=rope_bytes, atol=1.6e-2, rtol=1.6e-2, group="rope"))
-        out.append(Case("rotary_embedding", f"T={T},Hq={Hq},Hk={Hk},D={D}", "bf16", rope_args(T, False),
-                        rotary_embedding, ops.rotary_embedding, bytes=rope_bytes, atol=1.6e-2, rtol=1.6e-2,
-                        group="rope"))
-        out.append(Case("store_kv", f"T={T},Hk={Hk},D={D},bs={BLOCK}", "bf16", store_args(T), store_kv,
-                        ops.store_kv, bytes=T * (4 * Hk * D * 2 + 8), check=_check_store, ref_graph=False, group="kv_cache"))
+        out.append(
+            Case(
+                "qk_norm_rope",
+                f"T={T},Hq={Hq},Hk={Hk},D={D}",
+                "bf16",
+                rope_args(T, True),
+                qk_norm_rope,
+                ops.qk_norm_rope,
+                bytes=rope_bytes,
+                atol=1.6e-2,
+                rtol=1.6e-2,
+                group="rope",
+            )
+        )
+        out.append(
+            Case(
+                "rotary_embedding",
+                f"T={T},Hq={Hq},Hk={Hk},D={D}",
+                "bf16",
+                rope_args(T, False),
+                rotary_embedding,
+                ops.rotary_embedding,
+                bytes=rope_bytes,
+                atol=1.6e-2,
+                rtol=1.6e-2,
+                group="rope",
+            )
+        )
+        out.append(
+            Case(
+                "store_kv",
+                f"T={T},Hk={Hk},D={D},bs={BLOCK}",
+                "bf16",
+                store_args(T),
+                store_kv,
+                ops.store_kv,
+                bytes=T * (4 * Hk * D * 2 + 8),
+                check=_check_store,
+                ref_graph=False,
+                group="kv_cache",
+            )
+        )
     return out
 
 

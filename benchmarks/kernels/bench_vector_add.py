@@ -25,17 +25,65 @@ def cases(device: str, real: bool) -> list[Case]:
         return lambda: (randn(size, device=device), randn(size, device=device))
 
     out = [
-        Case("add", f"n={PREFILL_T}x{HIDDEN}", "bf16", pair(n), add, torch.add, bytes=3 * n * 2, atol=0, rtol=0,
-             group="vector_add", teaching=True, notes="reference torch.add (the same single pass)"),
-        Case("add_silu", f"n={PREFILL_T}x{HIDDEN}", "bf16", pair(n), add_silu, ops.add_silu, bytes=3 * n * 2,
-             atol=1.6e-2, rtol=1.6e-2, group="vector_add", notes="eager reference: add then silu (2 kernels)"),
-        Case("add", "n=2^26", "bf16", pair(big), add, torch.add, bytes=3 * big * 2, atol=0, rtol=0,
-             group="vector_add", teaching=True, compile_ref=False),
+        Case(
+            "add",
+            f"n={PREFILL_T}x{HIDDEN}",
+            "bf16",
+            pair(n),
+            add,
+            torch.add,
+            bytes=3 * n * 2,
+            atol=0,
+            rtol=0,
+            group="vector_add",
+            teaching=True,
+            notes="reference torch.add (the same single pass)",
+        ),
+        Case(
+            "add_silu",
+            f"n={PREFILL_T}x{HIDDEN}",
+            "bf16",
+            pair(n),
+            add_silu,
+            ops.add_silu,
+            bytes=3 * n * 2,
+            atol=1.6e-2,
+            rtol=1.6e-2,
+            group="vector_add",
+            notes="eager reference: add then silu (2 kernels)",
+        ),
+        Case(
+            "add",
+            "n=2^26",
+            "bf16",
+            pair(big),
+            add,
+            torch.add,
+            bytes=3 * big * 2,
+            atol=0,
+            rtol=0,
+            group="vector_add",
+            teaching=True,
+            compile_ref=False,
+        ),
     ]
     for block, warps in SWEEP:
         fn = functools.partial(add, block_size=block, num_warps=warps)
-        out.append(Case("add", "n=2^26", "bf16", pair(big), fn, torch.add, bytes=3 * big * 2, atol=0, rtol=0,
-                        variant=f"block{block}_warps{warps}", group="vector_add"))
+        out.append(
+            Case(
+                "add",
+                "n=2^26",
+                "bf16",
+                pair(big),
+                fn,
+                torch.add,
+                bytes=3 * big * 2,
+                atol=0,
+                rtol=0,
+                variant=f"block{block}_warps{warps}",
+                group="vector_add",
+            )
+        )
     return out
 
 

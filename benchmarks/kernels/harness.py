@@ -163,8 +163,8 @@ def measure_ceilings(device: str) -> dict[str, Any]:
         "read_gbps_triton": round(read_triton, 1) if read_triton else None,
         "matmul_tflops": round(_matmul_tflops(timer), 1),
         "how": "copy: 1 GiB, best of copy_ on a stream and a Triton copy kernel, bytes = read + write; read: "
-               "1 GiB fp32 reduction, best of torch.sum and a Triton streaming sum; matmul: 8192³ bf16 "
-               "torch.matmul on random data",
+        "1 GiB fp32 reduction, best of torch.sum and a Triton streaming sum; matmul: 8192³ bf16 "
+        "torch.matmul on random data",
     }
 
 
@@ -176,7 +176,8 @@ def _copy_gbps(timer: Timer) -> float:
     torch_us, _, _ = timer.time_us(lambda: dst.copy_(src), [()], target_ms=20, graph=False)
     n, block = src.numel(), 4096
     triton_us, _, _ = timer.time_us(
-        lambda: _copy_kernel[(triton.cdiv(n, block),)](src, dst, n, BLOCK=block, num_warps=8), [()], target_ms=20)
+        lambda: _copy_kernel[(triton.cdiv(n, block),)](src, dst, n, BLOCK=block, num_warps=8), [()], target_ms=20
+    )
     return 2 * src.nbytes / min(torch_us, triton_us) / 1e3
 
 
@@ -217,8 +218,8 @@ def _triton_read_us(x: torch.Tensor, timer: Timer) -> float | None:
         grid = triton.cdiv(x.numel(), block * iters)
         out = torch.empty(grid, device=x.device, dtype=torch.float32)
         us, _, _ = timer.time_us(
-            lambda: _read_kernel[(grid,)](x, out, x.numel(), BLOCK=block, ITERS=iters, num_warps=8), [()],
-            target_ms=20)
+            lambda: _read_kernel[(grid,)](x, out, x.numel(), BLOCK=block, ITERS=iters, num_warps=8), [()], target_ms=20
+        )
         return us
     except Exception as exc:  # the ceiling then falls back to torch.sum alone
         print(f"triton read ceiling failed: {exc!r}", file=sys.stderr)
@@ -256,9 +257,18 @@ class Runner:
         if self.elapsed() > self.budget_s:
             print(f"[skip: budget] {case.kernel} {case.shape} {case.variant}", flush=True)
             return None
-        row = {"kernel": case.kernel, "group": case.group, "variant": case.variant, "shape": case.shape,
-               "dtype": case.dtype, "bytes": case.bytes, "flops": case.flops, "target_pct": case.target_pct,
-               "teaching": case.teaching, "notes": case.notes}
+        row = {
+            "kernel": case.kernel,
+            "group": case.group,
+            "variant": case.variant,
+            "shape": case.shape,
+            "dtype": case.dtype,
+            "bytes": case.bytes,
+            "flops": case.flops,
+            "target_pct": case.target_pct,
+            "teaching": case.teaching,
+            "notes": case.notes,
+        }
         try:
             row.update(self._run(case))
         except Exception as exc:
@@ -280,8 +290,14 @@ class Runner:
             ref = case.torch_fn(*args)
             correct, err = _compare(out, ref, case.atol, case.rtol)
         t_us, method, spread = self.timer.time_us(case.triton_fn, sets)
-        res: dict[str, Any] = {"time_us": round(t_us, 3), "method": method, "spread": round(spread, 3),
-                               "correct": correct, "max_abs_err": err, "n_input_sets": len(sets)}
+        res: dict[str, Any] = {
+            "time_us": round(t_us, 3),
+            "method": method,
+            "spread": round(spread, 3),
+            "correct": correct,
+            "max_abs_err": err,
+            "n_input_sets": len(sets),
+        }
         if case.bytes:
             gbps = case.bytes / t_us / 1e3
             res["gbps"] = round(gbps, 1)
@@ -315,8 +331,11 @@ class Runner:
             torch.cuda.synchronize()
             self.compile_spent += time.monotonic() - t0
             us, method, _ = self.timer.time_us(compiled, sets, graph=case.ref_graph)
-            return {"torch_compile_us": round(us, 3), "torch_compile_method": method,
-                    "speedup_vs_compile": round(us / t_us, 2)}
+            return {
+                "torch_compile_us": round(us, 3),
+                "torch_compile_method": method,
+                "speedup_vs_compile": round(us / t_us, 2),
+            }
         except Exception as exc:
             self.compile_spent += time.monotonic() - t0
             return {"torch_compile_us": None, "torch_compile_note": f"{type(exc).__name__}: {exc}"[:300]}
@@ -324,8 +343,7 @@ class Runner:
     def save(self) -> None:
         if self.out_path is None:
             return
-        doc = {"schema": SCHEMA, "provenance": self.provenance, "ceilings": self.ceilings,
-               "results": self.results}
+        doc = {"schema": SCHEMA, "provenance": self.provenance, "ceilings": self.ceilings, "results": self.results}
         tmp = self.out_path.with_suffix(".tmp")
         tmp.write_text(dumps(doc))
         tmp.replace(self.out_path)
@@ -350,8 +368,12 @@ def _commit() -> str:
     if os.environ.get("KL_COMMIT"):
         return os.environ["KL_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or "unknown"
+        )
     except Exception:
         return "unknown"
 
@@ -386,17 +408,24 @@ def _fmt(v, spec="{:.1f}") -> str:
 
 def _line(r: dict[str, Any]) -> str:
     rate = f"{_fmt(r.get('gbps'), '{:.0f}')} GB/s" if r.get("gbps") else f"{_fmt(r.get('tflops'))} TF/s"
-    return (f"{r['kernel']:<22} {r['variant']:<16} {r['shape']:<28} {_fmt(r.get('time_us'), '{:.2f}'):>9} us "
-            f"{rate:>12} {_fmt(r.get('pct_of_ceiling')):>6}% eager {_fmt(r.get('torch_eager_us'), '{:.2f}'):>8} "
-            f"compile {_fmt(r.get('torch_compile_us'), '{:.2f}'):>8} ok={r.get('correct')}"
-            + (f" ERROR {r['error']}" if r.get("error") else ""))
+    return (
+        f"{r['kernel']:<22} {r['variant']:<16} {r['shape']:<28} {_fmt(r.get('time_us'), '{:.2f}'):>9} us "
+        f"{rate:>12} {_fmt(r.get('pct_of_ceiling')):>6}% eager {_fmt(r.get('torch_eager_us'), '{:.2f}'):>8} "
+        f"compile {_fmt(r.get('torch_compile_us'), '{:.2f}'):>8} ok={r.get('correct')}"
+        + (f" ERROR {r['error']}" if r.get("error") else "")
+    )
 
 
 def table(results: list[dict[str, Any]], ceilings: dict[str, Any], defaults_only: bool = True) -> str:
-    head = (f"ceilings: copy {ceilings.get('copy_gbps')} GB/s, read {ceilings.get('read_gbps')} GB/s, "
-            f"bf16 matmul {ceilings.get('matmul_tflops')} TFLOP/s")
-    lines = [head, f"{'kernel':<22} {'shape':<28} {'us':>8} {'rate':>11} {'%ceil':>6} {'target':>6} "
-                   f"{'x eager':>7} {'x comp':>7} ok"]
+    head = (
+        f"ceilings: copy {ceilings.get('copy_gbps')} GB/s, read {ceilings.get('read_gbps')} GB/s, "
+        f"bf16 matmul {ceilings.get('matmul_tflops')} TFLOP/s"
+    )
+    lines = [
+        head,
+        f"{'kernel':<22} {'shape':<28} {'us':>8} {'rate':>11} {'%ceil':>6} {'target':>6} "
+        f"{'x eager':>7} {'x comp':>7} ok",
+    ]
     for r in results:
         if defaults_only and r["variant"] != "default":
             continue

@@ -40,7 +40,8 @@ ANALYSIS: dict[str, str] = {
         "lesson: below ~8 elements (16 bytes) per thread the kernel cannot keep enough loads in flight "
         "(55 % at 256-element blocks); above it every block/warp choice lands on the same plateau. The fused "
         "`add_silu` moves 40 % fewer bytes than the eager pair and is 1.78× faster; `torch.compile` fuses it "
-        "too (1.03×)."),
+        "too (1.03×)."
+    ),
     "rms_norm": (
         "**Target: RMSNorm ≥ 70 % at 4,096 rows — missed, 68.8 %** (5.34 µs, 3.14 TB/s against the 4.56 TB/s "
         "read-only ceiling measured in the same run). The fused residual version meets its target (84.8 %). "
@@ -50,25 +51,30 @@ ANALYSIS: dict[str, str] = {
         "1.65 µs + 16.8 MB at 4.26 TB/s ≈ 5.6 µs, slightly more than measured; the two-row/four-warp tile "
         "already leaves one wave of programs with 32 bytes in flight per thread. Against the ~3.6 TB/s the "
         "issue anticipated it would be 87 %. It is 10.6× faster than eager and level with `torch.compile` "
-        "(5.44 µs, 1.02×), whose generated kernel does the same single pass."),
+        "(5.44 µs, 1.02×), whose generated kernel does the same single pass."
+    ),
     "rope": (
         "The three kernels are bandwidth-bound passes at 70–82 % of the read bandwidth at 4,096 tokens, "
         "9–22× faster than eager and 1.6–18× faster than `torch.compile`; the fused QK-norm + RoPE + KV write "
         "replaces three eager kernels and a host-syncing boolean-mask scatter. The chapter's finding is about "
         "numerics, not speed: with Triton's default floating-point fusion, 21 % of bf16 outputs differed from "
         "HF's eager order (max error 0.06); with `enable_fp_fusion=False` the kernel is bit-identical "
-        "(max error 0 in the benchmark, faithful in every GPU test) at no measurable cost (14.05 vs 14.18 µs)."),
+        "(max error 0 in the benchmark, faithful in every GPU test) at no measurable cost (14.05 vs 14.18 µs)."
+    ),
     "kv_cache": (
         "A scatter of 2 × 8 × 128 bf16 per token: 67.5 % of the read bandwidth at 4,096 tokens, 15.6× faster "
-        "than the eager reference, whose boolean-mask indexing synchronises the host."),
+        "than the eager reference, whose boolean-mask indexing synchronises the host."
+    ),
     "swiglu": (
         "88.8 % of the read bandwidth at 4096 × 3072; 3.8× eager, level with `torch.compile` (18.63 vs "
-        "18.66 µs) — both emit the one pass the op needs. The block/warp sweep spans 18.6–19.8 µs."),
+        "18.66 µs) — both emit the one pass the op needs. The block/warp sweep spans 18.6–19.8 µs."
+    ),
     "softmax": (
         "The vocabulary case (64 × 151,936 fp32) runs at 50.8 % of the read bandwidth counting the ideal one "
         "read + one write, because the split path reads the rows twice (76 % of the bandwidth for the bytes it "
         "really moves). It is 2.0× eager and 1.8× `torch.compile`. Short rows (4096 × 1024 bf16) take the "
-        "one-load path: 71.8 %, 5.4× eager."),
+        "one-load path: 71.8 %, 5.4× eager."
+    ),
     "gemv": (
         "**Target: decode GEMV ≥ 70 % at M = 1 — missed for all four shapes: q/k/v 52.0 %, o 40.3 %, gate/up "
         "58.5 %, down 46.6 %** (3.54 / 2.28 / 4.72 / 2.97 µs, launched with PDL, back to back). What limits "
@@ -82,23 +88,27 @@ ANALYSIS: dict[str, str] = {
         "two wide matrices. Every default row is faster than cuBLAS (1.2× gate/up to 5.6× o_proj, where "
         "cuBLAS picks a 12.7 µs kernel). Reaching 70 % at these sizes needs more overlap than one kernel "
         "can give: fusing consecutive decode GEMVs (q/k/v + o, gate/up + down) into persistent kernels, or "
-        "PDL in every kernel of the decode step."),
+        "PDL in every kernel of the decode step."
+    ),
     "quant_gemv": (
         "Standalone, not dispatched. The memory saving is real (2× / 4× fewer weight bytes, measured on the "
         "tensors). The speed-up is not: at 1–6 MB of packed weight the kernel is latency-bound like the dense "
         "GEMV, and it runs without PDL, so it is slower than the dense bf16 GEMV with PDL at every shape and "
         "loses to dense cuBLAS at gate/up (0.91× int8, 0.95× int4); it beats cuBLAS at q/k/v (1.1×) and at "
-        "o and down (1.8–4×), where cuBLAS is weak."),
+        "o and down (1.8–4×), where cuBLAS is weak."
+    ),
     "gemm": (
         "A teaching kernel that loses: 462–520 TFLOP/s (68–76 % of the 683 TFLOP/s matmul ceiling) against "
         "cuBLAS's 690–750 at M = 4096, i.e. 0.66–0.69×; at M = 128, 0.50×. cuBLAS serves every "
-        "prefill-sized M; `linear.py` does not dispatch to this kernel."),
+        "prefill-sized M; `linear.py` does not dispatch to this kernel."
+    ),
     "attention": (
         "A teaching kernel that loses: 223 TFLOP/s (T = 2,048) and 309 TFLOP/s (T = 4,096), 0.68× PyTorch's "
         "FlashAttention path (4-D SDPA with `enable_gqa`) at both lengths; against the `ops.causal_attention` "
         "reference (4-D SDPA after `repeat_interleave` of K/V) it is 1.02× at 2,048 tokens and 0.87× at 4,096, and "
         "0.87× that reference's `torch.compile` at 2,048. FlashAttention stays the "
-        "reference for prefill."),
+        "reference for prefill."
+    ),
     "paged_attention": (
         "**Target: ≥ 70 % at batch 64 × context 1,024 — met, 88.6 %** (66.5 µs, 4.04 TB/s; 4.8× eager, "
         "4.6× `torch.compile`). **Target: ≥ 50 % at batch 1 × context 4,096 — missed, 29.0 %** (12.7 µs). "
@@ -111,11 +121,13 @@ ANALYSIS: dict[str, str] = {
         "PDL, or leave the merge to the o_proj GEMV's prologue. Mixed lengths (64 sequences of 1–2,048): "
         "63.8 %, 6.7× eager — lower than the 73.5 % of the first run, which used two slices per sequence: "
         "with one slice the longest sequences set the time, so the slice count should follow the longest "
-        "context, not only the batch size."),
+        "context, not only the batch size."
+    ),
     "argmax": (
         "Argmax, the greedy path, is 1.8× eager and 2.7× `torch.compile` at batch 64 (60 % of the read "
         "bandwidth) and 2.65× eager at batch 1 (3.2 µs: one launch floor plus a merge). Top-k is a teaching "
-        "kernel that loses (0.52×): bitonic selection is compute-heavy next to `torch.topk`'s radix select."),
+        "kernel that loses (0.52×): bitonic selection is compute-heavy next to `torch.topk`'s radix select."
+    ),
 }
 
 
@@ -173,9 +185,11 @@ def vs(r: dict, key: str) -> str:
 
 
 def results_table(rows: list[dict]) -> list[str]:
-    out = ["| kernel | shape | dtype | time (µs) | rate | % of ceiling | target | torch eager (µs) | "
-           "torch.compile (µs) | speedup vs eager / compile | correct (max abs err) |",
-           "|---|---|---|---:|---:|---:|---|---:|---:|---|---|"]
+    out = [
+        "| kernel | shape | dtype | time (µs) | rate | % of ceiling | target | torch eager (µs) | "
+        "torch.compile (µs) | speedup vs eager / compile | correct (max abs err) |",
+        "|---|---|---|---:|---:|---:|---|---:|---:|---|---|",
+    ]
     for r in rows:
         err = r.get("max_abs_err")
         err_s = "" if err is None else f" ({err:.2g})"
@@ -183,16 +197,21 @@ def results_table(rows: list[dict]) -> list[str]:
             f"| `{r['kernel']}` | {r['shape']} | {r['dtype']} | {fmt(r.get('time_us'), '{:.2f}')} | {rate(r)} | "
             f"{fmt(r.get('pct_of_ceiling'))} | {target_cell(r)} | {fmt(r.get('torch_eager_us'), '{:.2f}')} | "
             f"{fmt(r.get('torch_compile_us'), '{:.2f}')} | {vs(r, 'speedup_vs_eager')} / "
-            f"{vs(r, 'speedup_vs_compile')} | {'yes' if r.get('correct') else '**no**'}{err_s} |")
+            f"{vs(r, 'speedup_vs_compile')} | {'yes' if r.get('correct') else '**no**'}{err_s} |"
+        )
     return out
 
 
 def sweep_table(rows: list[dict]) -> list[str]:
-    out = ["| kernel | shape | variant | time (µs) | rate | % of ceiling | correct |",
-           "|---|---|---|---:|---:|---:|---|"]
+    out = [
+        "| kernel | shape | variant | time (µs) | rate | % of ceiling | correct |",
+        "|---|---|---|---:|---:|---:|---|",
+    ]
     for r in sorted(rows, key=lambda r: (r["kernel"], r["shape"], r.get("time_us") or 1e30)):
-        out.append(f"| `{r['kernel']}` | {r['shape']} | `{r['variant']}` | {fmt(r.get('time_us'), '{:.2f}')} | {rate(r)} | "
-                   f"{fmt(r.get('pct_of_ceiling'))} | {'yes' if r.get('correct') else '**no**'} |")
+        out.append(
+            f"| `{r['kernel']}` | {r['shape']} | `{r['variant']}` | {fmt(r.get('time_us'), '{:.2f}')} | {rate(r)} | "
+            f"{fmt(r.get('pct_of_ceiling'))} | {'yes' if r.get('correct') else '**no**'} |"
+        )
     return out
 
 
@@ -205,8 +224,10 @@ def verdict(rows: list[dict]) -> list[str]:
             continue
         wins = r["time_us"] < best_ref
         tag = "faster than" if wins else ("a teaching kernel that loses to" if r.get("teaching") else "slower than")
-        out.append(f"- `{r['kernel']}` {r['shape']}: {r['time_us']:.2f} µs, {tag} the best PyTorch reference "
-                   f"({best_ref:.2f} µs).")
+        out.append(
+            f"- `{r['kernel']}` {r['shape']}: {r['time_us']:.2f} µs, {tag} the best PyTorch reference "
+            f"({best_ref:.2f} µs)."
+        )
     return out
 
 
@@ -232,7 +253,7 @@ def generate(artifact: Path) -> str:
         f"CUDA {prov['cuda']}, Python {prov['python']}; commit `{prov['commit'][:12]}`, {prov['date']}.",
         f"- Ceilings measured in the same run: device-to-device copy **{fmt(ceil.get('copy_gbps'), '{:.0f}')} GB/s** "
         f"(read + write), read-only reduction **{fmt(ceil.get('read_gbps'), '{:.0f}')} GB/s**, bf16 matmul "
-        f"**{fmt(ceil.get('matmul_tflops'), '{:.0f}')} TFLOP/s**. Bandwidth kernels' \"% of ceiling\" is their "
+        f'**{fmt(ceil.get("matmul_tflops"), "{:.0f}")} TFLOP/s**. Bandwidth kernels\' "% of ceiling" is their '
         "GB/s over the read-only bandwidth (as the acceptance criteria ask; a kernel that also writes can reach "
         "the copy figure at best), compute kernels' is TFLOP/s over the matmul.",
         "- Bytes and FLOPs come from an explicit formula per case (each input read once, each output written "
@@ -274,12 +295,18 @@ def generate(artifact: Path) -> str:
     defaults = [r for r in results if r["variant"] == "default"]
     targets = [r for r in defaults if r.get("target_pct") is not None]
     if targets:
-        lines += ["### Acceptance targets", "", "| kernel | shape | measured | % of read ceiling | target | status |",
-                  "|---|---|---:|---:|---:|---|"]
+        lines += [
+            "### Acceptance targets",
+            "",
+            "| kernel | shape | measured | % of read ceiling | target | status |",
+            "|---|---|---:|---:|---:|---|",
+        ]
         for r in targets:
-            lines.append(f"| `{r['kernel']}` | {r['shape']} | {fmt(r.get('time_us'), '{:.2f}')} µs, {rate(r)} | "
-                         f"{fmt(r.get('pct_of_ceiling'))} % | ≥ {r['target_pct']:.0f} % | "
-                         f"{'met' if r.get('meets_target') else '**missed** (see its chapter)'} |")
+            lines.append(
+                f"| `{r['kernel']}` | {r['shape']} | {fmt(r.get('time_us'), '{:.2f}')} µs, {rate(r)} | "
+                f"{fmt(r.get('pct_of_ceiling'))} % | ≥ {r['target_pct']:.0f} % | "
+                f"{'met' if r.get('meets_target') else '**missed** (see its chapter)'} |"
+            )
         lines += ["", "### All kernels at their real shapes", ""]
     lines += results_table(defaults)
     lines += ["", "### Against the PyTorch reference", "", *verdict(defaults)]

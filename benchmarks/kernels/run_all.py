@@ -13,8 +13,16 @@ import torch
 
 from .harness import Case, Runner, table
 
-MODULES = ["bench_rms_norm", "bench_attention", "bench_gemv", "bench_vector_add", "bench_rope",
-           "bench_swiglu_softmax", "bench_argmax", "bench_gemm"]
+MODULES = [
+    "bench_rms_norm",
+    "bench_attention",
+    "bench_gemv",
+    "bench_vector_add",
+    "bench_rope",
+    "bench_swiglu_softmax",
+    "bench_argmax",
+    "bench_gemm",
+]
 
 
 def collect(device: str, real: bool) -> list[Case]:

@@ -91,12 +91,28 @@ def bench_latency(engine, prompt_lens=(2048,), contexts=(128, 2048), hf=None) ->
     rows = []
     for n in prompt_lens:
         t = engine_ttft(engine, n)
-        rows.append({"system": "kernellab", "metric": "ttft", "tokens": n, "ms_p50": round(statistics.median(t) * 1e3, 3),
-                     "ms_min": round(min(t) * 1e3, 3), "reps": len(t)})
+        rows.append(
+            {
+                "system": "kernellab",
+                "metric": "ttft",
+                "tokens": n,
+                "ms_p50": round(statistics.median(t) * 1e3, 3),
+                "ms_min": round(min(t) * 1e3, 3),
+                "reps": len(t),
+            }
+        )
     for c in contexts:
         t = engine_itl(engine, c)
-        rows.append({"system": "kernellab", "metric": "itl", "tokens": c, "ms_p50": round(statistics.median(t) * 1e3, 3),
-                     "ms_min": round(min(t) * 1e3, 3), "reps": len(t)})
+        rows.append(
+            {
+                "system": "kernellab",
+                "metric": "itl",
+                "tokens": c,
+                "ms_p50": round(statistics.median(t) * 1e3, 3),
+                "ms_min": round(min(t) * 1e3, 3),
+                "reps": len(t),
+            }
+        )
     if hf is not None:
         for n, c in zip(prompt_lens, contexts, strict=False):
             r = hf_latency(hf, n, c, device)
@@ -104,7 +120,14 @@ def bench_latency(engine, prompt_lens=(2048,), contexts=(128, 2048), hf=None) ->
         for c in contexts:
             r = hf_latency(hf, 16, c, device)
             rows.append({"system": "hf-transformers", "metric": "itl", "tokens": c, "ms_p50": r["itl_ms"]})
-    return {"schema": "kernellab.bench.latency/v1", "provenance": provenance(device), "model": engine.spec.name,
-            "dtype": str(engine.runner.dtype).removeprefix("torch."), "rows": rows,
-            "config": {"cuda_graphs": engine.runner.graphs is not None,
-                       "kernels": list(getattr(engine.runner.model.ops, "enabled", ()))}}
+    return {
+        "schema": "kernellab.bench.latency/v1",
+        "provenance": provenance(device),
+        "model": engine.spec.name,
+        "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "rows": rows,
+        "config": {
+            "cuda_graphs": engine.runner.graphs is not None,
+            "kernels": list(getattr(engine.runner.model.ops, "enabled", ())),
+        },
+    }

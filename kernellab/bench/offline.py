@@ -52,14 +52,27 @@ def run_engine(engine, prompts, max_tokens: list[int], label: str, dtype: str) -
     _sync(device)
     seconds = time.perf_counter() - t0
     quant = engine.config.weight_quant
-    return {"system": "kernellab", "workload": label, "dtype": dtype if quant == "none" else f"{dtype}+{quant}",
-            "weight_quant": quant, "first_prompt_token_ids": first, "num_prompts": len(prompts),
-            "input_tokens": sum(map(len, prompts)), "output_tokens": produced, "seconds": round(seconds, 3),
-            "output_tok_per_s": round(produced / seconds, 1), "peak_memory_gib": _peak_gib(device),
-            "config": {"max_num_seqs": engine.config.max_num_seqs, "backend": engine.config.backend,
-                       "max_num_batched_tokens": engine.config.max_num_batched_tokens,
-                       "kv_blocks": engine.runner.num_blocks, "cuda_graphs": engine.config.cuda_graphs,
-                       "int4_max_rows": engine.config.int4_max_rows if quant != "none" else None}}
+    return {
+        "system": "kernellab",
+        "workload": label,
+        "dtype": dtype if quant == "none" else f"{dtype}+{quant}",
+        "weight_quant": quant,
+        "first_prompt_token_ids": first,
+        "num_prompts": len(prompts),
+        "input_tokens": sum(map(len, prompts)),
+        "output_tokens": produced,
+        "seconds": round(seconds, 3),
+        "output_tok_per_s": round(produced / seconds, 1),
+        "peak_memory_gib": _peak_gib(device),
+        "config": {
+            "max_num_seqs": engine.config.max_num_seqs,
+            "backend": engine.config.backend,
+            "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+            "kv_blocks": engine.runner.num_blocks,
+            "cuda_graphs": engine.config.cuda_graphs,
+            "int4_max_rows": engine.config.int4_max_rows if quant != "none" else None,
+        },
+    }
 
 
 def load_hf(model: str, device: str, dtype: torch.dtype, random_weights: bool):
@@ -73,7 +86,9 @@ def load_hf(model: str, device: str, dtype: torch.dtype, random_weights: bool):
         return hf.eval()
     if spec.is_gguf:
         path = wheel_file_path(spec)
-        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).to(device).eval()
+        return (
+            AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).to(device).eval()
+        )
     from kernellab.runtime.loader import checkpoint_path
 
     return AutoModelForCausalLM.from_pretrained(str(checkpoint_path(spec)), dtype=dtype).to(device).eval()
@@ -92,10 +107,18 @@ def run_hf_generate(hf, prompts, max_new: int, label: str, dtype: str, device: s
     _sync(device)
     seconds = time.perf_counter() - t0
     produced = (out.shape[1] - width) * len(prompts)
-    return {"system": "hf-transformers", "workload": label, "dtype": dtype, "num_prompts": len(prompts),
-            "input_tokens": sum(map(len, prompts)), "output_tokens": produced, "seconds": round(seconds, 3),
-            "output_tok_per_s": round(produced / seconds, 1), "peak_memory_gib": _peak_gib(device),
-            "config": {"api": "generate", "padding": "left"}}
+    return {
+        "system": "hf-transformers",
+        "workload": label,
+        "dtype": dtype,
+        "num_prompts": len(prompts),
+        "input_tokens": sum(map(len, prompts)),
+        "output_tokens": produced,
+        "seconds": round(seconds, 3),
+        "output_tok_per_s": round(produced / seconds, 1),
+        "peak_memory_gib": _peak_gib(device),
+        "config": {"api": "generate", "padding": "left"},
+    }
 
 
 def run_llama_cpp(model: str, prompt: list[int], max_new: int, label: str) -> dict | None:
@@ -113,16 +136,33 @@ def run_llama_cpp(model: str, prompt: list[int], max_new: int, label: str) -> di
     out = llm.create_completion(prompt=prompt, max_tokens=max_new, temperature=0.0, logit_bias={eos: -1e9})
     seconds = time.perf_counter() - t0
     produced = out["usage"]["completion_tokens"]
-    return {"system": "llama.cpp", "workload": label, "dtype": "q4_1", "num_prompts": 1,
-            "input_tokens": len(prompt), "output_tokens": produced, "seconds": round(seconds, 3),
-            "output_tok_per_s": round(produced / seconds, 1), "peak_memory_gib": None,
-            "config": {"llama_cpp_python": importlib.metadata.version("llama_cpp_python")}}
+    return {
+        "system": "llama.cpp",
+        "workload": label,
+        "dtype": "q4_1",
+        "num_prompts": 1,
+        "input_tokens": len(prompt),
+        "output_tokens": produced,
+        "seconds": round(seconds, 3),
+        "output_tok_per_s": round(produced / seconds, 1),
+        "peak_memory_gib": None,
+        "config": {"llama_cpp_python": importlib.metadata.version("llama_cpp_python")},
+    }
 
 
-def bench_offline(model: str, num_prompts: int = 32, max_tokens: int = 128, dtypes: tuple[str, ...] = ("auto",),
-                  device: str = "auto", workload: str = "chat", peers: tuple[str, ...] = ("hf",),
-                  random_weights: bool = False, engine_kwargs: dict | None = None,
-                  progress: Progress = lambda _: None, weight_quants: tuple[str, ...] = ("none",)) -> dict:
+def bench_offline(
+    model: str,
+    num_prompts: int = 32,
+    max_tokens: int = 128,
+    dtypes: tuple[str, ...] = ("auto",),
+    device: str = "auto",
+    workload: str = "chat",
+    peers: tuple[str, ...] = ("hf",),
+    random_weights: bool = False,
+    engine_kwargs: dict | None = None,
+    progress: Progress = lambda _: None,
+    weight_quants: tuple[str, ...] = ("none",),
+) -> dict:
     from kernellab.runtime.config import EngineConfig
     from kernellab.runtime.engine import LLMEngine
 
@@ -131,8 +171,16 @@ def bench_offline(model: str, num_prompts: int = 32, max_tokens: int = 128, dtyp
     workloads = []
     for dtype, quant in [(d, q) for q in weight_quants for d in dtypes]:
         progress(f"loading {model} ({dtype}, weight_quant={quant})")
-        engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, random_weights=random_weights,
-                                        weight_quant=quant, **engine_kwargs))
+        engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                device=device,
+                dtype=dtype,
+                random_weights=random_weights,
+                weight_quant=quant,
+                **engine_kwargs,
+            )
+        )
         real_dtype = str(engine.runner.dtype).removeprefix("torch.")
         dev = str(engine.runner.device)
         if workload == "nanovllm":
@@ -140,8 +188,10 @@ def bench_offline(model: str, num_prompts: int = 32, max_tokens: int = 128, dtyp
             workloads = [("nanovllm-256", prompts, outs)]
         else:
             prompts = chat_prompts(engine.tokenizer, num_prompts)
-            workloads = [("batch1", prompts[:1], [max_tokens]),
-                         (f"batch{num_prompts}", prompts, [max_tokens] * num_prompts)]
+            workloads = [
+                ("batch1", prompts[:1], [max_tokens]),
+                (f"batch{num_prompts}", prompts, [max_tokens] * num_prompts),
+            ]
         for label, p, n in workloads:
             progress(f"kernellab {real_dtype} {label}")
             runs.append(run_engine(engine, p, n, label, real_dtype))

@@ -211,9 +211,7 @@ def plot_latencies(records: list[RequestRecord], report: dict, path: str | Path)
         if not values:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
             continue
-        ax.hist(
-            [v * 1000 for v in values], bins=min(50, max(5, len(values) // 2)), color="#4c72b0", alpha=0.8
-        )
+        ax.hist([v * 1000 for v in values], bins=min(50, max(5, len(values) // 2)), color="#4c72b0", alpha=0.8)
         for q, style in zip(PERCENTILES, (":", "--", "-"), strict=True):
             ax.axvline(
                 dist[f"p{q}"] * 1000,

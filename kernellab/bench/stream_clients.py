@@ -40,18 +40,33 @@ def post_request(host: str, port: int, path: str, body: dict, api_key: str | Non
     """The bytes of a JSON POST on a keep-alive connection."""
     data = json.dumps(body, separators=(",", ":")).encode()
     auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
-    head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n{auth}"
-            f"Content-Length: {len(data)}\r\n\r\n")
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n{auth}"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
     return head.encode() + data
 
 
-def completion_request(host: str, port: int, model: str, prompt_ids: list[int], max_tokens: int,
-                       api_key: str | None = None) -> bytes:
+def completion_request(
+    host: str, port: int, model: str, prompt_ids: list[int], max_tokens: int, api_key: str | None = None
+) -> bytes:
     """A streaming /v1/completions request with token-id prompt (the OpenAI API allows arrays of ints), greedy
     and ``ignore_eos`` so the output length is exactly ``max_tokens``."""
-    return post_request(host, port, "/v1/completions", {
-        "model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-        "stream": True, "stream_options": {"include_usage": True}}, api_key)
+    return post_request(
+        host,
+        port,
+        "/v1/completions",
+        {
+            "model": model,
+            "prompt": prompt_ids,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        api_key,
+    )
 
 
 class SSEConnection:
@@ -132,9 +147,10 @@ async def _run_client(host: str, port: int, requests: list[tuple[int, bytes]], p
         await asyncio.sleep(min(delay, 0.001) if delay < 0.002 else delay - 0.001)
     cpu0, wall0 = time.process_time(), time.perf_counter()
     records = [RequestRecord(i) for i, _raw in requests]
-    results = await asyncio.gather(*(c.stream(raw, rec) for c, (_i, raw), rec in zip(conns, requests, records,
-                                                                                      strict=True)),
-                                   return_exceptions=True)
+    results = await asyncio.gather(
+        *(c.stream(raw, rec) for c, (_i, raw), rec in zip(conns, requests, records, strict=True)),
+        return_exceptions=True,
+    )
     for rec, res in zip(records, results, strict=True):
         if isinstance(res, BaseException):
             rec.error = f"{type(res).__name__}: {res}"
@@ -190,13 +206,24 @@ def run_clients(host: str, port: int, requests: list[bytes], processes: int, tim
             if "fatal" in out:
                 raise RuntimeError(f"client process failed: {out['fatal']}")
             records.update({r.index: r for r in out["records"]})
-            clients.append({"requests": len(out["records"]), "cpu_s": round(out["cpu_s"], 3),
-                            "wall_s": round(out["wall_s"], 3), "cpu_util": round(out["cpu_s"] / out["wall_s"], 3)})
+            clients.append(
+                {
+                    "requests": len(out["records"]),
+                    "cpu_s": round(out["cpu_s"], 3),
+                    "wall_s": round(out["wall_s"], 3),
+                    "cpu_util": round(out["cpu_s"] / out["wall_s"], 3),
+                }
+            )
     finally:
         for p in procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
     top = max(c["cpu_util"] for c in clients)
-    return {"t0": t0, "records": [records[i] for i in range(len(requests))], "clients": clients,
-            "max_client_cpu_util": top, "clients_saturated": top >= CPU_SATURATED}
+    return {
+        "t0": t0,
+        "records": [records[i] for i in range(len(requests))],
+        "clients": clients,
+        "max_client_cpu_util": top,
+        "clients_saturated": top >= CPU_SATURATED,
+    }

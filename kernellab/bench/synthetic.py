@@ -21,14 +21,26 @@ from pathlib import Path
 from kernellab.runtime.registry import REGISTRY
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 # Shapes by name: the registry's own config for real models, and a tiny one for CPU rehearsals and CI.
-TINY_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 64,
-              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "head_dim": 32, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
-              "tie_word_embeddings": True}
+TINY_QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "vocab_size": 151936,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+}
 
 
 def shape_config(shape: str) -> dict:
@@ -42,8 +54,9 @@ def shape_config(shape: str) -> dict:
 
 def _byte_alphabet() -> list[str]:
     """GPT-2's byte-to-unicode map (printable stand-ins for the 256 byte values), as byte-level BPE uses."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = [], 0
     for b in range(256):
         if b in printable:
@@ -74,8 +87,9 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
             merges.append((a, b))
     tokens = list(grown)
     while len(vocab) < n_regular:
-        base = tokens[min(len(tokens) - 1, int(rng.expovariate(1 / 2000)))] if rng.random() < 0.7 else \
-            rng.choice(tokens)
+        base = (
+            tokens[min(len(tokens) - 1, int(rng.expovariate(1 / 2000)))] if rng.random() < 0.7 else rng.choice(tokens)
+        )
         if len(base) >= 12:
             continue
         new = base + rng.choices(letters, weights)[0]
@@ -95,9 +109,18 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
 def write_tokenizer(folder: Path, vocab_size: int, seed: int = 0) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     build_tokenizer(vocab_size, seed).save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None, "pad_token": "<|endoftext|>",
-        "model_max_length": 131072}, indent=1))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": CHATML,
+                "eos_token": "<|im_end|>",
+                "bos_token": None,
+                "pad_token": "<|endoftext|>",
+                "model_max_length": 131072,
+            },
+            indent=1,
+        )
+    )
 
 
 def write_checkpoint(folder: str | Path, shape: str = "qwen3-0.6b", *, seed: int = 0, device: str = "cpu") -> Path:
@@ -127,15 +150,22 @@ def write_checkpoint(folder: str | Path, shape: str = "qwen3-0.6b", *, seed: int
         tensors["lm_head.weight"] = rand(vocab, h)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        tensors |= {p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
-                    p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.k_proj.weight": rand(kv, h),
-                    p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, q),
-                    p + "mlp.gate_proj.weight": rand(cfg.intermediate_size, h),
-                    p + "mlp.up_proj.weight": rand(cfg.intermediate_size, h),
-                    p + "mlp.down_proj.weight": rand(h, cfg.intermediate_size)}
+        tensors |= {
+            p + "input_layernorm.weight": norm(h),
+            p + "post_attention_layernorm.weight": norm(h),
+            p + "self_attn.q_proj.weight": rand(q, h),
+            p + "self_attn.k_proj.weight": rand(kv, h),
+            p + "self_attn.v_proj.weight": rand(kv, h),
+            p + "self_attn.o_proj.weight": rand(h, q),
+            p + "mlp.gate_proj.weight": rand(cfg.intermediate_size, h),
+            p + "mlp.up_proj.weight": rand(cfg.intermediate_size, h),
+            p + "mlp.down_proj.weight": rand(h, cfg.intermediate_size),
+        }
         if cfg.qk_norm:
-            tensors |= {p + "self_attn.q_norm.weight": norm(cfg.head_dim),
-                        p + "self_attn.k_norm.weight": norm(cfg.head_dim)}
+            tensors |= {
+                p + "self_attn.q_norm.weight": norm(cfg.head_dim),
+                p + "self_attn.k_norm.weight": norm(cfg.head_dim),
+            }
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps({**cfg_dict, "torch_dtype": "bfloat16"}, indent=1))
     write_tokenizer(folder, vocab, seed)

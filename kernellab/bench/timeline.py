@@ -62,6 +62,14 @@ def timeline(steps: list[dict], adds: dict[str, float], records: list[dict], t0:
     return {
         "requests_joined": joined,
         "median_ms": {k: round(statistics.median(v), 3) if v else None for k, v in parts.items()},
-        "steps": [[round((s["t"] - t0) * 1e3, 2), round(s["dt"] * 1e3, 2), s.get("rows"), s.get("tokens"),
-                   len(s.get("first", ()))] for s in ordered[:first_steps]],
+        "steps": [
+            [
+                round((s["t"] - t0) * 1e3, 2),
+                round(s["dt"] * 1e3, 2),
+                s.get("rows"),
+                s.get("tokens"),
+                len(s.get("first", ())),
+            ]
+            for s in ordered[:first_steps]
+        ],
     }

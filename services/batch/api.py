@@ -58,8 +58,7 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
         raise InvalidRequestError(f"metadata takes at most {MAX_METADATA} pairs", param="metadata")
     for key, value in metadata.items():
         if len(key) > 64 or len(value) > 512:
-            raise InvalidRequestError("metadata keys are at most 64 characters, values at most 512",
-                                      param="metadata")
+            raise InvalidRequestError("metadata keys are at most 64 characters, values at most 512", param="metadata")
 
 
 def _tenant(request: Request) -> str:
@@ -113,9 +112,13 @@ def create_batch_router(stack: StackSettings, settings: BatchSettings | None = N
 
         # ignore_result: nothing waits on a Celery result (the batch object is the result), so the send
         # never touches the result backend; a broker that is down fails the request within a second.
-        celery.send_task(TASK_NAME, args=[batch_id], queue=settings.batch_queue, ignore_result=True,
-                         retry_policy={"max_retries": 2, "interval_start": 0, "interval_step": 0.25,
-                                       "interval_max": 0.5})
+        celery.send_task(
+            TASK_NAME,
+            args=[batch_id],
+            queue=settings.batch_queue,
+            ignore_result=True,
+            retry_policy={"max_retries": 2, "interval_start": 0, "interval_step": 0.25, "interval_max": 0.5},
+        )
 
     async def redis_call(coro):
         try:
@@ -156,9 +159,16 @@ def create_batch_router(stack: StackSettings, settings: BatchSettings | None = N
             upload = form.get("file")
             if upload is None or isinstance(upload, str):
                 raise InvalidRequestError("the form has no 'file' part", param="file")
-            return _public_file(await asyncio.to_thread(
-                files.save_upload, upload.file, upload.filename or "input.jsonl",
-                max_bytes=settings.batch_max_file_bytes, max_lines=settings.batch_max_lines, owner=_tenant(request)))
+            return _public_file(
+                await asyncio.to_thread(
+                    files.save_upload,
+                    upload.file,
+                    upload.filename or "input.jsonl",
+                    max_bytes=settings.batch_max_file_bytes,
+                    max_lines=settings.batch_max_lines,
+                    owner=_tenant(request),
+                )
+            )
         finally:
             await form.close()
 
@@ -186,23 +196,34 @@ def create_batch_router(stack: StackSettings, settings: BatchSettings | None = N
     @router.post("/v1/batches")
     async def create_batch(body: CreateBatch, request: Request):
         if body.endpoint not in ENDPOINTS:
-            raise InvalidRequestError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {body.endpoint!r}",
-                                      param="endpoint")
+            raise InvalidRequestError(
+                f"endpoint must be one of {', '.join(ENDPOINTS)}, got {body.endpoint!r}", param="endpoint"
+            )
         if body.completion_window not in settings.completion_windows:
-            raise InvalidRequestError(f"completion_window must be one of {', '.join(settings.completion_windows)}",
-                                      param="completion_window")
+            raise InvalidRequestError(
+                f"completion_window must be one of {', '.join(settings.completion_windows)}", param="completion_window"
+            )
         _check_metadata(body.metadata)
         meta = _owned(files.get(body.input_file_id), request)
         if meta is None:
             raise InvalidRequestError(f"no file {body.input_file_id!r}", param="input_file_id")
         if meta.get("purpose") != "batch":
-            raise InvalidRequestError(f"file {body.input_file_id!r} was not uploaded with purpose 'batch'",
-                                      param="input_file_id")
+            raise InvalidRequestError(
+                f"file {body.input_file_id!r} was not uploaded with purpose 'batch'", param="input_file_id"
+            )
         batch_id = new_batch_id()
-        batch = await redis_call(store().create(
-            batch_id, endpoint=body.endpoint, input_file_id=body.input_file_id,
-            completion_window=body.completion_window, expires_in_s=window_seconds(body.completion_window),
-            metadata=body.metadata, model=settings.model, owner=_tenant(request)))
+        batch = await redis_call(
+            store().create(
+                batch_id,
+                endpoint=body.endpoint,
+                input_file_id=body.input_file_id,
+                completion_window=body.completion_window,
+                expires_in_s=window_seconds(body.completion_window),
+                metadata=body.metadata,
+                model=settings.model,
+                owner=_tenant(request),
+            )
+        )
         try:
             await asyncio.to_thread(enqueue, batch_id)
         except Exception as exc:
@@ -215,8 +236,13 @@ def create_batch_router(stack: StackSettings, settings: BatchSettings | None = N
     @router.get("/v1/batches")
     async def list_batches(request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)):
         data, more = await redis_call(store().list(after, limit, owner=_tenant(request)))
-        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None, "has_more": more}
+        return {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": more,
+        }
 
     @router.get("/v1/batches/{batch_id}")
     async def get_batch(batch_id: str, request: Request):
@@ -229,8 +255,9 @@ def create_batch_router(stack: StackSettings, settings: BatchSettings | None = N
     async def cancel_batch(batch_id: str, request: Request):
         if _owned(await redis_call(store().fields(batch_id)), request) is None:
             raise NotFound(f"no batch {batch_id!r}", param="batch_id", code="not_found")
-        done, previous = await redis_call(store().transition(batch_id, ("validating", "in_progress"), "cancelling",
-                                                             cancelling_at=int(time.time())))
+        done, previous = await redis_call(
+            store().transition(batch_id, ("validating", "in_progress"), "cancelling", cancelling_at=int(time.time()))
+        )
         if not done and previous == "":
             raise NotFound(f"no batch {batch_id!r}", param="batch_id", code="not_found")
         if not done and previous not in ("cancelling", "cancelled"):

@@ -56,8 +56,9 @@ def make_celery(settings: BatchSettings) -> Celery:
 def register_tasks(app: Celery, settings: BatchSettings):
     """The batch task, bound to ``settings`` (the worker's)."""
 
-    @app.task(name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None,
-              ignore_result=True)
+    @app.task(
+        name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None, ignore_result=True
+    )
     def run_batch(self, batch_id: str) -> str:
         try:
             outcome = aio.run(run_job(settings, batch_id), what=f"batch {batch_id}")
@@ -100,9 +101,13 @@ async def run_job(settings: BatchSettings, batch_id: str) -> str:
     tokenizer, served, max_len = _serving(settings.model, settings.max_model_len)
     client = redis_client(settings.redis_url, timeout=5.0)
     try:
-        job = BatchJob(settings, BatchStore(client, settings.key_prefix), FileStore(settings.files_path),
-                       lambda deadline_s: QueueExecutor(settings, tokenizer, served, max_len, deadline_s=deadline_s),
-                       should_stop=_shutting_down)
+        job = BatchJob(
+            settings,
+            BatchStore(client, settings.key_prefix),
+            FileStore(settings.files_path),
+            lambda deadline_s: QueueExecutor(settings, tokenizer, served, max_len, deadline_s=deadline_s),
+            should_stop=_shutting_down,
+        )
         return await job.run(batch_id)
     finally:
         await client.aclose()
@@ -119,13 +124,31 @@ def serve(settings: BatchSettings, *, loglevel: str = "info", hostname: str | No
     register_tasks(app, settings)
     longest = max(window_seconds(w) for w in settings.completion_windows)
     if settings.visibility_timeout_s <= longest:
-        log.warning("the visibility timeout (%.0fs) is not longer than the longest completion window (%ds): a "
-                    "batch still running may be delivered twice (safe: the copy waits on the lease)",
-                    settings.visibility_timeout_s, longest)
+        log.warning(
+            "the visibility timeout (%.0fs) is not longer than the longest completion window (%ds): a "
+            "batch still running may be delivered twice (safe: the copy waits on the lease)",
+            settings.visibility_timeout_s,
+            longest,
+        )
     _serving(settings.model, settings.max_model_len)  # load the tokenizer before taking work
     name = hostname or f"batch-{socket.gethostname()}-{os.getpid()}@%h"
-    log.info("batch worker: queue %s, broker %s, files %s, %d lines in flight per batch", settings.batch_queue,
-             settings.broker_url, settings.files_path, settings.batch_concurrency)
-    app.worker_main(["worker", "--pool=solo", "--concurrency=1", f"--queues={settings.batch_queue}",
-                     f"--hostname={name}", f"--loglevel={loglevel.upper()}", "--without-gossip",
-                     "--without-mingle", "--without-heartbeat"])
+    log.info(
+        "batch worker: queue %s, broker %s, files %s, %d lines in flight per batch",
+        settings.batch_queue,
+        settings.broker_url,
+        settings.files_path,
+        settings.batch_concurrency,
+    )
+    app.worker_main(
+        [
+            "worker",
+            "--pool=solo",
+            "--concurrency=1",
+            f"--queues={settings.batch_queue}",
+            f"--hostname={name}",
+            f"--loglevel={loglevel.upper()}",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ]
+    )

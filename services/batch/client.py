@@ -14,15 +14,22 @@ from kernellab.services.gateway.state import Gateway
 
 
 class QueueExecutor:
-    def __init__(self, settings: BatchSettings, tokenizer, served_model: str, max_model_len: int, *,
-                 deadline_s: float):
+    def __init__(self, settings: BatchSettings, tokenizer, served_model: str, max_model_len: int, *, deadline_s: float):
         # Every request of the batch must finish before the batch expires: that is its deadline.
         gateway_settings = GatewaySettings(
-            redis_url=settings.redis_url, key_prefix=settings.key_prefix, model=served_model,
-            heartbeat_interval_s=settings.heartbeat_interval_s, worker_dead_after_s=settings.worker_dead_after_s,
-            output_ttl_s=settings.output_ttl_s, request_timeout_s=max(1.0, deadline_s),
-            max_waiting=settings.batch_concurrency, max_n=settings.max_n, gateway_metrics_port=0,
-            api_keys="", api_key_file="")
+            redis_url=settings.redis_url,
+            key_prefix=settings.key_prefix,
+            model=served_model,
+            heartbeat_interval_s=settings.heartbeat_interval_s,
+            worker_dead_after_s=settings.worker_dead_after_s,
+            output_ttl_s=settings.output_ttl_s,
+            request_timeout_s=max(1.0, deadline_s),
+            max_waiting=settings.batch_concurrency,
+            max_n=settings.max_n,
+            gateway_metrics_port=0,
+            api_keys="",
+            api_key_file="",
+        )
         self.tokenizer = tokenizer
         self.served_model = served_model
         self.max_model_len = max_model_len

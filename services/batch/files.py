@@ -69,11 +69,21 @@ class FileStore:
                 tmp.unlink()
         return size
 
-    def _publish(self, file_id: str, filename: str, purpose: str, size: int, created_at: int | None = None,
-                 owner: str = "") -> dict:
-        meta = {"id": file_id, "object": "file", "bytes": size, "created_at": created_at or int(time.time()),
-                "filename": filename, "purpose": purpose, "status": "processed", "expires_at": None,
-                "status_details": None, "owner": owner}
+    def _publish(
+        self, file_id: str, filename: str, purpose: str, size: int, created_at: int | None = None, owner: str = ""
+    ) -> dict:
+        meta = {
+            "id": file_id,
+            "object": "file",
+            "bytes": size,
+            "created_at": created_at or int(time.time()),
+            "filename": filename,
+            "purpose": purpose,
+            "status": "processed",
+            "expires_at": None,
+            "status_details": None,
+            "owner": owner,
+        }
         self._write_atomic(self._meta(file_id), [json.dumps(meta).encode()])
         return meta
 

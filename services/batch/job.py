@@ -46,8 +46,15 @@ class BatchJob:
     """``run(batch_id)`` → "done" | "busy" (another owner holds the lease) | "handed_back" (shutdown) |
     "lost" (the lease was taken over) | "missing" (no such batch)."""
 
-    def __init__(self, settings: BatchSettings, store: BatchStore, files: FileStore, executor_factory: Callable,
-                 *, should_stop: Callable[[], bool] = lambda: False):
+    def __init__(
+        self,
+        settings: BatchSettings,
+        store: BatchStore,
+        files: FileStore,
+        executor_factory: Callable,
+        *,
+        should_stop: Callable[[], bool] = lambda: False,
+    ):
         self.settings = settings
         self.store = store
         self.files = files
@@ -84,8 +91,9 @@ class BatchJob:
                 return reason
             if reason == "expired":
                 await self._expire_unfinished(batch_id, fields)
-            ok, status = await self.store.transition(batch_id, ("in_progress",), "finalizing",
-                                                     finalizing_at=int(time.time()), final_status=reason)
+            ok, status = await self.store.transition(
+                batch_id, ("in_progress",), "finalizing", finalizing_at=int(time.time()), final_status=reason
+            )
             if ok:
                 status = "finalizing"
         fields = await self.store.fields(batch_id)
@@ -93,8 +101,17 @@ class BatchJob:
             final = fields.get("final_status") or "completed"
             errors = None
             if final == "failed":
-                errors = {"object": "list", "data": [{"code": "invalid_input_file", "line": None, "param": None,
-                                                      "message": "the input file was deleted while the batch ran"}]}
+                errors = {
+                    "object": "list",
+                    "data": [
+                        {
+                            "code": "invalid_input_file",
+                            "line": None,
+                            "param": None,
+                            "message": "the input file was deleted while the batch ran",
+                        }
+                    ],
+                }
             await self._finalize(batch_id, fields, ("finalizing",), final, errors)
         elif status == "cancelling":
             await self._finalize(batch_id, fields, ("cancelling",), "cancelled")
@@ -108,27 +125,40 @@ class BatchJob:
         path = self.files.content_path(file_id)
         error = None
         if meta is None or path is None:
-            error = {"code": "invalid_input_file", "message": f"input file {file_id!r} no longer exists",
-                     "param": "input_file_id", "line": None}
+            error = {
+                "code": "invalid_input_file",
+                "message": f"input file {file_id!r} no longer exists",
+                "param": "input_file_id",
+                "line": None,
+            }
         elif meta.get("purpose") != "batch":
-            error = {"code": "invalid_input_file", "message": f"input file {file_id!r} has purpose "
-                     f"{meta.get('purpose')!r}, not 'batch'", "param": "input_file_id", "line": None}
+            error = {
+                "code": "invalid_input_file",
+                "message": f"input file {file_id!r} has purpose {meta.get('purpose')!r}, not 'batch'",
+                "param": "input_file_id",
+                "line": None,
+            }
         if error is None:
             total = await asyncio.to_thread(L.count_lines, path)
             if total == 0:
-                error = {"code": "empty_file", "message": "the input file has no requests", "param": None,
-                         "line": None}
+                error = {"code": "empty_file", "message": "the input file has no requests", "param": None, "line": None}
             elif total > self.settings.batch_max_lines:
-                error = {"code": "too_many_requests", "message": f"the input file has {total} requests; the "
-                         f"limit is {self.settings.batch_max_lines}", "param": None, "line": None}
+                error = {
+                    "code": "too_many_requests",
+                    "message": f"the input file has {total} requests; the limit is {self.settings.batch_max_lines}",
+                    "param": None,
+                    "line": None,
+                }
         now = int(time.time())
         if error is not None:
-            ok, status = await self.store.transition(batch_id, ("validating",), "failed", failed_at=now,
-                                                     errors={"object": "list", "data": [error]})
+            ok, status = await self.store.transition(
+                batch_id, ("validating",), "failed", failed_at=now, errors={"object": "list", "data": [error]}
+            )
             log.info("batch %s failed validation: %s", batch_id, error["message"])
             return "failed" if ok else status
-        ok, status = await self.store.transition(batch_id, ("validating",), "in_progress", in_progress_at=now,
-                                                 total=total)
+        ok, status = await self.store.transition(
+            batch_id, ("validating",), "in_progress", in_progress_at=now, total=total
+        )
         return "in_progress" if ok else status
 
     # ----------------------------------------------------------------- in_progress
@@ -194,11 +224,18 @@ class BatchJob:
                     if passes:  # lines left unrecorded by the last pass (a deadline): not in a hot loop
                         await asyncio.sleep(POLL_S)
                     elif done:
-                        log.info("batch %s: resuming with %d of %s lines recorded", batch_id, len(done),
-                                 fields["total"])
+                        log.info(
+                            "batch %s: resuming with %d of %s lines recorded", batch_id, len(done), fields["total"]
+                        )
                     passes += 1
-                    runner = LineRunner(executor, record, concurrency=self.settings.batch_concurrency,
-                                        max_n=self.settings.max_n, stop=stop, on_submit=on_submit)
+                    runner = LineRunner(
+                        executor,
+                        record,
+                        concurrency=self.settings.batch_concurrency,
+                        max_n=self.settings.max_n,
+                        stop=stop,
+                        on_submit=on_submit,
+                    )
                     await runner.run(L.iter_input(path), skip=done)
         finally:
             stop.set()
@@ -213,12 +250,14 @@ class BatchJob:
         for line in L.iter_input(path):
             if line.index not in done:
                 error = line.error or L.EXPIRED
-                await self.store.record(batch_id, line.index, L.dumps(L.envelope_error_line(line.custom_id, error)),
-                                        False)
+                await self.store.record(
+                    batch_id, line.index, L.dumps(L.envelope_error_line(line.custom_id, error)), False
+                )
 
     # ----------------------------------------------------------------- finalizing
-    async def _finalize(self, batch_id: str, fields: dict, allowed: tuple[str, ...], final: str,
-                        errors: dict | None = None) -> None:
+    async def _finalize(
+        self, batch_id: str, fields: dict, allowed: tuple[str, ...], final: str, errors: dict | None = None
+    ) -> None:
         total = int(fields.get("total") or 0)
         ok_lines, error_lines = [], []
         for start in range(0, total, _READ_CHUNK):
@@ -229,20 +268,32 @@ class BatchJob:
         out_id = err_id = None
         if ok_lines:
             out_id = output_file_id(batch_id, "output")
-            await asyncio.to_thread(self.files.save_output, out_id, f"{batch_id}_output.jsonl", ok_lines,
-                                    owner=fields.get("owner", ""))
+            await asyncio.to_thread(
+                self.files.save_output, out_id, f"{batch_id}_output.jsonl", ok_lines, owner=fields.get("owner", "")
+            )
         if error_lines:
             err_id = output_file_id(batch_id, "error")
-            await asyncio.to_thread(self.files.save_output, err_id, f"{batch_id}_error.jsonl", error_lines,
-                                    owner=fields.get("owner", ""))
+            await asyncio.to_thread(
+                self.files.save_output, err_id, f"{batch_id}_error.jsonl", error_lines, owner=fields.get("owner", "")
+            )
         now = int(time.time())
         ok, status = await self.store.transition(
-            batch_id, allowed, final, delete_progress=True, output_file_id=out_id, error_file_id=err_id,
-            completed=len(ok_lines), failed=len(error_lines), usage=_usage(ok_lines), **{f"{final}_at": now},
-            **({"errors": errors} if errors else {}))
+            batch_id,
+            allowed,
+            final,
+            delete_progress=True,
+            output_file_id=out_id,
+            error_file_id=err_id,
+            completed=len(ok_lines),
+            failed=len(error_lines),
+            usage=_usage(ok_lines),
+            **{f"{final}_at": now},
+            **({"errors": errors} if errors else {}),
+        )
         if ok:
-            log.info("batch %s %s: %d completed, %d failed of %d", batch_id, final, len(ok_lines), len(error_lines),
-                     total)
+            log.info(
+                "batch %s %s: %d completed, %d failed of %d", batch_id, final, len(ok_lines), len(error_lines), total
+            )
         else:
             log.warning("batch %s: could not move to %s from %s", batch_id, final, status)
 
@@ -255,5 +306,10 @@ def _usage(ok_lines: list[str]) -> dict:
         prompt += u.get("prompt_tokens", 0)
         completion += u.get("completion_tokens", 0)
         cached += (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": completion,
-            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }

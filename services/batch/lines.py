@@ -63,32 +63,58 @@ def parse_line(text: str, index: int, lineno: int, seen: set[str]) -> InputLine:
     try:
         obj = json.loads(text)
     except ValueError as exc:
-        return InputLine(index, lineno, None, error=LineError("invalid_json_line", f"line {lineno} is not valid "
-                                                                                  f"JSON: {exc}"))
+        return InputLine(
+            index, lineno, None, error=LineError("invalid_json_line", f"line {lineno} is not valid JSON: {exc}")
+        )
     if not isinstance(obj, dict):
-        return InputLine(index, lineno, None, error=LineError("invalid_json_line",
-                                                              f"line {lineno} is not a JSON object"))
+        return InputLine(
+            index, lineno, None, error=LineError("invalid_json_line", f"line {lineno} is not a JSON object")
+        )
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id or len(custom_id) > MAX_CUSTOM_ID:
         why = "is missing" if custom_id is None else f"must be a non-empty string of at most {MAX_CUSTOM_ID} characters"
-        return InputLine(index, lineno, None if not isinstance(custom_id, str) else custom_id,
-                         error=LineError("invalid_custom_id", f"line {lineno}: custom_id {why}"))
+        return InputLine(
+            index,
+            lineno,
+            None if not isinstance(custom_id, str) else custom_id,
+            error=LineError("invalid_custom_id", f"line {lineno}: custom_id {why}"),
+        )
     if custom_id in seen:
-        return InputLine(index, lineno, custom_id, error=LineError(
-            "duplicate_custom_id", f"line {lineno}: custom_id {custom_id!r} was already used by an earlier line"))
+        return InputLine(
+            index,
+            lineno,
+            custom_id,
+            error=LineError(
+                "duplicate_custom_id", f"line {lineno}: custom_id {custom_id!r} was already used by an earlier line"
+            ),
+        )
     seen.add(custom_id)
     method = obj.get("method", "POST")
     if method != "POST":
-        return InputLine(index, lineno, custom_id, error=LineError(
-            "invalid_method", f"line {lineno}: method must be 'POST', got {method!r}"))
+        return InputLine(
+            index,
+            lineno,
+            custom_id,
+            error=LineError("invalid_method", f"line {lineno}: method must be 'POST', got {method!r}"),
+        )
     url = obj.get("url")
     kind = ENDPOINTS.get(url) if isinstance(url, str) else None
     if kind is None:
-        return InputLine(index, lineno, custom_id, error=LineError(
-            "invalid_url", f"line {lineno}: unknown endpoint {url!r}; supported: {', '.join(ENDPOINTS)}"))
+        return InputLine(
+            index,
+            lineno,
+            custom_id,
+            error=LineError(
+                "invalid_url", f"line {lineno}: unknown endpoint {url!r}; supported: {', '.join(ENDPOINTS)}"
+            ),
+        )
     if "body" not in obj:
-        return InputLine(index, lineno, custom_id, error=LineError(
-            "missing_body", f"line {lineno}: the request needs a 'body' object"))
+        return InputLine(
+            index,
+            lineno,
+            custom_id,
+            error=LineError("missing_body", f"line {lineno}: the request needs a 'body' object"),
+        )
     return InputLine(index, lineno, custom_id, kind, obj["body"])
 
 
@@ -121,24 +147,34 @@ def request_id() -> str:
 
 
 def success_line(custom_id: str, req_id: str, body: dict) -> dict:
-    return {"id": _line_id(), "custom_id": custom_id,
-            "response": {"status_code": 200, "request_id": req_id, "body": body}, "error": None}
+    return {
+        "id": _line_id(),
+        "custom_id": custom_id,
+        "response": {"status_code": 200, "request_id": req_id, "body": body},
+        "error": None,
+    }
 
 
 def http_error_line(custom_id: str, req_id: str, exc: KernellabError) -> dict:
     """A request refused as the API would refuse it: its status and OpenAI error object."""
-    return {"id": _line_id(), "custom_id": custom_id,
-            "response": {"status_code": int(exc.status_code), "request_id": req_id, "body": exc.to_openai()},
-            "error": None}
+    return {
+        "id": _line_id(),
+        "custom_id": custom_id,
+        "response": {"status_code": int(exc.status_code), "request_id": req_id, "body": exc.to_openai()},
+        "error": None,
+    }
 
 
 def envelope_error_line(custom_id: str | None, error: LineError) -> dict:
-    return {"id": _line_id(), "custom_id": custom_id, "response": None,
-            "error": {"code": error.code, "message": error.message}}
+    return {
+        "id": _line_id(),
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": error.code, "message": error.message},
+    }
 
 
-EXPIRED = LineError("batch_expired", "this request could not be executed before the batch's completion window "
-                                     "expired")
+EXPIRED = LineError("batch_expired", "this request could not be executed before the batch's completion window expired")
 
 
 def is_success(line: dict) -> bool:

@@ -128,11 +128,22 @@ class EngineExecutor:
                 continue
             logprobs = None
             if out.new_logprobs:  # the wire format: [token_id, logprob, [[top_id, top_logprob], ...]]
-                logprobs = [[lp.token_id, float(lp.logprob), [[int(t), float(v)] for t, v in lp.top]]
-                            for lp in out.new_logprobs]
-            chunk = OutputChunk(a.p.request_id, a.index, a.emitted, tokens, logprobs, out.finished,
-                                out.finish_reason, out.stop_reason, out.num_prompt_tokens,
-                                a.emitted + len(tokens), out.num_cached_tokens)
+                logprobs = [
+                    [lp.token_id, float(lp.logprob), [[int(t), float(v)] for t, v in lp.top]] for lp in out.new_logprobs
+                ]
+            chunk = OutputChunk(
+                a.p.request_id,
+                a.index,
+                a.emitted,
+                tokens,
+                logprobs,
+                out.finished,
+                out.finish_reason,
+                out.stop_reason,
+                out.num_prompt_tokens,
+                a.emitted + len(tokens),
+                out.num_cached_tokens,
+            )
             a.emitted += len(tokens)
             a.sub.queue.put_nowait((a.index, chunk))
             if out.finished:
@@ -170,9 +181,18 @@ class OfflineSummary:
     errors: Path | None
 
 
-def run_offline(input_path: Path, output_path: Path, errors_path: Path, *, model: str, concurrency: int,
-                engine_kwargs: dict, max_model_len: int | None = None, max_n: int = 16,
-                progress: Callable[[int, int], None] | None = None) -> OfflineSummary:
+def run_offline(
+    input_path: Path,
+    output_path: Path,
+    errors_path: Path,
+    *,
+    model: str,
+    concurrency: int,
+    engine_kwargs: dict,
+    max_model_len: int | None = None,
+    max_n: int = 16,
+    progress: Callable[[int, int], None] | None = None,
+) -> OfflineSummary:
     """Run every line of ``input_path``; successes to ``output_path``, failures to ``errors_path`` (only
     written when there are failures), both in input order. ``progress(done, total)`` after each line."""
     from kernellab.runtime.config import EngineConfig
@@ -203,5 +223,11 @@ def run_offline(input_path: Path, output_path: Path, errors_path: Path, *, model
     if error_lines:
         errors_path.parent.mkdir(parents=True, exist_ok=True)
         errors_path.write_text("".join(f"{line}\n" for line in error_lines), encoding="utf-8")
-    return OfflineSummary(total, len(ok_lines), len(error_lines), time.perf_counter() - started, output_path,
-                          errors_path if error_lines else None)
+    return OfflineSummary(
+        total,
+        len(ok_lines),
+        len(error_lines),
+        time.perf_counter() - started,
+        output_path,
+        errors_path if error_lines else None,
+    )

@@ -59,8 +59,14 @@ def _prepare(line: L.InputLine, executor: Executor, max_n: int) -> Prepared:
     body = line.body
     if isinstance(body, dict) and body.get("stream"):
         raise InvalidRequestError("stream is not supported in a batch request", param="stream")
-    p = prepare(line.kind, body, executor.tokenizer, served_model=executor.served_model,
-                max_model_len=executor.max_model_len, max_n=max_n)
+    p = prepare(
+        line.kind,
+        body,
+        executor.tokenizer,
+        served_model=executor.served_model,
+        max_model_len=executor.max_model_len,
+        max_n=max_n,
+    )
     p.priority, p.stream, p.include_usage = "batch", False, False
     return p
 
@@ -69,8 +75,16 @@ class LineRunner:
     """Feeds lines to an executor with at most ``concurrency`` in flight; ``stop`` ends it early, aborting
     what is in flight (those lines stay unrecorded)."""
 
-    def __init__(self, executor: Executor, record: Record, *, concurrency: int, max_n: int,
-                 stop: asyncio.Event | None = None, on_submit: Callable[[str, int], Awaitable[None]] | None = None):
+    def __init__(
+        self,
+        executor: Executor,
+        record: Record,
+        *,
+        concurrency: int,
+        max_n: int,
+        stop: asyncio.Event | None = None,
+        on_submit: Callable[[str, int], Awaitable[None]] | None = None,
+    ):
         self.executor = executor
         self.record = record
         self.concurrency = concurrency
@@ -136,8 +150,9 @@ class LineRunner:
                 except (ServiceUnavailable, RateLimited) as exc:
                     raise_if_cancelling()  # a cancel that reached Redis mid-command comes back as an outage
                     wait = RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)]
-                    log.warning("line %d (%s): %s; submitting again in %.2fs", line.index, line.custom_id,
-                                exc.message, wait)
+                    log.warning(
+                        "line %d (%s): %s; submitting again in %.2fs", line.index, line.custom_id, exc.message, wait
+                    )
                     attempt += 1
                     await asyncio.sleep(wait)
                     # A new id: the old submission may still be cancelling on a worker.
@@ -145,8 +160,7 @@ class LineRunner:
                 except DeadlineExceeded:
                     return  # the batch expired: the job writes the expiry lines
                 except KernellabError as exc:
-                    outcome = Outcome(line.index, L.http_error_line(line.custom_id, req_id, exc), False,
-                                      p.request_id)
+                    outcome = Outcome(line.index, L.http_error_line(line.custom_id, req_id, exc), False, p.request_id)
                     break
             await self.record(outcome)
         except Exception as exc:  # not the line's fault (a bug, Redis gone): stop feeding, let run() raise

@@ -27,8 +27,17 @@ import redis.asyncio as aioredis
 STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled")
 TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
 RUNNING = ("in_progress", "cancelling")
-_TIMES = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
-          "cancelling_at", "cancelled_at")
+_TIMES = (
+    "created_at",
+    "in_progress_at",
+    "expires_at",
+    "finalizing_at",
+    "completed_at",
+    "failed_at",
+    "expired_at",
+    "cancelling_at",
+    "cancelled_at",
+)
 
 # KEYS[1] batch, KEYS[2..] deleted on success; ARGV[1] allowed statuses "a,b", ARGV[2] new status, then pairs.
 _TRANSITION = """
@@ -80,13 +89,22 @@ def to_openai(fields: dict) -> dict:
         return int(f[name]) if f.get(name) else None
 
     return {
-        "id": f["id"], "object": "batch", "endpoint": f["endpoint"], "model": f.get("model") or None,
+        "id": f["id"],
+        "object": "batch",
+        "endpoint": f["endpoint"],
+        "model": f.get("model") or None,
         "errors": json.loads(f["errors"]) if f.get("errors") else None,
-        "input_file_id": f["input_file_id"], "completion_window": f["completion_window"], "status": f["status"],
-        "output_file_id": f.get("output_file_id") or None, "error_file_id": f.get("error_file_id") or None,
+        "input_file_id": f["input_file_id"],
+        "completion_window": f["completion_window"],
+        "status": f["status"],
+        "output_file_id": f.get("output_file_id") or None,
+        "error_file_id": f.get("error_file_id") or None,
         **{name: t(name) for name in _TIMES},
-        "request_counts": {"total": int(f.get("total") or 0), "completed": int(f.get("completed") or 0),
-                           "failed": int(f.get("failed") or 0)},
+        "request_counts": {
+            "total": int(f.get("total") or 0),
+            "completed": int(f.get("completed") or 0),
+            "failed": int(f.get("failed") or 0),
+        },
         "metadata": json.loads(f["metadata"]) if f.get("metadata") else None,
         "usage": json.loads(f["usage"]) if f.get("usage") else None,
     }
@@ -119,12 +137,33 @@ class BatchStore:
         return f"{self.key(batch_id)}:lease"
 
     # ----------------------------------------------------------------- objects
-    async def create(self, batch_id: str, *, endpoint: str, input_file_id: str, completion_window: str,
-                     expires_in_s: int, metadata: dict | None, model: str, owner: str = "") -> dict:
+    async def create(
+        self,
+        batch_id: str,
+        *,
+        endpoint: str,
+        input_file_id: str,
+        completion_window: str,
+        expires_in_s: int,
+        metadata: dict | None,
+        model: str,
+        owner: str = "",
+    ) -> dict:
         now = int(time.time())
-        fields = {"id": batch_id, "endpoint": endpoint, "input_file_id": input_file_id, "model": model,
-                  "completion_window": completion_window, "status": "validating", "created_at": now,
-                  "expires_at": now + expires_in_s, "total": 0, "completed": 0, "failed": 0, "owner": owner}
+        fields = {
+            "id": batch_id,
+            "endpoint": endpoint,
+            "input_file_id": input_file_id,
+            "model": model,
+            "completion_window": completion_window,
+            "status": "validating",
+            "created_at": now,
+            "expires_at": now + expires_in_s,
+            "total": 0,
+            "completed": 0,
+            "failed": 0,
+            "owner": owner,
+        }
         if metadata:
             fields["metadata"] = json.dumps(metadata)
         pipe = self.r.pipeline(transaction=True)
@@ -175,8 +214,9 @@ class BatchStore:
                     return out, True
                 out.append(to_openai(fields))
 
-    async def transition(self, batch_id: str, allowed: tuple[str, ...] | list[str], new: str, *,
-                         delete_progress: bool = False, **fields) -> tuple[bool, str]:
+    async def transition(
+        self, batch_id: str, allowed: tuple[str, ...] | list[str], new: str, *, delete_progress: bool = False, **fields
+    ) -> tuple[bool, str]:
         """Set ``status=new`` (and ``fields``) if the status is one of ``allowed``: (done, previous status)."""
         keys = [self.key(batch_id)]
         if delete_progress:
@@ -193,10 +233,12 @@ class BatchStore:
     # ----------------------------------------------------------------- progress
     async def record(self, batch_id: str, index: int, line: str, ok: bool, request_id: str = "") -> int:
         """1: recorded now; 0: the line was already recorded; -1: the batch is no longer running."""
-        return int(await self._record(keys=[self.results_key(batch_id), self.key(batch_id),
-                                            self.inflight_key(batch_id)],
-                                      args=[index, ("o" if ok else "e") + line, "completed" if ok else "failed",
-                                            request_id]))
+        return int(
+            await self._record(
+                keys=[self.results_key(batch_id), self.key(batch_id), self.inflight_key(batch_id)],
+                args=[index, ("o" if ok else "e") + line, "completed" if ok else "failed", request_id],
+            )
+        )
 
     async def recorded_indices(self, batch_id: str) -> set[int]:
         return {int(k) for k in await self.r.hkeys(self.results_key(batch_id))}

@@ -75,9 +75,13 @@ class InternalErrorMiddleware:
                 raise
             log.exception("unexpected error")
             body = json.dumps(KernellabError(f"internal error: {type(exc).__name__}").to_openai()).encode()
-            await send({"type": "http.response.start", "status": 500,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 500,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
 
 
@@ -147,10 +151,19 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
         if settings.gateway_metrics_port:
             from kernellab.services.observability import MetricsServer
 
-            metrics_server = MetricsServer(settings.metrics_host, settings.gateway_metrics_port, metrics.registry,
-                                           lambda: {"status": "ok", "in_flight": gw.in_flight}).start()
-        log.info("gateway %s serving %s (redis %s, auth %s)", gw.id, spec.name, settings.redis_url,
-                 f"{len(gw.api_keys)} key(s)" if gw.api_keys else "off")
+            metrics_server = MetricsServer(
+                settings.metrics_host,
+                settings.gateway_metrics_port,
+                metrics.registry,
+                lambda: {"status": "ok", "in_flight": gw.in_flight},
+            ).start()
+        log.info(
+            "gateway %s serving %s (redis %s, auth %s)",
+            gw.id,
+            spec.name,
+            settings.redis_url,
+            f"{len(gw.api_keys)} key(s)" if gw.api_keys else "off",
+        )
         try:
             yield
         finally:
@@ -161,8 +174,11 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
 
     app = FastAPI(title="kernellab", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     if settings.gateway_fast_path:  # added first: the innermost, inside the metrics and the 500 handler
-        app.add_middleware(GenerationFastPath, routes={"/v1/chat/completions": "chat", "/v1/completions": "completion"},
-                           handler=lambda kind, request: generate(kind, request))
+        app.add_middleware(
+            GenerationFastPath,
+            routes={"/v1/chat/completions": "chat", "/v1/completions": "completion"},
+            handler=lambda kind, request: generate(kind, request),
+        )
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
     app.add_middleware(InternalErrorMiddleware)  # added last: outside the metrics, which count the 500
 
@@ -259,8 +275,19 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
     async def models(request: Request):
         check_auth(request)
         g = gw()
-        return {"object": "list", "data": [{"id": g.model, "object": "model", "created": 0, "owned_by": "kernellab",
-                                            "root": spec.hub_id or spec.source, "max_model_len": g.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": g.model,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "kernellab",
+                    "root": spec.hub_id or spec.source,
+                    "max_model_len": g.max_model_len,
+                }
+            ],
+        }
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -268,8 +295,9 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
         check_auth(request)
         g = gw()
         data, _ = await read_json(request)
-        return await asyncio.to_thread(tokenize_request, data, g.tokenizer, served_model=g.model,
-                                       max_model_len=g.max_model_len, options=g.options)
+        return await asyncio.to_thread(
+            tokenize_request, data, g.tokenizer, served_model=g.model, max_model_len=g.max_model_len, options=g.options
+        )
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -302,8 +330,12 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
             raise ServiceUnavailable("the gateway is shutting down", code="draining")
         data, size = await read_json(request)  # a large body is tokenized (or validated) off the event loop
         args = (kind, data, g.tokenizer)
-        kwargs = {"served_model": g.model, "max_model_len": g.max_model_len, "max_n": settings.max_n,
-                  "options": g.options}
+        kwargs = {
+            "served_model": g.model,
+            "max_model_len": g.max_model_len,
+            "max_n": settings.max_n,
+            "options": g.options,
+        }
         if size > _THREAD_PREPARE_BYTES:
             p = await asyncio.to_thread(prepare, *args, **kwargs)
         else:
@@ -322,8 +354,12 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
                     rs.close()
 
                 handed_over = True
-                return _Stream(stream_body(p, rs, first, done), on_close, media_type="text/event-stream",
-                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                return _Stream(
+                    stream_body(p, rs, first, done),
+                    on_close,
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                )
             return JSONResponse(await race(collect(p, rs, first, g_text()), watcher))
         except ClientGone:
             metrics.disconnects.inc()

@@ -69,8 +69,12 @@ def chat_delta(st: ChoiceState, u: Update) -> tuple[dict, str | None]:
 
 def usage_of(p: Prepared, rs: ResultStream) -> dict:
     reasoning = sum(c.parser.reasoning_tokens for c in rs.choices.values() if c.parser is not None)
-    return R.usage(sum(len(x) for x in p.prompts), rs.completion_tokens, rs.cached_tokens,
-                   reasoning if p.parser is not None and p.parser.reasoning else None)
+    return R.usage(
+        sum(len(x) for x in p.prompts),
+        rs.completion_tokens,
+        rs.cached_tokens,
+        reasoning if p.parser is not None and p.parser.reasoning else None,
+    )
 
 
 class ResultStream:
@@ -83,9 +87,12 @@ class ResultStream:
         tok = gateway.tokenizer
         parse = p.parser is not None and (p.parser.reasoning or p.parser.tools)
         self.choices = {
-            c.index: ChoiceState(IncrementalDetokenizer(tok, p.prompts[c.prompt_index], c.params.stop,
-                                                        c.params.include_stop_str_in_output),
-                                 parser=ChatOutputParser(p.parser) if parse else None)
+            c.index: ChoiceState(
+                IncrementalDetokenizer(
+                    tok, p.prompts[c.prompt_index], c.params.stop, c.params.include_stop_str_in_output
+                ),
+                parser=ChatOutputParser(p.parser) if parse else None,
+            )
             for c in p.choices
         }
         self.remaining = len(self.choices)

@@ -59,9 +59,18 @@ def serve_one(settings: GatewaySettings, sock: socket.socket | None = None) -> N
                 gw.draining = True
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=False, timeout_graceful_shutdown=settings.drain_timeout_s or None,
-                            loop="auto", http="auto", lifespan="on", backlog=2048)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=settings.drain_timeout_s or None,
+        loop="auto",
+        http="auto",
+        lifespan="on",
+        backlog=2048,
+    )
     Server(config).run(sockets=[sock] if sock is not None else None)
 
 
@@ -98,9 +107,13 @@ def supervise(settings: GatewaySettings) -> int:
         probe.bind((settings.host, settings.port))  # fails here, once, if anything (another tier too) holds it
     metrics_dir = tempfile.mkdtemp(prefix="kernellab-gateway-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before any child imports prometheus_client
-    child_settings = settings.model_copy(update={
-        "gateway_processes": 1, "gateway_metrics_port": 0,
-        "max_waiting": -(-settings.max_waiting // n) if settings.max_waiting else 0})
+    child_settings = settings.model_copy(
+        update={
+            "gateway_processes": 1,
+            "gateway_metrics_port": 0,
+            "max_waiting": -(-settings.max_waiting // n) if settings.max_waiting else 0,
+        }
+    )
     ctx = mp.get_context("spawn")
     procs: list = [None] * n
     started_at = [0.0] * n
@@ -121,8 +134,13 @@ def supervise(settings: GatewaySettings) -> int:
     metrics_server = _metrics_server(settings, procs)
     for i in range(n):
         start(i)
-    log.info("gateway supervisor: %d processes on %s:%d (SO_REUSEPORT), metrics on :%s", n, settings.host,
-             settings.port, settings.gateway_metrics_port or "off")
+    log.info(
+        "gateway supervisor: %d processes on %s:%d (SO_REUSEPORT), metrics on :%s",
+        n,
+        settings.host,
+        settings.port,
+        settings.gateway_metrics_port or "off",
+    )
     code = 0
     try:
         while stopping["sig"] is None and code == 0:
@@ -136,13 +154,18 @@ def supervise(settings: GatewaySettings) -> int:
                 quick = time.monotonic() - started_at[i] < QUICK_DEATH_S
                 quick_deaths[i] = quick_deaths[i] + 1 if quick else 0
                 if quick_deaths[i] >= QUICK_DEATHS_FATAL:  # it cannot start (configuration, model): say so, exit
-                    log.error("gateway process %d exited with %s %d times in a row right after starting; stopping",
-                              i, p.exitcode, quick_deaths[i])
+                    log.error(
+                        "gateway process %d exited with %s %d times in a row right after starting; stopping",
+                        i,
+                        p.exitcode,
+                        quick_deaths[i],
+                    )
                     code = 1
                     break
                 delay = RESTART_BACKOFF_S[min(quick_deaths[i], len(RESTART_BACKOFF_S) - 1)]
-                log.error("gateway process %d (pid %d) exited with %s; restarting in %.1fs", i, p.pid, p.exitcode,
-                          delay)
+                log.error(
+                    "gateway process %d (pid %d) exited with %s; restarting in %.1fs", i, p.pid, p.exitcode, delay
+                )
                 time.sleep(delay)
                 start(i)
     finally:

@@ -22,26 +22,56 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 class GatewayMetrics:
     def __init__(self, model_name: str):
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("kernellab_gateway_http_requests", "HTTP requests by route and status",
-                                ["route", "method", "status"], registry=r)
-        self.latency = Histogram("kernellab_gateway_http_request_duration_seconds",
-                                 "HTTP request duration until the last byte", ["route"], buckets=LATENCY_BUCKETS,
-                                 registry=r)
-        self.queue_depth = Gauge("kernellab_gateway_queue_depth", "Admitted requests waiting for their first token",
-                                 ["model_name"], registry=r, multiprocess_mode="livesum").labels(model_name)
-        self.redis_lag = Gauge("kernellab_gateway_redis_queue_lag", "Request entries no worker has read yet",
-                               ["model_name"], registry=r, multiprocess_mode="livemax").labels(model_name)
-        self.in_flight = Gauge("kernellab_gateway_requests_in_flight", "Requests being served", ["model_name"],
-                               registry=r, multiprocess_mode="livesum").labels(model_name)
-        self.rejected = Counter("kernellab_gateway_rejected", "Requests refused by backpressure (429)",
-                                ["model_name"], registry=r).labels(model_name)
-        self.disconnects = Counter("kernellab_gateway_client_disconnects", "Clients gone before their answer ended",
-                                   ["model_name"], registry=r).labels(model_name)
-        self.ttft = Histogram("kernellab_gateway_time_to_first_token_seconds",
-                              "Request received to first token sent, as the client sees it", ["model_name"],
-                              buckets=TTFT_BUCKETS, registry=r).labels(model_name)
-        self.cancels = Counter("kernellab_gateway_cancels", "Cancel messages sent to workers, by reason",
-                               ["reason"], registry=r)
+        self.requests = Counter(
+            "kernellab_gateway_http_requests",
+            "HTTP requests by route and status",
+            ["route", "method", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "kernellab_gateway_http_request_duration_seconds",
+            "HTTP request duration until the last byte",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "kernellab_gateway_queue_depth",
+            "Admitted requests waiting for their first token",
+            ["model_name"],
+            registry=r,
+            multiprocess_mode="livesum",
+        ).labels(model_name)
+        self.redis_lag = Gauge(
+            "kernellab_gateway_redis_queue_lag",
+            "Request entries no worker has read yet",
+            ["model_name"],
+            registry=r,
+            multiprocess_mode="livemax",
+        ).labels(model_name)
+        self.in_flight = Gauge(
+            "kernellab_gateway_requests_in_flight",
+            "Requests being served",
+            ["model_name"],
+            registry=r,
+            multiprocess_mode="livesum",
+        ).labels(model_name)
+        self.rejected = Counter(
+            "kernellab_gateway_rejected", "Requests refused by backpressure (429)", ["model_name"], registry=r
+        ).labels(model_name)
+        self.disconnects = Counter(
+            "kernellab_gateway_client_disconnects", "Clients gone before their answer ended", ["model_name"], registry=r
+        ).labels(model_name)
+        self.ttft = Histogram(
+            "kernellab_gateway_time_to_first_token_seconds",
+            "Request received to first token sent, as the client sees it",
+            ["model_name"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.cancels = Counter(
+            "kernellab_gateway_cancels", "Cancel messages sent to workers, by reason", ["reason"], registry=r
+        )
 
 
 class HTTPMetricsMiddleware:

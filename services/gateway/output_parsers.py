@@ -86,8 +86,9 @@ class ChatOutputParser:
         if self.tool_calls:
             content = content.strip()
         reasoning = "".join(self.reasoning) if self._opened else None
-        return ParsedMessage(reasoning, content or (None if self.tool_calls else ""), self.tool_calls,
-                             self.reasoning_tokens)
+        return ParsedMessage(
+            reasoning, content or (None if self.tool_calls else ""), self.tool_calls, self.reasoning_tokens
+        )
 
     # ------------------------------------------------------------------ internals
     def _count(self, text: str, token_ids, was_reasoning: bool) -> None:
@@ -112,7 +113,7 @@ class ChatOutputParser:
             if self.state == "start":
                 stripped = buf.lstrip()
                 if stripped.startswith(THINK_START):
-                    buf = stripped[len(THINK_START):]
+                    buf = stripped[len(THINK_START) :]
                     self.state = "reasoning"
                     self._opened = True
                     continue
@@ -125,12 +126,12 @@ class ChatOutputParser:
                 cut = buf.find(THINK_END)
                 if cut >= 0:
                     reasoning.append(buf[:cut])
-                    buf = buf[cut + len(THINK_END):]
+                    buf = buf[cut + len(THINK_END) :]
                     self.state = "after_think"
                     continue
                 keep = 0 if final else _partial_suffix(buf, THINK_END)
-                reasoning.append(buf[:len(buf) - keep])
-                buf = buf[len(buf) - keep:]
+                reasoning.append(buf[: len(buf) - keep])
+                buf = buf[len(buf) - keep :]
                 break
             if self.state == "after_think":
                 stripped = buf.lstrip()
@@ -148,14 +149,14 @@ class ChatOutputParser:
                 cut = buf.find(TOOL_START)
                 if cut >= 0:
                     self._content(content, buf[:cut], before_call=True)
-                    buf = buf[cut + len(TOOL_START):]
+                    buf = buf[cut + len(TOOL_START) :]
                     self.state = "tool"
                     continue
                 keep = 0 if final else _partial_suffix(buf, TOOL_START)
-                if not final and not buf[:len(buf) - keep].strip():
+                if not final and not buf[: len(buf) - keep].strip():
                     break  # whitespace (before or between calls): held until text, a call or the end decides
-                self._content(content, buf[:len(buf) - keep])
-                buf = buf[len(buf) - keep:]
+                self._content(content, buf[: len(buf) - keep])
+                buf = buf[len(buf) - keep :]
                 break
             if self.state == "tool":
                 cut = buf.find(TOOL_END)
@@ -171,7 +172,7 @@ class ChatOutputParser:
                     raw = TOOL_START + body + ("" if cut < 0 else TOOL_END)
                     content.append(raw)
                     self.content.append(raw)
-                buf = "" if cut < 0 else buf[cut + len(TOOL_END):]
+                buf = "" if cut < 0 else buf[cut + len(TOOL_END) :]
                 self.state = "content"
                 if final and not buf:
                     break
@@ -226,5 +227,8 @@ def _tool_call(body: str) -> dict | None:
             return None
     else:
         args = json.dumps(args, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": args}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": obj["name"], "arguments": args},
+    }

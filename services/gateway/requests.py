@@ -83,19 +83,35 @@ class ServingOptions:
     think_end_id: int | None = None
 
     @classmethod
-    def build(cls, tokenizer, *, generation_config: str = "auto", chat_template_kwargs: dict | None = None,
-              reasoning_parser: str = "auto", tool_parser: str = "auto") -> ServingOptions:
+    def build(
+        cls,
+        tokenizer,
+        *,
+        generation_config: str = "auto",
+        chat_template_kwargs: dict | None = None,
+        reasoning_parser: str = "auto",
+        tool_parser: str = "auto",
+    ) -> ServingOptions:
         gen = getattr(tokenizer, "generation_config", None) or {} if generation_config == "auto" else {}
-        defaults = {k: gen[k] for k in _GENERATION_DEFAULTS if isinstance(gen.get(k), int | float)
-                    and not isinstance(gen.get(k), bool)}
+        defaults = {
+            k: gen[k]
+            for k in _GENERATION_DEFAULTS
+            if isinstance(gen.get(k), int | float) and not isinstance(gen.get(k), bool)
+        }
         if not gen.get("do_sample", True):  # greedy by the model's own choice
             defaults = {"temperature": 0.0}
         max_new = gen.get("max_new_tokens")
         template = getattr(tokenizer, "chat_template", None) or ""
         reasoning = reasoning_parser == "qwen3" or (reasoning_parser == "auto" and "<think>" in template)
         think_end = tokenizer.token_id("</think>") if reasoning and hasattr(tokenizer, "token_id") else None
-        return cls(defaults, max_new if isinstance(max_new, int) and max_new > 0 else None,
-                   dict(chat_template_kwargs or {}), reasoning, tool_parser != "none", think_end)
+        return cls(
+            defaults,
+            max_new if isinstance(max_new, int) and max_new > 0 else None,
+            dict(chat_template_kwargs or {}),
+            reasoning,
+            tool_parser != "none",
+            think_end,
+        )
 
 
 _DEFAULT_OPTIONS: dict[int, ServingOptions] = {}
@@ -174,14 +190,22 @@ def _normalize_messages(messages: list) -> list[dict]:
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if isinstance(part, dict) and part.get("type") == "refusal" and isinstance(part.get("refusal"), str) \
-                        and m.get("role") == "assistant":
+                if (
+                    isinstance(part, dict)
+                    and part.get("type") == "refusal"
+                    and isinstance(part.get("refusal"), str)
+                    and m.get("role") == "assistant"
+                ):
                     texts.append(part["refusal"])  # an earlier assistant turn's refusal: its text
                     continue
-                if not isinstance(part, dict) or part.get("type") not in _TEXT_PART_TYPES \
-                        or not isinstance(part.get("text"), str):
-                    raise InvalidRequestError(f"messages[{i}].content[{j}]: only text parts are supported",
-                                              param=f"messages[{i}].content")
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") not in _TEXT_PART_TYPES
+                    or not isinstance(part.get("text"), str)
+                ):
+                    raise InvalidRequestError(
+                        f"messages[{i}].content[{j}]: only text parts are supported", param=f"messages[{i}].content"
+                    )
                 texts.append(part["text"])
             m = {**m, "content": "".join(texts)}
         if m.get("role") == "assistant" and "reasoning_content" not in m and isinstance(m.get("reasoning"), str):
@@ -190,11 +214,26 @@ def _normalize_messages(messages: list) -> list[dict]:
     return out
 
 
-def _params(body: _Common, max_tokens: int | None, logprobs: int | None, opts: ServingOptions, vocab: int,
-            structured: dict | None) -> SamplingParams:
+def _params(
+    body: _Common,
+    max_tokens: int | None,
+    logprobs: int | None,
+    opts: ServingOptions,
+    vocab: int,
+    structured: dict | None,
+) -> SamplingParams:
     kwargs = {"max_tokens": max_tokens, "logprobs": logprobs, **opts.sampling_defaults}
-    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "seed", "ignore_eos"):
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "seed",
+        "ignore_eos",
+    ):
         value = getattr(body, name)
         if value is not None:
             kwargs[name] = value
@@ -215,8 +254,9 @@ def _logit_bias(bias: dict, vocab: int) -> dict[int, float]:
     for key, value in bias.items():
         token = key.strip()
         if not (token.isascii() and token.isdigit()) or int(token) >= vocab:
-            raise InvalidRequestError(f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}",
-                                      param="logit_bias")
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}", param="logit_bias"
+            )
         if not -100 <= value <= 100:  # before float(): an int beyond a float's range would overflow there
             raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias")
         out[int(token)] = float(value)
@@ -235,15 +275,18 @@ def _structured(response_format: dict | None) -> dict | None:
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
-            raise InvalidRequestError("response_format.json_schema must be an object with a name and a schema",
-                                      param="response_format")
+            raise InvalidRequestError(
+                "response_format.json_schema must be an object with a name and a schema", param="response_format"
+            )
         schema = spec.get("schema", {})  # OpenAI: an absent schema allows any JSON
         if not isinstance(schema, dict):
-            raise InvalidRequestError("response_format.json_schema.schema must be a JSON Schema object",
-                                      param="response_format")
+            raise InvalidRequestError(
+                "response_format.json_schema.schema must be a JSON Schema object", param="response_format"
+            )
         return {"json_schema": schema or {"type": "object"}}
-    raise InvalidRequestError(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
-                              param="response_format")
+    raise InvalidRequestError(
+        f"response_format.type must be text, json_object or json_schema, got {kind!r}", param="response_format"
+    )
 
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -256,18 +299,23 @@ def _tools(tools: list | None) -> list[dict]:
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
-            raise InvalidRequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}",
-                                      param=f"tools[{i}]")
+            raise InvalidRequestError(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", param=f"tools[{i}]"
+            )
         name = fn.get("name")
         if not isinstance(name, str) or not _TOOL_NAME.match(name):
-            raise InvalidRequestError(f"tools[{i}].function.name must be 1-64 letters, digits, '_', '-', '.' or ':'",
-                                      param=f"tools[{i}].function.name")
+            raise InvalidRequestError(
+                f"tools[{i}].function.name must be 1-64 letters, digits, '_', '-', '.' or ':'",
+                param=f"tools[{i}].function.name",
+            )
         if name in names:
             raise InvalidRequestError(f"tools[{i}]: the function name {name!r} is used twice", param="tools")
         names.add(name)
         if not isinstance(fn.get("parameters", {}), dict) or not isinstance(fn.get("description", ""), str):
-            raise InvalidRequestError(f"tools[{i}].function: parameters must be a JSON Schema object and "
-                                      "description a string", param=f"tools[{i}].function")
+            raise InvalidRequestError(
+                f"tools[{i}].function: parameters must be a JSON Schema object and description a string",
+                param=f"tools[{i}].function",
+            )
     return tools
 
 
@@ -284,8 +332,10 @@ def _forced_tool_names(tools: list[dict], choice) -> list[str] | None:
         if name not in {t["function"]["name"] for t in tools}:
             raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
         return [name]
-    raise InvalidRequestError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
-                              "{'name': ...}}", param="tool_choice")
+    raise InvalidRequestError(
+        "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+        param="tool_choice",
+    )
 
 
 _RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
@@ -295,8 +345,9 @@ def _template_kwargs(opts: ServingOptions, requested: dict | None) -> dict:
     """The server's default template switches, overridden key by key by the request's."""
     reserved = _RESERVED_TEMPLATE_ARGS & (requested or {}).keys()
     if reserved:
-        raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}",
-                                  param="chat_template_kwargs")
+        raise InvalidRequestError(
+            f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}", param="chat_template_kwargs"
+        )
     return {**opts.chat_template_kwargs, **(requested or {})}
 
 
@@ -309,13 +360,22 @@ def tool_call_grammar(tools: list[dict], names: list[str], parallel: bool, think
     arguments valid against its function's parameters. ``think``: "" (no think block), "optional" (the model
     may think first) or "open" (the prompt opened the block; the model must close it)."""
     by_name = {t["function"]["name"]: t["function"] for t in tools}
-    schemas = [{"type": "object", "properties": {"name": {"const": n},
-                                                  "arguments": by_name[n].get("parameters") or {"type": "object"}},
-                "required": ["name", "arguments"], "additionalProperties": False} for n in names]
+    schemas = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": n}, "arguments": by_name[n].get("parameters") or {"type": "object"}},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for n in names
+    ]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    calls = "call (\"\\n\" call)*" if parallel else "call"
-    return _with_think(f"body: {calls}\ncall: {_lark_string('<tool_call>' + chr(10))} call_json "
-                       f"{_lark_string(chr(10) + '</tool_call>')}\ncall_json: %json {json.dumps(schema)}\n", think)
+    calls = 'call ("\\n" call)*' if parallel else "call"
+    return _with_think(
+        f"body: {calls}\ncall: {_lark_string('<tool_call>' + chr(10))} call_json "
+        f"{_lark_string(chr(10) + '</tool_call>')}\ncall_json: %json {json.dumps(schema)}\n",
+        think,
+    )
 
 
 def _with_think(rules: str, think: str) -> str:
@@ -345,20 +405,32 @@ def _check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, 
     if prompt_len == 0:
         raise InvalidRequestError("the prompt is empty", param=param)
     if prompt_len >= max_model_len:
-        raise ContextLengthError(f"this model's maximum context length is {max_model_len} tokens; the prompt has "
-                                 f"{prompt_len} tokens, which leaves no room to generate", param=param)
+        raise ContextLengthError(
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{prompt_len} tokens, which leaves no room to generate",
+            param=param,
+        )
     if max_tokens is not None and prompt_len + max_tokens > max_model_len:
-        raise ContextLengthError(f"this model's maximum context length is {max_model_len} tokens; you requested "
-                                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for "
-                                 "the completion)", param="max_tokens")
+        raise ContextLengthError(
+            f"this model's maximum context length is {max_model_len} tokens; you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for "
+            "the completion)",
+            param="max_tokens",
+        )
 
 
 # OpenAI parameters that would change the answer and that this server does not honour: a request that sets one
 # gets a 400 naming it, never a 200 that silently ignored it. Each maps to the values that ask for nothing (an
 # empty or "off" value is accepted). The legacy functions/function_call have their successor in tools/tool_choice.
 _UNSUPPORTED = {
-    "chat": {"functions": ([], None), "function_call": ("none", None), "audio": (None,),
-             "modalities": (["text"], None), "prediction": (None,), "web_search_options": (None,)},
+    "chat": {
+        "functions": ([], None),
+        "function_call": ("none", None),
+        "audio": (None,),
+        "modalities": (["text"], None),
+        "prediction": (None,),
+        "web_search_options": (None,),
+    },
     "completion": {"suffix": (None, "")},
 }
 
@@ -367,11 +439,15 @@ def _refuse_unsupported(kind: str, data: dict) -> None:
     for name, neutral in _UNSUPPORTED[kind].items():
         if name in data and data[name] not in neutral:
             hint = "; use tools and tool_choice" if name in ("functions", "function_call") else "; leave it out"
-            raise InvalidRequestError(f"'{name}' is not supported by this server{hint}", param=name,
-                                      code="unsupported_parameter")
+            raise InvalidRequestError(
+                f"'{name}' is not supported by this server{hint}", param=name, code="unsupported_parameter"
+            )
     if kind == "completion" and data.get("best_of") not in (None, data.get("n", 1) or 1):
-        raise InvalidRequestError("'best_of' is supported only equal to n (no server-side candidates)",
-                                  param="best_of", code="unsupported_parameter")
+        raise InvalidRequestError(
+            "'best_of' is supported only equal to n (no server-side candidates)",
+            param="best_of",
+            code="unsupported_parameter",
+        )
 
 
 def _chat_prompt(body: ChatBody, tokenizer, opts: ServingOptions) -> tuple[list[int], ParserConfig, dict | None]:
@@ -386,22 +462,30 @@ def _chat_prompt(body: ChatBody, tokenizer, opts: ServingOptions) -> tuple[list[
     forced = _forced_tool_names(tools, choice)
     use_tools = bool(tools) and choice != "none"
     if use_tools and not opts.tools:
-        raise InvalidRequestError("tool calling is turned off on this server (KERNELLAB_TOOL_PARSER=none)",
-                                  param="tools", code="unsupported_parameter")
+        raise InvalidRequestError(
+            "tool calling is turned off on this server (KERNELLAB_TOOL_PARSER=none)",
+            param="tools",
+            code="unsupported_parameter",
+        )
     if forced and structured:
-        raise InvalidRequestError("response_format cannot be combined with a tool_choice that forces a call",
-                                  param="response_format")
+        raise InvalidRequestError(
+            "response_format cannot be combined with a tool_choice that forces a call", param="response_format"
+        )
     kwargs = _template_kwargs(opts, body.chat_template_kwargs)
-    if opts.reasoning and body.reasoning_effort is not None and "enable_thinking" not in (body.chat_template_kwargs
-                                                                                         or {}):
+    if (
+        opts.reasoning
+        and body.reasoning_effort is not None
+        and "enable_thinking" not in (body.chat_template_kwargs or {})
+    ):
         kwargs["enable_thinking"] = body.reasoning_effort not in ("none", "minimal")
     text = tokenizer.render_chat(_normalize_messages(body.messages), tools=tools if use_tools else None, **kwargs)
     think = ""
     if opts.reasoning:
         tail = text.rstrip()
         think = "" if tail.endswith("</think>") else "open" if tail.endswith("<think>") else "optional"
-    parser = ParserConfig(reasoning=opts.reasoning, reasoning_open=think == "open", tools=use_tools,
-                          think_end_id=opts.think_end_id)
+    parser = ParserConfig(
+        reasoning=opts.reasoning, reasoning_open=think == "open", tools=use_tools, think_end_id=opts.think_end_id
+    )
     if forced:
         structured = {"lark": tool_call_grammar(tools, forced, body.parallel_tool_calls is not False, think)}
     elif structured is not None:
@@ -409,8 +493,16 @@ def _chat_prompt(body: ChatBody, tokenizer, opts: ServingOptions) -> tuple[list[
     return tokenizer.encode(text, add_special_tokens=False), parser, structured
 
 
-def prepare(kind: str, data, tokenizer, *, served_model: str, max_model_len: int, max_n: int,
-            options: ServingOptions | None = None) -> Prepared:
+def prepare(
+    kind: str,
+    data,
+    tokenizer,
+    *,
+    served_model: str,
+    max_model_len: int,
+    max_n: int,
+    options: ServingOptions | None = None,
+) -> Prepared:
     """Validate a decoded JSON body of /v1/chat/completions (``kind="chat"``) or /v1/completions."""
     if not isinstance(data, dict):
         raise InvalidRequestError("the request body must be a JSON object")
@@ -473,11 +565,23 @@ def prepare(kind: str, data, tokenizer, *, served_model: str, max_model_len: int
         for i in range(n):
             params = replace(base, seed=base.seed + i) if base.seed is not None else base
             choices.append(Choice(p * n + i, p, params))
-    include_usage = bool(body.stream and isinstance(body.stream_options, dict)
-                         and body.stream_options.get("include_usage"))
+    include_usage = bool(
+        body.stream and isinstance(body.stream_options, dict) and body.stream_options.get("include_usage")
+    )
     priority = "batch" if body.service_tier == "flex" else "interactive"
-    return Prepared(kind, f"{prefix}-{uuid.uuid4().hex}", model, prompts, choices, bool(body.stream), include_usage,
-                    logprobs, priority, echo, parser)
+    return Prepared(
+        kind,
+        f"{prefix}-{uuid.uuid4().hex}",
+        model,
+        prompts,
+        choices,
+        bool(body.stream),
+        include_usage,
+        logprobs,
+        priority,
+        echo,
+        parser,
+    )
 
 
 class TokenizeBody(BaseModel):
@@ -522,8 +626,9 @@ def tokenize_request(data, tokenizer, *, served_model: str, max_model_len: int, 
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
     else:
         kwargs = _template_kwargs(options, body.chat_template_kwargs)  # reserved names are a 400 here too
-        text = tokenizer.render_chat(_normalize_messages(body.messages), body.add_generation_prompt,
-                                     tools=_tools(body.tools) or None, **kwargs)
+        text = tokenizer.render_chat(
+            _normalize_messages(body.messages), body.add_generation_prompt, tools=_tools(body.tools) or None, **kwargs
+        )
         ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
     out = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": None}
     if body.return_token_strs:

@@ -37,10 +37,14 @@ def chat_logprobs(entries: list, text: TokenText) -> dict:
     content = []
     for token_id, logprob, top in entries:
         s = text(token_id)
-        content.append({
-            "token": s, "logprob": logprob, "bytes": list(s.encode()),
-            "top_logprobs": [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode())} for t, lp in top],
-        })
+        content.append(
+            {
+                "token": s,
+                "logprob": logprob,
+                "bytes": list(s.encode()),
+                "top_logprobs": [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode())} for t, lp in top],
+            }
+        )
     return {"content": content, "refusal": None}
 
 
@@ -56,31 +60,47 @@ def completion_logprobs(entries: list, text: TokenText, offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning_tokens: int | None = None
-          ) -> dict:
-    u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-         "total_tokens": prompt_tokens + completion_tokens,
-         "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning_tokens: int | None = None
+) -> dict:
+    u = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
     if reasoning_tokens is not None:
         u["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return u
 
 
-def chat_chunk(p: Prepared, created: int, index: int, delta: dict, logprobs, finish_reason, *,
-               with_usage_field: bool = False) -> dict:
-    chunk = {"id": p.request_id, "object": "chat.completion.chunk", "created": created, "model": p.model,
-             "system_fingerprint": None,
-             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+def chat_chunk(
+    p: Prepared, created: int, index: int, delta: dict, logprobs, finish_reason, *, with_usage_field: bool = False
+) -> dict:
+    chunk = {
+        "id": p.request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": p.model,
+        "system_fingerprint": None,
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+    }
     if with_usage_field:
         chunk["usage"] = None
     return chunk
 
 
-def completion_chunk(p: Prepared, created: int, index: int, text: str, logprobs, finish_reason, *,
-                     with_usage_field: bool = False) -> dict:
-    chunk = {"id": p.request_id, "object": "text_completion", "created": created, "model": p.model,
-             "system_fingerprint": None,
-             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+def completion_chunk(
+    p: Prepared, created: int, index: int, text: str, logprobs, finish_reason, *, with_usage_field: bool = False
+) -> dict:
+    chunk = {
+        "id": p.request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": p.model,
+        "system_fingerprint": None,
+        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+    }
     if with_usage_field:
         chunk["usage"] = None
     return chunk
@@ -88,14 +108,28 @@ def completion_chunk(p: Prepared, created: int, index: int, text: str, logprobs,
 
 def usage_chunk(p: Prepared, created: int, u: dict) -> dict:
     obj = "chat.completion.chunk" if p.kind == "chat" else "text_completion"
-    return {"id": p.request_id, "object": obj, "created": created, "model": p.model, "system_fingerprint": None,
-            "choices": [], "usage": u}
+    return {
+        "id": p.request_id,
+        "object": obj,
+        "created": created,
+        "model": p.model,
+        "system_fingerprint": None,
+        "choices": [],
+        "usage": u,
+    }
 
 
 def final_response(p: Prepared, created: int, choices: list[dict], u: dict) -> dict:
     obj = "chat.completion" if p.kind == "chat" else "text_completion"
-    return {"id": p.request_id, "object": obj, "created": created, "model": p.model, "system_fingerprint": None,
-            "choices": choices, "usage": u}
+    return {
+        "id": p.request_id,
+        "object": obj,
+        "created": created,
+        "model": p.model,
+        "system_fingerprint": None,
+        "choices": choices,
+        "usage": u,
+    }
 
 
 def chat_choice(index: int, text: str, logprobs, finish_reason, parsed=None) -> dict:

@@ -46,13 +46,20 @@ FLUSH_MAX_S = 0.005  # … or this long after its first request
 
 def redis_client(url: str, *, timeout: float = 1.0, blocking_ms: int = 0) -> aioredis.Redis:
     """Fail fast when Redis is away: short connect timeout, no hidden retries."""
-    return aioredis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout + blocking_ms / 1000,
-                                   retry=None)
+    return aioredis.Redis.from_url(
+        url, socket_connect_timeout=timeout, socket_timeout=timeout + blocking_ms / 1000, retry=None
+    )
 
 
 class Gateway:
-    def __init__(self, settings: GatewaySettings, tokenizer, served_model: str, max_model_len: int,
-                 metrics: GatewayMetrics | None = None):
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        tokenizer,
+        served_model: str,
+        max_model_len: int,
+        metrics: GatewayMetrics | None = None,
+    ):
         self.settings = settings
         self.tokenizer = tokenizer
         self.model = served_model
@@ -166,9 +173,24 @@ class Gateway:
         now = time.time()
         deadline = now + self.settings.request_timeout_s
         stream = self.keys.requests(p.priority)
-        entries = [(stream, entry(RequestMessage(p.request_id, c.index, p.model, p.prompts[c.prompt_index],
-                                                 c.params.to_dict(), p.priority, deadline, now)))
-                   for c in p.choices]
+        entries = [
+            (
+                stream,
+                entry(
+                    RequestMessage(
+                        p.request_id,
+                        c.index,
+                        p.model,
+                        p.prompts[c.prompt_index],
+                        c.params.to_dict(),
+                        p.priority,
+                        deadline,
+                        now,
+                    )
+                ),
+            )
+            for c in p.choices
+        ]
         self.waiting += 1  # counted before the await, so a burst cannot slip past max_waiting
         self.in_flight += 1
         try:
@@ -178,8 +200,7 @@ class Gateway:
             self.in_flight -= 1
             self.router.unsubscribe(sub)
             if isinstance(exc, REDIS_DOWN):
-                raise ServiceUnavailable(f"the request queue is unavailable: {exc}",
-                                         code="queue_unavailable") from None
+                raise ServiceUnavailable(f"the request queue is unavailable: {exc}", code="queue_unavailable") from None
             self.cancel(p.request_id, None, "closed")  # cancelled while enqueueing: it may still have gone out
             raise
         self.metrics.queue_depth.set(self.waiting)

@@ -58,9 +58,7 @@ def _add_arguments(parser) -> None:
         default="128:128:3,1024:256:1",
         help="prompt_words:max_tokens:weight entries, comma-separated",
     )
-    group.add_argument(
-        "--endpoint", env_var="LOADGEN_ENDPOINT", default="chat", choices=["chat", "completions"]
-    )
+    group.add_argument("--endpoint", env_var="LOADGEN_ENDPOINT", default="chat", choices=["chat", "completions"])
     group.add_argument("--temperature", env_var="LOADGEN_TEMPERATURE", type=float, default=0.0)
     group.add_argument(
         "--ignore-eos",

@@ -114,8 +114,7 @@ def format_table(summary: dict) -> str:
     """A short plain-text table of a summary, for terminals and logs."""
     req = summary["requests"]
     lines = [
-        f"requests  {req['completed']}/{req['total']} completed, {req['failed']} failed, "
-        f"{summary['duration_s']:.1f} s",
+        f"requests  {req['completed']}/{req['total']} completed, {req['failed']} failed, {summary['duration_s']:.1f} s",
         f"throughput  {summary['request_throughput_rps']:.2f} req/s, "
         f"{summary['output_token_throughput_tps']:.1f} output tok/s, "
         f"goodput {summary['goodput']['goodput_rps']:.2f} req/s",

@@ -91,8 +91,11 @@ return {acked, skipped}
 def connect(url: str, *, timeout: float = 2.0, blocking_ms: int = 0) -> redis.Redis:
     """A client that fails fast when Redis is away (no hidden retries), with room for blocking reads."""
     return redis.Redis.from_url(
-        url, socket_connect_timeout=timeout, socket_timeout=timeout + blocking_ms / 1000,
-        retry=None, health_check_interval=0,
+        url,
+        socket_connect_timeout=timeout,
+        socket_timeout=timeout + blocking_ms / 1000,
+        retry=None,
+        health_check_interval=0,
     )
 
 
@@ -156,8 +159,9 @@ class WorkerQueue:
             if count - len(out) <= 0:
                 break
             try:
-                _next, claimed, _deleted = self.r.xautoclaim(stream, GROUP, self.consumer, min_idle_ms,
-                                                             start_id="0-0", count=count - len(out))
+                _next, claimed, _deleted = self.r.xautoclaim(
+                    stream, GROUP, self.consumer, min_idle_ms, start_id="0-0", count=count - len(out)
+                )
             except redis.ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
@@ -173,8 +177,11 @@ class WorkerQueue:
             for d in self._deliveries(stream, claimed, counts):
                 d.message = replace(d.message, resume=True)
                 if d.deliveries + d.message.attempt > self.max_deliveries:
-                    self.dead_letter(d, f"delivered {d.deliveries + d.message.attempt} times (limit "
-                                        f"{self.max_deliveries}); its workers died while running it")
+                    self.dead_letter(
+                        d,
+                        f"delivered {d.deliveries + d.message.attempt} times (limit "
+                        f"{self.max_deliveries}); its workers died while running it",
+                    )
                 else:
                     out.append(d)
         return self._resolve_resumes(out)
@@ -187,8 +194,10 @@ class WorkerQueue:
                 message = from_entry(fields, RequestMessage)
             except ProtocolError as exc:
                 log.error("dropping unreadable request %s on %s: %s", eid, stream, exc)
-                self.r.xadd(self.keys.dead_letter, {b"stream": stream, b"id": eid, b"reason": str(exc),
-                                                    **{k: v for k, v in fields.items()}})
+                self.r.xadd(
+                    self.keys.dead_letter,
+                    {b"stream": stream, b"id": eid, b"reason": str(exc), **{k: v for k, v in fields.items()}},
+                )
                 self.r.xack(stream, GROUP, eid)
                 continue
             out.append(Delivery(stream, eid, message, counts.get(eid, 1)))
@@ -215,16 +224,27 @@ class WorkerQueue:
             if not isinstance(msg, OutputChunk):
                 continue
             if msg.seq <= len(tokens):
-                tokens.extend(msg.token_ids[len(tokens) - msg.seq:])
+                tokens.extend(msg.token_ids[len(tokens) - msg.seq :])
             finished = finished or msg.finished
         return tokens, finished
 
     def dead_letter(self, d: Delivery, reason: str) -> None:
-        error = ErrorMessage(d.message.request_id, d.message.index, 500, f"request failed: {reason}",
-                             type="server_error", code="dead_lettered", worker=self.consumer)
+        error = ErrorMessage(
+            d.message.request_id,
+            d.message.index,
+            500,
+            f"request failed: {reason}",
+            type="server_error",
+            code="dead_lettered",
+            worker=self.consumer,
+        )
         pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(self.keys.dead_letter, {**entry(d.message), b"stream": d.stream, b"id": d.entry_id,
-                                          b"reason": reason}, maxlen=10000, approximate=True)
+        pipe.xadd(
+            self.keys.dead_letter,
+            {**entry(d.message), b"stream": d.stream, b"id": d.entry_id, b"reason": reason},
+            maxlen=10000,
+            approximate=True,
+        )
         pipe.xadd(self.keys.output(d.message.engine_id), entry(error))
         pipe.pexpire(self.keys.output(d.message.engine_id), 600_000)
         pipe.xack(d.stream, GROUP, d.entry_id)
@@ -246,15 +266,24 @@ class WorkerQueue:
                 lost[stream] = [_sid(x) for x in reply]
         return lost
 
-    def write_owned(self, outputs: list[tuple[str, bytes, Delivery]], acks: list[Delivery],
-                    ttl_ms: int) -> tuple[list[bool], int]:
+    def write_owned(
+        self, outputs: list[tuple[str, bytes, Delivery]], acks: list[Delivery], ttl_ms: int
+    ) -> tuple[list[bool], int]:
         """Append each (output stream, payload) and XACK each entry, atomically and only where the request entry
         is still this worker's. Returns whether each ack was ours, and how many messages were skipped."""
         if not outputs and not acks:
             return [], 0
         keys = [k for k, _, _ in outputs] + [d.stream for _, _, d in outputs] + [d.stream for d in acks]
-        args = [GROUP, self.consumer, ttl_ms, len(outputs), len(acks), *(d.entry_id for _, _, d in outputs),
-                *(payload for _, payload, _ in outputs), *(d.entry_id for d in acks)]
+        args = [
+            GROUP,
+            self.consumer,
+            ttl_ms,
+            len(outputs),
+            len(acks),
+            *(d.entry_id for _, _, d in outputs),
+            *(payload for _, payload, _ in outputs),
+            *(d.entry_id for d in acks),
+        ]
         acked, skipped = self._write_owned(keys=keys, args=args)
         return [bool(a) for a in acked], int(skipped)
 

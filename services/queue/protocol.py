@@ -110,8 +110,9 @@ class Heartbeat:
 
 
 Message = RequestMessage | OutputChunk | ErrorMessage | CancelMessage | Heartbeat
-_KINDS: dict[str, type] = {cls.kind: cls for cls in (RequestMessage, OutputChunk, ErrorMessage, CancelMessage,
-                                                        Heartbeat)}
+_KINDS: dict[str, type] = {
+    cls.kind: cls for cls in (RequestMessage, OutputChunk, ErrorMessage, CancelMessage, Heartbeat)
+}
 _FIELDS: dict[type, tuple] = {cls: tuple(f for f in fields(cls)) for cls in _KINDS.values()}
 
 

@@ -16,13 +16,31 @@ from kernellab.services.loadgen.sse import SSEDecoder
 from kernellab.services.stress.processes import MODEL, LocalStack
 
 PROMPTS = (
-    "What is the capital of France?", "Name three colors.", "Why is the sky blue?", "What does a CPU do?",
-    "Write a haiku about the ocean.", "List three uses of copper.", "What is 12 times 12?",
-    "Describe a cat in one sentence.", "Suggest a name for a bakery.", "What is photosynthesis?",
-    "How do vaccines work?", "Give me a tip for learning to cook.",
+    "What is the capital of France?",
+    "Name three colors.",
+    "Why is the sky blue?",
+    "What does a CPU do?",
+    "Write a haiku about the ocean.",
+    "List three uses of copper.",
+    "What is 12 times 12?",
+    "Describe a cat in one sentence.",
+    "Suggest a name for a bakery.",
+    "What is photosynthesis?",
+    "How do vaccines work?",
+    "Give me a tip for learning to cook.",
 )
-RETRYABLE = frozenset({"refused", "queue_unavailable", "service_unavailable", "draining", "no_worker",
-                       "rate_limit_exceeded", "dead_lettered", "protocol_gap"})
+RETRYABLE = frozenset(
+    {
+        "refused",
+        "queue_unavailable",
+        "service_unavailable",
+        "draining",
+        "no_worker",
+        "rate_limit_exceeded",
+        "dead_lettered",
+        "protocol_gap",
+    }
+)
 
 
 # ===================================================================== the request mix
@@ -47,8 +65,13 @@ class Plan:
         return (self.endpoint, self.prompt, self.max_tokens, self.ignore_eos, self.temperature, self.seed)
 
     def body(self) -> dict:
-        body = {"model": MODEL, "max_tokens": self.max_tokens, "temperature": self.temperature,
-                "stream": self.stream, "ignore_eos": self.ignore_eos}
+        body = {
+            "model": MODEL,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "stream": self.stream,
+            "ignore_eos": self.ignore_eos,
+        }
         if self.endpoint == "chat":
             body["messages"] = [{"role": "user", "content": self.prompt}]
             if self.logprobs:
@@ -62,8 +85,15 @@ class Plan:
         return body
 
 
-def make_plans(n: int, seed: int = 0, *, max_tokens: tuple[int, int] = (4, 8), cancel_frac: float = 0.03,
-               deadline_frac: float = 0.02, stream_frac: float = 0.5) -> list[Plan]:
+def make_plans(
+    n: int,
+    seed: int = 0,
+    *,
+    max_tokens: tuple[int, int] = (4, 8),
+    cancel_frac: float = 0.03,
+    deadline_frac: float = 0.02,
+    stream_frac: float = 0.5,
+) -> list[Plan]:
     rng = random.Random(seed)
     plans = []
     for i in range(n):
@@ -76,9 +106,20 @@ def make_plans(n: int, seed: int = 0, *, max_tokens: tuple[int, int] = (4, 8), c
         tokens = rng.randint(*max_tokens)
         if action != "normal":
             tokens = 1000  # runs long enough to be cancelled mid-stream, or to outlive its deadline
-        plans.append(Plan(i, endpoint, stream, rng.choice(PROMPTS), tokens, action, temperature, sample_seed,
-                          ignore_eos=action != "normal" or rng.random() < 0.8,
-                          logprobs=endpoint == "chat" and stream and rng.random() < 0.2))
+        plans.append(
+            Plan(
+                i,
+                endpoint,
+                stream,
+                rng.choice(PROMPTS),
+                tokens,
+                action,
+                temperature,
+                sample_seed,
+                ignore_eos=action != "normal" or rng.random() < 0.8,
+                logprobs=endpoint == "chat" and stream and rng.random() < 0.2,
+            )
+        )
     return plans
 
 
@@ -124,8 +165,9 @@ def _retry_after(resp: httpx.Response) -> float | None:
     return None
 
 
-async def send(client: httpx.AsyncClient, url: str, api_key: str, plan: Plan, *, guard_s: float,
-               cancel_after: int = 2) -> Attempt:
+async def send(
+    client: httpx.AsyncClient, url: str, api_key: str, plan: Plan, *, guard_s: float, cancel_after: int = 2
+) -> Attempt:
     path = "/v1/chat/completions" if plan.endpoint == "chat" else "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"}
     a = Attempt("lost", time.perf_counter())
@@ -231,8 +273,16 @@ class Result:
 class LoadRun:
     """A closed loop of ``concurrency`` clients over ``plans``; faults run beside it and read its progress."""
 
-    def __init__(self, stack: LocalStack, plans: list[Plan], *, concurrency: int, retries: int = 0,
-                 guard_s: float = 120.0, time_limit_s: float = 1800.0):
+    def __init__(
+        self,
+        stack: LocalStack,
+        plans: list[Plan],
+        *,
+        concurrency: int,
+        retries: int = 0,
+        guard_s: float = 120.0,
+        time_limit_s: float = 1800.0,
+    ):
         self.stack, self.plans, self.concurrency = stack, plans, concurrency
         self.retries, self.guard_s, self.time_limit_s = retries, guard_s, time_limit_s
         self.results: list[Result] = []

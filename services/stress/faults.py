@@ -55,16 +55,18 @@ async def fault_worker_kill(stack: LocalStack, run: LoadRun, events: list, repea
         events.append(ev)
         await asyncio.to_thread(stack.start_worker, victim)
         # Its metrics port answers once the new process has loaded the model; then it heartbeats.
-        await asyncio.to_thread(wait_for, lambda v=victim: stack.worker_health(v)["status"] == "ok", 300,
-                                "the restarted worker")
+        await asyncio.to_thread(
+            wait_for, lambda v=victim: stack.worker_health(v)["status"] == "ok", 300, "the restarted worker"
+        )
         ev.details["worker_back_s"] = round(time.perf_counter() - ev.at, 3)
 
 
 async def fault_worker_pause(stack: LocalStack, run: LoadRun, events: list, extra_s: float = 2.5) -> None:
     await _settle(run)
     victim = await _busy_worker(stack)
-    ev = FaultEvent("worker-pause", time.perf_counter(), details={"worker": victim,
-                                                                  "paused_s": stack.dead_after_s + extra_s})
+    ev = FaultEvent(
+        "worker-pause", time.perf_counter(), details={"worker": victim, "paused_s": stack.dead_after_s + extra_s}
+    )
     await asyncio.to_thread(stack.signal_worker, victim, signal.SIGSTOP)
     ev.end = time.perf_counter()
     events.append(ev)
@@ -94,9 +96,11 @@ async def fault_gateway_restart(stack: LocalStack, run: LoadRun, events: list, r
 
 def _raw_request(stack: LocalStack, body: dict) -> bytes:
     data = json.dumps(body).encode()
-    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{stack.port}\r\n"
-            f"Authorization: Bearer {stack.api_key}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode() + data
+    return (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{stack.port}\r\n"
+        f"Authorization: Bearer {stack.api_key}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+    ).encode() + data
 
 
 async def _raw_connect(stack: LocalStack, rcvbuf: int | None = None):
@@ -120,7 +124,7 @@ def _sse_text(raw: bytes) -> tuple[int, str, bool]:
             if size == 0:
                 break
             out += rest[:size]
-            rest = rest[size + 2:]
+            rest = rest[size + 2 :]
         body = bytes(out)
     decoder, texts = SSEDecoder(), []
     for line in body.decode(errors="replace").split("\n"):
@@ -131,8 +135,9 @@ def _sse_text(raw: bytes) -> tuple[int, str, bool]:
     return status, "".join(texts), decoder.done
 
 
-async def fault_slow_client(stack: LocalStack, run: LoadRun, events: list, clients: int = 3,
-                            read_s: float = 10.0) -> None:
+async def fault_slow_client(
+    stack: LocalStack, run: LoadRun, events: list, clients: int = 3, read_s: float = 10.0
+) -> None:
     """Clients that read their stream a few hundred bytes at a time: others must not notice; they must get
     every token. Their text is checked against a normal request of the same input afterwards."""
     await _settle(run)
@@ -157,8 +162,11 @@ async def fault_slow_client(stack: LocalStack, run: LoadRun, events: list, clien
     async with httpx.AsyncClient(timeout=120) as client:
         ref = await send(client, stack.url, stack.api_key, Plan(-1, "chat", False, PROMPTS[0], 64), guard_s=120)
     ok = [o for o in outs if not isinstance(o, BaseException) and o[0] == 200 and o[2] and o[1] == ref.text]
-    ev.details.update(complete_and_equal=len(ok), read_s=[round(o[3], 2) for o in ok],
-                      errors=[repr(o)[:120] for o in outs if isinstance(o, BaseException)])
+    ev.details.update(
+        complete_and_equal=len(ok),
+        read_s=[round(o[3], 2) for o in ok],
+        errors=[repr(o)[:120] for o in outs if isinstance(o, BaseException)],
+    )
 
 
 async def fault_vanishing_client(stack: LocalStack, run: LoadRun, events: list, streams: int = 24) -> None:
@@ -194,10 +202,16 @@ async def fault_vanishing_client(stack: LocalStack, run: LoadRun, events: list, 
 
     with contextlib.suppress(TimeoutError):
         await asyncio.to_thread(wait_for, lambda: aborted() >= streams, 60, "the aborts", 0.05)
-    ev.details.update(aborted=int(await asyncio.to_thread(aborted)),
-                      all_aborted_s=round(time.perf_counter() - ev.at, 3))
+    ev.details.update(
+        aborted=int(await asyncio.to_thread(aborted)), all_aborted_s=round(time.perf_counter() - ev.at, 3)
+    )
 
 
-FAULTS = {"worker-kill": fault_worker_kill, "worker-pause": fault_worker_pause, "redis-restart": fault_redis_restart,
-          "gateway-restart": fault_gateway_restart, "slow-client": fault_slow_client,
-          "vanishing-client": fault_vanishing_client}
+FAULTS = {
+    "worker-kill": fault_worker_kill,
+    "worker-pause": fault_worker_pause,
+    "redis-restart": fault_redis_restart,
+    "gateway-restart": fault_gateway_restart,
+    "slow-client": fault_slow_client,
+    "vanishing-client": fault_vanishing_client,
+}

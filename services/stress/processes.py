@@ -40,8 +40,16 @@ def wait_for(cond, timeout: float, what: str, interval: float = 0.2):
 class LocalStack:
     """Redis + ``workers`` workers + a gateway + a short-deadline gateway, all ours, on 127.0.0.1."""
 
-    def __init__(self, workdir: Path, *, workers: int = 2, api_key: str = "sk-stress", deadline_s: float = 1.0,
-                 max_waiting: int = 256, env: dict | None = None):
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        workers: int = 2,
+        api_key: str = "sk-stress",
+        deadline_s: float = 1.0,
+        max_waiting: int = 256,
+        env: dict | None = None,
+    ):
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.api_key, self.deadline_s = api_key, deadline_s
@@ -50,13 +58,24 @@ class LocalStack:
         self.worker_ports = [free_port() for _ in range(workers)]
         self.url, self.deadline_url = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.deadline_port}"
         self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
-        self.env = dict(os.environ, PYTHONUNBUFFERED="1", KERNELLAB_REDIS_URL=self.redis_url, KERNELLAB_MODEL=MODEL,
-                        KERNELLAB_KEY_PREFIX=f"kls-{uuid.uuid4().hex[:8]}:", KERNELLAB_API_KEYS=api_key,
-                        KERNELLAB_API_KEY_FILE="",
-                        KERNELLAB_HEARTBEAT_INTERVAL_S="0.5", KERNELLAB_WORKER_DEAD_AFTER_S="2.5",
-                        KERNELLAB_DEVICE="cpu", KERNELLAB_DTYPE="float32", KERNELLAB_NUM_KV_BLOCKS="512",
-                        KERNELLAB_MAX_NUM_SEQS="32", KERNELLAB_DRAIN_TIMEOUT_S="20",
-                        KERNELLAB_MAX_WAITING=str(max_waiting), KERNELLAB_FILES_DIR=str(self.workdir / "files"))
+        self.env = dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            KERNELLAB_REDIS_URL=self.redis_url,
+            KERNELLAB_MODEL=MODEL,
+            KERNELLAB_KEY_PREFIX=f"kls-{uuid.uuid4().hex[:8]}:",
+            KERNELLAB_API_KEYS=api_key,
+            KERNELLAB_API_KEY_FILE="",
+            KERNELLAB_HEARTBEAT_INTERVAL_S="0.5",
+            KERNELLAB_WORKER_DEAD_AFTER_S="2.5",
+            KERNELLAB_DEVICE="cpu",
+            KERNELLAB_DTYPE="float32",
+            KERNELLAB_NUM_KV_BLOCKS="512",
+            KERNELLAB_MAX_NUM_SEQS="32",
+            KERNELLAB_DRAIN_TIMEOUT_S="20",
+            KERNELLAB_MAX_WAITING=str(max_waiting),
+            KERNELLAB_FILES_DIR=str(self.workdir / "files"),
+        )
         self.env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
         self.env.pop("KERNELLAB_METRICS_HOST", None)  # the default (127.0.0.1), which the security tests check
         self.env.update(env or {})
@@ -71,13 +90,28 @@ class LocalStack:
 
     def _spawn(self, name: str, cmd: list[str], env: dict | None = None) -> None:
         log = (self.workdir / f"{name}.log").open("ab")
-        self.procs[name] = subprocess.Popen(cmd, env=env or self.env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+        self.procs[name] = subprocess.Popen(
+            cmd, env=env or self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         log.close()
 
     def start_redis(self) -> None:
-        self._spawn("redis", [self.redis_binary, "--port", str(self.redis_port), "--bind", "127.0.0.1",
-                              "--save", "", "--appendonly", "no", "--dir", str(self.workdir)])
+        self._spawn(
+            "redis",
+            [
+                self.redis_binary,
+                "--port",
+                str(self.redis_port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+            ],
+        )
         import redis
 
         wait_for(lambda: redis.Redis.from_url(self.redis_url, socket_connect_timeout=0.2).ping(), 10, "redis-server")
@@ -86,17 +120,51 @@ class LocalStack:
         self._stop("redis", signal.SIGTERM, 10)
 
     def start_worker(self, i: int) -> None:
-        self._spawn(f"worker-{i}", [sys.executable, "-m", "kernellab", "worker", "--metrics-port",
-                                    str(self.worker_ports[i]), "--worker-id", f"stress-w{i}-{uuid.uuid4().hex[:4]}"])
+        self._spawn(
+            f"worker-{i}",
+            [
+                sys.executable,
+                "-m",
+                "kernellab",
+                "worker",
+                "--metrics-port",
+                str(self.worker_ports[i]),
+                "--worker-id",
+                f"stress-w{i}-{uuid.uuid4().hex[:4]}",
+            ],
+        )
 
     def start_gateway(self, deadline: bool = False) -> None:
         if deadline:
             env = dict(self.env, KERNELLAB_REQUEST_TIMEOUT_S=str(self.deadline_s))
-            self._spawn("gateway-deadline", [sys.executable, "-m", "kernellab", "gateway", "--port",
-                                             str(self.deadline_port), "--metrics-port", "0"], env)
+            self._spawn(
+                "gateway-deadline",
+                [
+                    sys.executable,
+                    "-m",
+                    "kernellab",
+                    "gateway",
+                    "--port",
+                    str(self.deadline_port),
+                    "--metrics-port",
+                    "0",
+                ],
+                env,
+            )
         else:
-            self._spawn("gateway", [sys.executable, "-m", "kernellab", "gateway", "--port", str(self.port),
-                                    "--metrics-port", str(self.gateway_metrics_port)])
+            self._spawn(
+                "gateway",
+                [
+                    sys.executable,
+                    "-m",
+                    "kernellab",
+                    "gateway",
+                    "--port",
+                    str(self.port),
+                    "--metrics-port",
+                    str(self.gateway_metrics_port),
+                ],
+            )
 
     def start(self, timeout: float = 300) -> LocalStack:
         try:
@@ -136,13 +204,17 @@ class LocalStack:
 
     def gateway_metric(self, name: str) -> float:
         text = httpx.get(f"http://127.0.0.1:{self.gateway_metrics_port}/metrics", timeout=2).text
-        return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
-                   if line.startswith(name) and not line.startswith("#"))
+        return sum(
+            float(line.rpartition(" ")[2])
+            for line in text.splitlines()
+            if line.startswith(name) and not line.startswith("#")
+        )
 
     def worker_metric(self, i: int, name: str, label: str = "") -> float:
         text = httpx.get(f"http://127.0.0.1:{self.worker_ports[i]}/metrics", timeout=2).text
-        return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
-                   if line.startswith(name) and label in line)
+        return sum(
+            float(line.rpartition(" ")[2]) for line in text.splitlines() if line.startswith(name) and label in line
+        )
 
     def live_workers(self) -> list[int]:
         return [i for i in range(len(self.worker_ports)) if self.procs[f"worker-{i}"].poll() is None]

@@ -20,6 +20,7 @@ def idle_report(stack: LocalStack, timeout: float = 60) -> dict:
     """Wait until every live worker is idle (and has checked its engine since), then read its blocks."""
     workers = []
     for i in stack.live_workers():
+
         def idle(i=i):
             h = stack.worker_health(i)
             quiet = not (h["running"] or h["waiting"] or h.get("active") or h.get("held"))
@@ -31,15 +32,26 @@ def idle_report(stack: LocalStack, timeout: float = 60) -> dict:
             h = wait_for(idle, timeout, f"worker {i} to be idle")
         except TimeoutError:
             h = stack.worker_health(i)
-        workers.append({"worker": h["worker_id"], "running": h["running"], "waiting": h["waiting"],
-                        "active": h.get("active"), "held": h.get("held"), "kv_blocks_used": h.get("kv_blocks_used"),
-                        "kv_blocks_total": h.get("kv_blocks_total"), "integrity": h.get("integrity")})
+        workers.append(
+            {
+                "worker": h["worker_id"],
+                "running": h["running"],
+                "waiting": h["waiting"],
+                "active": h.get("active"),
+                "held": h.get("held"),
+                "kv_blocks_used": h.get("kv_blocks_used"),
+                "kv_blocks_total": h.get("kv_blocks_total"),
+                "integrity": h.get("integrity"),
+            }
+        )
     gw = {}
     with contextlib.suppress(Exception):
         wait_for(lambda: stack.gateway_metric("kernellab_gateway_requests_in_flight") == 0, 30, "gateway idle")
     with contextlib.suppress(Exception):
-        gw = {"in_flight": stack.gateway_metric("kernellab_gateway_requests_in_flight"),
-              "queue_depth": stack.gateway_metric("kernellab_gateway_queue_depth")}
+        gw = {
+            "in_flight": stack.gateway_metric("kernellab_gateway_requests_in_flight"),
+            "queue_depth": stack.gateway_metric("kernellab_gateway_queue_depth"),
+        }
     return {"workers": workers, "gateway": gw}
 
 
@@ -74,9 +86,14 @@ def _fault_figures(ev: FaultEvent, results: list[Result], t0: float) -> dict:
     later = [a.end for a in attempts if a.outcome == "completed" and a.start >= ev.end]
     if ev.kind == "slow-client":
         later = []  # nothing went down: the figures are the readers' own (read_s, complete_and_equal)
-    out = {"kind": ev.kind, "at_s": round(ev.at - t0, 3), "injector_s": round(ev.end - ev.at, 3),
-           "in_flight_at_fault": len(hit), "stall_s": round(max(stalls), 3) if stalls else 0.0,
-           "recovery_s": round(min(later) - ev.at, 3) if later else None}
+    out = {
+        "kind": ev.kind,
+        "at_s": round(ev.at - t0, 3),
+        "injector_s": round(ev.end - ev.at, 3),
+        "in_flight_at_fault": len(hit),
+        "stall_s": round(max(stalls), 3) if stalls else 0.0,
+        "recovery_s": round(min(later) - ev.at, 3) if later else None,
+    }
     out.update(ev.details)
     return out
 
@@ -87,19 +104,24 @@ def summarize(scenario: str, run: LoadRun, events: list[FaultEvent], idle: dict,
     outcomes = Counter(r.outcome for r in run.results)
     attempts = [a for r in run.results for a in r.attempts]
     clean = Counter(a.code or "unknown" for a in attempts if a.outcome in ("error", "refused"))
-    lost = [{"index": r.plan.index, "detail": a.detail} for r in run.results for a in r.attempts
-            if a.outcome == "lost"]
+    lost = [{"index": r.plan.index, "detail": a.detail} for r in run.results for a in r.attempts if a.outcome == "lost"]
     corrupt = _corrupt(run.results)
     completed = [r.final for r in run.results if r.outcome == "completed"]
     leaked = sum(int(w["kv_blocks_used"] or 0) for w in idle["workers"])
     stuck = sum(int(w["active"] or 0) + int(w["held"] or 0) for w in idle["workers"])
     integrity_ok = all(w["integrity"] == "ok" for w in idle["workers"])
-    gateway_idle = not idle["gateway"] or (idle["gateway"].get("in_flight") == 0
-                                           and idle["gateway"].get("queue_depth") == 0)
-    checks = {"zero_lost": not lost and run.not_sent == 0, "zero_leaked_blocks": leaked == 0 and stuck == 0,
-              "engine_integrity": integrity_ok, "zero_corrupt": not corrupt, "gateway_idle": gateway_idle,
-              "all_workers_reported": len(idle["workers"]) == len(run.stack.worker_ports),
-              "rejections_say_retry_after": all(a.retry_after for a in attempts if a.code == "rate_limit_exceeded")}
+    gateway_idle = not idle["gateway"] or (
+        idle["gateway"].get("in_flight") == 0 and idle["gateway"].get("queue_depth") == 0
+    )
+    checks = {
+        "zero_lost": not lost and run.not_sent == 0,
+        "zero_leaked_blocks": leaked == 0 and stuck == 0,
+        "engine_integrity": integrity_ok,
+        "zero_corrupt": not corrupt,
+        "gateway_idle": gateway_idle,
+        "all_workers_reported": len(idle["workers"]) == len(run.stack.worker_ports),
+        "rejections_say_retry_after": all(a.retry_after for a in attempts if a.code == "rate_limit_exceeded"),
+    }
     faults = [_fault_figures(ev, run.results, run.t0) for ev in events]
     checks["faults_injected"] = bool(faults) == (scenario != "load") and not any("error" in f for f in faults)
     if scenario == "slow-client":
@@ -109,28 +131,45 @@ def summarize(scenario: str, run: LoadRun, events: list[FaultEvent], idle: dict,
     if scenario == "load":
         checks["no_unexpected_failures"] = outcomes.get("failed", 0) == 0
     return {
-        "schema": SCHEMA, "provenance": provenance("cpu"), "scenario": scenario, "config": config,
+        "schema": SCHEMA,
+        "provenance": provenance("cpu"),
+        "scenario": scenario,
+        "config": config,
         "duration_s": round(run.duration, 3),
-        "requests": {"total": run.sent, "completed": outcomes.get("completed", 0),
-                     "cancelled": outcomes.get("cancelled", 0), "timed_out": outcomes.get("timed_out", 0),
-                     "rejected": outcomes.get("rejected", 0), "failed": outcomes.get("failed", 0),
-                     "lost": outcomes.get("lost", 0), "not_sent": run.not_sent, "attempts": len(attempts),
-                     "corrupt": len(corrupt)},
+        "requests": {
+            "total": run.sent,
+            "completed": outcomes.get("completed", 0),
+            "cancelled": outcomes.get("cancelled", 0),
+            "timed_out": outcomes.get("timed_out", 0),
+            "rejected": outcomes.get("rejected", 0),
+            "failed": outcomes.get("failed", 0),
+            "lost": outcomes.get("lost", 0),
+            "not_sent": run.not_sent,
+            "attempts": len(attempts),
+            "corrupt": len(corrupt),
+        },
         "clean_errors": dict(clean.most_common()),
-        "lost_details": lost[:20], "corrupt_details": corrupt[:20],
+        "lost_details": lost[:20],
+        "corrupt_details": corrupt[:20],
         "throughput_rps": round(len(run.results) / max(run.duration, 1e-9), 3),
         "ttft_s": distribution(a.first - a.start for a in completed if a.first is not None),
         "e2e_s": distribution(a.end - a.start for a in completed),
-        "faults": faults, "workers": idle["workers"], "gateway": idle["gateway"], "leaked_blocks": leaked,
-        "checks": checks, "passed": all(checks.values()),
+        "faults": faults,
+        "workers": idle["workers"],
+        "gateway": idle["gateway"],
+        "leaked_blocks": leaked,
+        "checks": checks,
+        "passed": all(checks.values()),
     }
 
 
 # ===================================================================== reporting
 def table(reports: list[dict]) -> str:
     """The Markdown table of docs/reliability.md from reports (one row per scenario)."""
-    head = ("| scenario | requests | completed | cancelled | timed out | rejected (429) | failed | lost | corrupt "
-            "| leaked blocks | req/s | TTFT p50 / p99 (s) | E2E p50 / p99 (s) | clean errors (attempts) | fault figures |")
+    head = (
+        "| scenario | requests | completed | cancelled | timed out | rejected (429) | failed | lost | corrupt "
+        "| leaked blocks | req/s | TTFT p50 / p99 (s) | E2E p50 / p99 (s) | clean errors (attempts) | fault figures |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in reports:
         q = r["requests"]
@@ -140,9 +179,11 @@ def table(reports: list[dict]) -> str:
 
         figs = "; ".join(_fault_text(f) for f in r["faults"]) or "–"
         clean = ", ".join(f"{k} {v}" for k, v in r["clean_errors"].items()) or "–"
-        lines.append(f"| {r['scenario']} | {q['total']} | {q['completed']} | {q['cancelled']} | {q['timed_out']} | "
-                     f"{q['rejected']} | {q['failed']} | {q['lost']} | {q['corrupt']} | {r['leaked_blocks']} | "
-                     f"{r['throughput_rps']:.2f} | {pp(r['ttft_s'])} | {pp(r['e2e_s'])} | {clean} | {figs} |")
+        lines.append(
+            f"| {r['scenario']} | {q['total']} | {q['completed']} | {q['cancelled']} | {q['timed_out']} | "
+            f"{q['rejected']} | {q['failed']} | {q['lost']} | {q['corrupt']} | {r['leaked_blocks']} | "
+            f"{r['throughput_rps']:.2f} | {pp(r['ttft_s'])} | {pp(r['e2e_s'])} | {clean} | {figs} |"
+        )
     return "\n".join(lines)
 
 
@@ -150,8 +191,16 @@ def _fault_text(f: dict) -> str:
     parts = [f"{f['kind']} at {f['at_s']:.0f}s: {f['in_flight_at_fault']} in flight, stall {f['stall_s']:.1f}s"]
     if f.get("recovery_s") is not None:
         parts.append(f"recovered {f['recovery_s']:.1f}s")
-    for key in ("port_closed_s", "worker_back_s", "duplicate_finishes", "aborted", "all_aborted_s", "read_s",
-                "complete_and_equal", "error"):
+    for key in (
+        "port_closed_s",
+        "worker_back_s",
+        "duplicate_finishes",
+        "aborted",
+        "all_aborted_s",
+        "read_s",
+        "complete_and_equal",
+        "error",
+    ):
         if key in f:
             parts.append(f"{key} {f[key]}")
     return ", ".join(parts)
@@ -159,5 +208,17 @@ def _fault_text(f: dict) -> str:
 
 def brief(report: dict) -> dict:
     """A small dict for logs and test failure messages."""
-    return {k: report[k] for k in ("scenario", "requests", "clean_errors", "lost_details", "corrupt_details",
-                                   "faults", "workers", "gateway", "checks")}
+    return {
+        k: report[k]
+        for k in (
+            "scenario",
+            "requests",
+            "clean_errors",
+            "lost_details",
+            "corrupt_details",
+            "faults",
+            "workers",
+            "gateway",
+            "checks",
+        )
+    }

@@ -14,8 +14,15 @@ from kernellab.services.stress.faults import FAULTS, FaultEvent
 from kernellab.services.stress.processes import MODEL, LocalStack
 from kernellab.services.stress.report import idle_report, summarize
 
-SCENARIOS = ("load", "worker-kill", "worker-pause", "redis-restart", "gateway-restart", "slow-client",
-             "vanishing-client")
+SCENARIOS = (
+    "load",
+    "worker-kill",
+    "worker-pause",
+    "redis-restart",
+    "gateway-restart",
+    "slow-client",
+    "vanishing-client",
+)
 
 
 async def _scenario(stack: LocalStack, scenario: str, run: LoadRun, fault_kwargs: dict) -> list[FaultEvent]:
@@ -35,18 +42,30 @@ async def _scenario(stack: LocalStack, scenario: str, run: LoadRun, fault_kwargs
     return events
 
 
-def run_scenario(stack: LocalStack, scenario: str, *, requests: int, concurrency: int, seed: int = 0,
-                 max_tokens: tuple[int, int] = (4, 8), time_limit_s: float = 1800.0, guard_s: float = 120.0,
-                 fault_kwargs: dict | None = None, command: str = "") -> dict:
+def run_scenario(
+    stack: LocalStack,
+    scenario: str,
+    *,
+    requests: int,
+    concurrency: int,
+    seed: int = 0,
+    max_tokens: tuple[int, int] = (4, 8),
+    time_limit_s: float = 1800.0,
+    guard_s: float = 120.0,
+    fault_kwargs: dict | None = None,
+    command: str = "",
+) -> dict:
     """One scenario against a started stack; returns the report (not yet written)."""
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; one of {', '.join(SCENARIOS)}")
     mixed = scenario == "load"
-    plans = make_plans(requests, seed, max_tokens=max_tokens, cancel_frac=0.03 if mixed else 0.0,
-                       deadline_frac=0.02 if mixed else 0.0)
+    plans = make_plans(
+        requests, seed, max_tokens=max_tokens, cancel_frac=0.03 if mixed else 0.0, deadline_frac=0.02 if mixed else 0.0
+    )
     # Fault scenarios retry clean, retryable errors with backoff 0.25 s doubling to 2 s: 8 retries wait ~12 s.
-    run = LoadRun(stack, plans, concurrency=concurrency, retries=0 if mixed else 8, guard_s=guard_s,
-                  time_limit_s=time_limit_s)
+    run = LoadRun(
+        stack, plans, concurrency=concurrency, retries=0 if mixed else 8, guard_s=guard_s, time_limit_s=time_limit_s
+    )
     load_before = os.getloadavg()
     finishes_before = _finishes(stack) if scenario == "worker-pause" else None
     events = asyncio.run(_scenario(stack, scenario, run, fault_kwargs or {}))
@@ -54,13 +73,23 @@ def run_scenario(stack: LocalStack, scenario: str, *, requests: int, concurrency
         with contextlib.suppress(ProcessLookupError):
             stack.procs[name].send_signal(signal.SIGCONT)  # a fault that failed half-way must not leave one paused
     idle = idle_report(stack)
-    config = {"requests": requests, "concurrency": concurrency, "seed": seed, "max_tokens": list(max_tokens),
-              "workers": len(stack.worker_ports), "model": MODEL, "retries": run.retries, "guard_s": guard_s,
-              "deadline_gateway_timeout_s": stack.deadline_s, "worker_dead_after_s": stack.dead_after_s,
-              "max_waiting": int(stack.env["KERNELLAB_MAX_WAITING"]), "fault": fault_kwargs or {},
-              "command": command,
-              # The machine is shared: its load average before and after says how quiet the run was.
-              "load_average": [round(x, 2) for x in (*load_before, *os.getloadavg())]}
+    config = {
+        "requests": requests,
+        "concurrency": concurrency,
+        "seed": seed,
+        "max_tokens": list(max_tokens),
+        "workers": len(stack.worker_ports),
+        "model": MODEL,
+        "retries": run.retries,
+        "guard_s": guard_s,
+        "deadline_gateway_timeout_s": stack.deadline_s,
+        "worker_dead_after_s": stack.dead_after_s,
+        "max_waiting": int(stack.env["KERNELLAB_MAX_WAITING"]),
+        "fault": fault_kwargs or {},
+        "command": command,
+        # The machine is shared: its load average before and after says how quiet the run was.
+        "load_average": [round(x, 2) for x in (*load_before, *os.getloadavg())],
+    }
     report = summarize(scenario, run, events, idle, config)
     if finishes_before is not None and report["faults"]:
         # Each completed request finishes once on some worker; more finishes mean a request ran twice (the

@@ -140,10 +140,24 @@ class RecentCancels:
 
 
 class RedisIO:
-    def __init__(self, url: str, keys: Keys, worker_id: str, *, max_num_seqs: int, batch_share: float,
-                 max_deliveries: int, heartbeat_interval_s: float, dead_after_s: float, output_ttl_s: int,
-                 request_timeout_s: float, inbox: queue.SimpleQueue, heartbeat: Callable[[], Heartbeat],
-                 metrics=None, outage_grace_s: float = 2.0):
+    def __init__(
+        self,
+        url: str,
+        keys: Keys,
+        worker_id: str,
+        *,
+        max_num_seqs: int,
+        batch_share: float,
+        max_deliveries: int,
+        heartbeat_interval_s: float,
+        dead_after_s: float,
+        output_ttl_s: int,
+        request_timeout_s: float,
+        inbox: queue.SimpleQueue,
+        heartbeat: Callable[[], Heartbeat],
+        metrics=None,
+        outage_grace_s: float = 2.0,
+    ):
         self.url, self.keys, self.worker_id = url, keys, worker_id
         self.max_num_seqs, self.batch_share = max_num_seqs, batch_share
         self.max_deliveries = max_deliveries
@@ -162,12 +176,17 @@ class RedisIO:
         self._threads: list[threading.Thread] = []
 
     def _queue(self, blocking_ms: int = 0) -> WorkerQueue:
-        return WorkerQueue(connect(self.url, blocking_ms=blocking_ms), self.keys, self.worker_id,
-                           max_deliveries=self.max_deliveries)
+        return WorkerQueue(
+            connect(self.url, blocking_ms=blocking_ms), self.keys, self.worker_id, max_deliveries=self.max_deliveries
+        )
 
     def start(self) -> None:
-        for name, target in (("request-reader", self._read_requests), ("cancel-reader", self._read_cancels),
-                             ("writer", self._write), ("housekeeping", self._housekeeping)):
+        for name, target in (
+            ("request-reader", self._read_requests),
+            ("cancel-reader", self._read_cancels),
+            ("writer", self._write),
+            ("housekeeping", self._housekeeping),
+        ):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
@@ -283,12 +302,15 @@ class RedisIO:
                 time.sleep(0.2)
 
     def _execute(self, q: WorkerQueue, batch: WriteBatch) -> None:
-        outputs = [(self.keys.output(f"{m.request_id}-{m.index}"), encode(m), d)
-                   for m, d in zip(batch.messages, batch.owners, strict=True)]
+        outputs = [
+            (self.keys.output(f"{m.request_id}-{m.index}"), encode(m), d)
+            for m, d in zip(batch.messages, batch.owners, strict=True)
+        ]
         acked, skipped = q.write_owned(outputs, batch.acks, self.output_ttl_ms)
         if skipped:
-            log.warning("skipped %d output message(s) of request(s) no longer ours (reclaimed while we stalled)",
-                        skipped)
+            log.warning(
+                "skipped %d output message(s) of request(s) no longer ours (reclaimed while we stalled)", skipped
+            )
         for ours, on_acked in zip(acked, batch.on_acked, strict=True):
             if ours and on_acked is not None:
                 on_acked()
@@ -305,8 +327,11 @@ class RedisIO:
                 hb = self.make_heartbeat()
                 ttl_ms = int(self.dead_after_s * 1000)
                 q.heartbeat(self.keys.heartbeat(self.worker_id), encode(hb), ttl_ms, hb.time)
-                lost = [d for stream, ids in q.refresh(self.holdings.by_stream()).items()
-                        for d in self.holdings.take(stream, ids)]
+                lost = [
+                    d
+                    for stream, ids in q.refresh(self.holdings.by_stream()).items()
+                    for d in self.holdings.take(stream, ids)
+                ]
                 if lost:  # we were stalled past the reclaim timeout: another worker runs these now
                     log.warning("dropping %d request(s) another worker reclaimed from us", len(lost))
                     self.inbox.put(("lost", [d.message.engine_id for d in lost]))

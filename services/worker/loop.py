@@ -56,21 +56,41 @@ class Worker:
         if engine is None:
             from kernellab.runtime.config import EngineConfig
 
-            engine = load_engine_factory(s.engine)(EngineConfig(
-                model=s.model, device=s.device, dtype=s.dtype, max_model_len=s.max_model_len,
-                max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-                background_prefill_tokens=s.background_prefill_tokens, num_kv_blocks=s.num_kv_blocks, block_size=s.block_size, weight_quant=s.weight_quant))
+            engine = load_engine_factory(s.engine)(
+                EngineConfig(
+                    model=s.model,
+                    device=s.device,
+                    dtype=s.dtype,
+                    max_model_len=s.max_model_len,
+                    max_num_seqs=s.max_num_seqs,
+                    max_num_batched_tokens=s.max_num_batched_tokens,
+                    background_prefill_tokens=s.background_prefill_tokens,
+                    num_kv_blocks=s.num_kv_blocks,
+                    block_size=s.block_size,
+                    weight_quant=s.weight_quant,
+                )
+            )
         self.engine = engine
         self.model_name = getattr(getattr(engine, "spec", None), "name", None) or s.model
         self.keys = Keys(s.key_prefix, self.model_name)
         self.metrics = WorkerMetrics(self.model_name)
         self.metrics_url = ""
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.io = RedisIO(s.redis_url, self.keys, self.worker_id, max_num_seqs=s.max_num_seqs,
-                          batch_share=s.batch_share, max_deliveries=s.max_deliveries,
-                          heartbeat_interval_s=s.heartbeat_interval_s, dead_after_s=s.worker_dead_after_s,
-                          output_ttl_s=s.output_ttl_s, request_timeout_s=s.request_timeout_s, inbox=self.inbox,
-                          heartbeat=self.heartbeat, metrics=self.metrics)
+        self.io = RedisIO(
+            s.redis_url,
+            self.keys,
+            self.worker_id,
+            max_num_seqs=s.max_num_seqs,
+            batch_share=s.batch_share,
+            max_deliveries=s.max_deliveries,
+            heartbeat_interval_s=s.heartbeat_interval_s,
+            dead_after_s=s.worker_dead_after_s,
+            output_ttl_s=s.output_ttl_s,
+            request_timeout_s=s.request_timeout_s,
+            inbox=self.inbox,
+            heartbeat=self.heartbeat,
+            metrics=self.metrics,
+        )
         self.active: dict[str, Active] = {}
         self.trace = StepTrace(s.step_trace) if s.step_trace else None
         self.draining = threading.Event()
@@ -83,20 +103,40 @@ class Worker:
     # ----------------------------------------------------------------- public
     def heartbeat(self) -> Heartbeat:
         st = self._stats
-        return Heartbeat(self.worker_id, self.model_name, time.time(), os.getpid(), st.num_running, st.num_waiting,
-                         float(st.kv_cache_usage), int(getattr(self.engine, "max_model_len", 0) or 0),
-                         self.metrics_url, self.draining.is_set(), {"active": len(self.active)})
+        return Heartbeat(
+            self.worker_id,
+            self.model_name,
+            time.time(),
+            os.getpid(),
+            st.num_running,
+            st.num_waiting,
+            float(st.kv_cache_usage),
+            int(getattr(self.engine, "max_model_len", 0) or 0),
+            self.metrics_url,
+            self.draining.is_set(),
+            {"active": len(self.active)},
+        )
 
     def health(self) -> dict:
         ok = self.loop_error is None and not self.stopped.is_set()
         st = self._stats
         total, free = getattr(st, "num_total_blocks", None), getattr(st, "num_free_blocks", None)
-        return {"status": "ok" if ok else "failed", "worker_id": self.worker_id, "model": self.model_name,
-                "redis": self.io.redis_ok.is_set(), "draining": self.draining.is_set(),
-                "running": st.num_running, "waiting": st.num_waiting, "kv_cache_usage": st.kv_cache_usage,
-                # Leak checks (tests, `kernellab stress`): once idle, used blocks and active requests must be 0.
-                "kv_blocks_total": total, "kv_blocks_used": None if total is None or free is None else total - free,
-                "active": len(self.active), "held": self.io.holdings.count(), "integrity": self.integrity}
+        return {
+            "status": "ok" if ok else "failed",
+            "worker_id": self.worker_id,
+            "model": self.model_name,
+            "redis": self.io.redis_ok.is_set(),
+            "draining": self.draining.is_set(),
+            "running": st.num_running,
+            "waiting": st.num_waiting,
+            "kv_cache_usage": st.kv_cache_usage,
+            # Leak checks (tests, `kernellab stress`): once idle, used blocks and active requests must be 0.
+            "kv_blocks_total": total,
+            "kv_blocks_used": None if total is None or free is None else total - free,
+            "active": len(self.active),
+            "held": self.io.holdings.count(),
+            "integrity": self.integrity,
+        }
 
     def drain(self) -> None:
         """Stop taking requests; the loop finishes what it has (up to drain_timeout_s) and returns."""
@@ -149,8 +189,7 @@ class Worker:
             self._check_stall(last)  # stopped mid-step: what others reclaimed meanwhile is not emitted
             first = self._emit(outputs)
             if self.trace is not None:
-                self.trace.step(t0, t1 - t0, getattr(self.engine, "last_schedule", None), first,
-                                time.monotonic() - t1)
+                self.trace.step(t0, t1 - t0, getattr(self.engine, "last_schedule", None), first, time.monotonic() - t1)
             self._refresh_stats()
 
     def _check_stall(self, since: float) -> None:
@@ -257,16 +296,44 @@ class Worker:
             return
         try:
             params = SamplingParams.from_dict(msg.params)
-            self.engine.add_request(eid, msg.prompt_token_ids, params, priority=PRIORITY_VALUE.get(msg.priority, 0),
-                                    deadline=msg.deadline, output_token_ids=emitted)
+            self.engine.add_request(
+                eid,
+                msg.prompt_token_ids,
+                params,
+                priority=PRIORITY_VALUE.get(msg.priority, 0),
+                deadline=msg.deadline,
+                output_token_ids=emitted,
+            )
         except KernellabError as exc:
-            batch.add(ErrorMessage(msg.request_id, msg.index, exc.status_code, exc.message,
-                                   exc.error_type, exc.code, exc.param, self.worker_id), d)
+            batch.add(
+                ErrorMessage(
+                    msg.request_id,
+                    msg.index,
+                    exc.status_code,
+                    exc.message,
+                    exc.error_type,
+                    exc.code,
+                    exc.param,
+                    self.worker_id,
+                ),
+                d,
+            )
             batch.ack(d)
             return
         except (TypeError, ValueError) as exc:
-            batch.add(ErrorMessage(msg.request_id, msg.index, 400, f"bad request: {exc}",
-                                   "invalid_request_error", None, None, self.worker_id), d)
+            batch.add(
+                ErrorMessage(
+                    msg.request_id,
+                    msg.index,
+                    400,
+                    f"bad request: {exc}",
+                    "invalid_request_error",
+                    None,
+                    None,
+                    self.worker_id,
+                ),
+                d,
+            )
             batch.ack(d)
             return
         self.active[eid] = a = Active(d, len(emitted), time.monotonic())
@@ -286,11 +353,24 @@ class Worker:
         batch.add(self._chunk(a.delivery, a.emitted, [], None, True, "abort"), a.delivery)
         batch.ack(a.delivery, lambda: self.metrics.finish("abort"))
 
-    def _chunk(self, d: Delivery, seq: int, tokens, logprobs, finished: bool, reason, stop_reason=None,
-               cached: int = 0) -> OutputChunk:
+    def _chunk(
+        self, d: Delivery, seq: int, tokens, logprobs, finished: bool, reason, stop_reason=None, cached: int = 0
+    ) -> OutputChunk:
         m = d.message
-        return OutputChunk(m.request_id, m.index, seq, tokens, logprobs, finished, reason, stop_reason,
-                           len(m.prompt_token_ids), seq + len(tokens), cached, self.worker_id)
+        return OutputChunk(
+            m.request_id,
+            m.index,
+            seq,
+            tokens,
+            logprobs,
+            finished,
+            reason,
+            stop_reason,
+            len(m.prompt_token_ids),
+            seq + len(tokens),
+            cached,
+            self.worker_id,
+        )
 
     def _emit(self, outputs) -> list[str]:
         """Hand a step's chunks to the writer; returns "request_id:index" of the requests that got their first
@@ -308,10 +388,22 @@ class Worker:
                 continue
             logprobs = None
             if out.new_logprobs:
-                logprobs = [[lp.token_id, float(lp.logprob), [[int(t), float(v)] for t, v in lp.top]]
-                            for lp in out.new_logprobs]
-            batch.add(self._chunk(a.delivery, a.emitted, tokens, logprobs, out.finished,
-                                  out.finish_reason, out.stop_reason, out.num_cached_tokens), a.delivery)
+                logprobs = [
+                    [lp.token_id, float(lp.logprob), [[int(t), float(v)] for t, v in lp.top]] for lp in out.new_logprobs
+                ]
+            batch.add(
+                self._chunk(
+                    a.delivery,
+                    a.emitted,
+                    tokens,
+                    logprobs,
+                    out.finished,
+                    out.finish_reason,
+                    out.stop_reason,
+                    out.num_cached_tokens,
+                ),
+                a.delivery,
+            )
             a.emitted += len(tokens)
             if tokens:
                 if a.first is None:

@@ -26,8 +26,9 @@ def serve(settings: WorkerSettings) -> None:
     worker = Worker(settings)
     server = None
     if settings.worker_metrics_port:
-        server = MetricsServer(settings.metrics_host, settings.worker_metrics_port, worker.metrics.registry,
-                               worker.health).start()
+        server = MetricsServer(
+            settings.metrics_host, settings.worker_metrics_port, worker.metrics.registry, worker.health
+        ).start()
         worker.metrics_url = f"http://{settings.metrics_host}:{server.port}/metrics"
 
     def on_signal(signum, _frame):
@@ -37,8 +38,14 @@ def serve(settings: WorkerSettings) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-    log.info("worker %s serving %s (redis %s, prefix %r, metrics %s)", worker.worker_id, worker.model_name,
-             settings.redis_url, settings.key_prefix, worker.metrics_url or "off")
+    log.info(
+        "worker %s serving %s (redis %s, prefix %r, metrics %s)",
+        worker.worker_id,
+        worker.model_name,
+        settings.redis_url,
+        settings.key_prefix,
+        worker.metrics_url or "off",
+    )
     try:
         worker.run()
     finally:

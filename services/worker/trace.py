@@ -25,13 +25,25 @@ class StepTrace:
         self._lock = threading.Lock()
 
     def add(self, t: float, request_id: str, index: int, prompt_tokens: int) -> None:
-        self._lines.append(json.dumps({"ev": "add", "t": round(t, 6), "rid": request_id, "i": index,
-                                       "prompt": prompt_tokens}))
+        self._lines.append(
+            json.dumps({"ev": "add", "t": round(t, 6), "rid": request_id, "i": index, "prompt": prompt_tokens})
+        )
 
     def step(self, t: float, dt: float, shape: tuple[int, int] | None, first: list[str], emit_dt: float) -> None:
         rows, tokens = shape if shape is not None else (None, None)
-        self._lines.append(json.dumps({"ev": "step", "t": round(t, 6), "dt": round(dt, 6), "rows": rows,
-                                       "tokens": tokens, "first": first, "emit_dt": round(emit_dt, 6)}))
+        self._lines.append(
+            json.dumps(
+                {
+                    "ev": "step",
+                    "t": round(t, 6),
+                    "dt": round(dt, 6),
+                    "rows": rows,
+                    "tokens": tokens,
+                    "first": first,
+                    "emit_dt": round(emit_dt, 6),
+                }
+            )
+        )
 
     def flush(self) -> None:
         with self._lock:

@@ -34,8 +34,9 @@ def make_inputs(op: str, seed: int) -> dict:
     if op == "rotary_embedding":
         return {"a": (positions, rnd(T, HQ, D), rnd(T, HK, D), cos_sin)}
     if op == "qk_norm_rope":
-        return {"a": (positions, rnd(T, HQ, D), rnd(T, HK, D), rnd(D, scale=0.1) + 1, rnd(D, scale=0.1) + 1, 1e-6,
-                      cos_sin)}
+        return {
+            "a": (positions, rnd(T, HQ, D), rnd(T, HK, D), rnd(D, scale=0.1) + 1, rnd(D, scale=0.1) + 1, 1e-6, cos_sin)
+        }
     num_blocks = BATCH * CTX // BS + 8
     cache = lambda: torch.zeros(num_blocks, BS, HK, D, dtype=torch.bfloat16, device="cuda")  # noqa: E731
     slots = torch.randperm(num_blocks * BS, generator=g, device="cuda")[:T]
@@ -47,8 +48,10 @@ def make_inputs(op: str, seed: int) -> dict:
     if op == "qk_norm_rope_store_kv":
         q, k, v = rnd(T, HQ, D), rnd(T, HK, D), rnd(T, HK, D)
         w1, w2 = rnd(D, scale=0.1) + 1, rnd(D, scale=0.1) + 1
-        return {"a": (positions, q, k, v, w1, w2, 1e-6, cos_sin, cache(), cache(), slots),
-                "k": (positions, q, k, v, w1, w2, 1e-6, cos_sin, cache(), cache(), slots)}
+        return {
+            "a": (positions, q, k, v, w1, w2, 1e-6, cos_sin, cache(), cache(), slots),
+            "k": (positions, q, k, v, w1, w2, 1e-6, cos_sin, cache(), cache(), slots),
+        }
     if op == "paged_decode_attention":
         tables = torch.randperm(num_blocks, generator=g, device="cuda")[: BATCH * CTX // BS].view(BATCH, -1).int()
         lens = torch.randint(1, CTX + 1, (BATCH,), generator=g, device="cuda").int()

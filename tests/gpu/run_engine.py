@@ -45,8 +45,17 @@ def engine(weights, **kw):
     from kernellab.runtime.engine import LLMEngine
 
     # Explicit KV pools: several engines share the card here; the offline run alone sizes it from free memory.
-    base = dict(model=MODEL, device="cuda", dtype="bfloat16", random_weights=True, max_model_len=2048,
-                max_num_seqs=64, max_num_batched_tokens=16384, kernels="experimental", num_kv_blocks=4096)
+    base = dict(
+        model=MODEL,
+        device="cuda",
+        dtype="bfloat16",
+        random_weights=True,
+        max_model_len=2048,
+        max_num_seqs=64,
+        max_num_batched_tokens=16384,
+        kernels="experimental",
+        num_kv_blocks=4096,
+    )
     base.update(kw)
     return LLMEngine(EngineConfig(**base), weights=weights)
 
@@ -74,19 +83,29 @@ def forward_prefill(eng, prompts, collect=None, all_logits=False):
 
 def numerics(hf_bf16, weights, report):
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 10000, (int(n),), generator=gen).tolist() for n in torch.randint(32, 257, (64,), generator=gen)]
+    prompts = [
+        torch.randint(0, 10000, (int(n),), generator=gen).tolist() for n in torch.randint(32, 257, (64,), generator=gen)
+    ]
     ours, ref = engine(weights), engine(weights, dtype="float32", kernels="none", cuda_graphs=False, num_kv_blocks=64)
     ours_layers, ref_layers = [], []
     forward_prefill(ours, prompts, ours_layers)
     forward_prefill(ref, prompts, ref_layers)
     cos = []
     for layer in range(len(ref_layers[0])):
-        per_prompt = [torch.nn.functional.cosine_similarity(o[layer], r[layer], dim=-1) for o, r in zip(ours_layers, ref_layers, strict=True)]
+        per_prompt = [
+            torch.nn.functional.cosine_similarity(o[layer], r[layer], dim=-1)
+            for o, r in zip(ours_layers, ref_layers, strict=True)
+        ]
         allc = torch.cat(per_prompt)
         cos.append({"layer": layer, "mean": allc.mean().item(), "min": allc.min().item()})
     worst = min(c["mean"] for c in cos)
-    report["numerics"]["layer_cosine"] = {"per_layer": cos, "worst_layer_mean": worst, "gate": 0.9999,
-                                          "pass": worst >= 0.9999, "prompts": len(prompts)}
+    report["numerics"]["layer_cosine"] = {
+        "per_layer": cos,
+        "worst_layer_mean": worst,
+        "gate": 0.9999,
+        "pass": worst >= 0.9999,
+        "prompts": len(prompts),
+    }
     log(f"layer cosine: worst layer mean {worst:.6f}, min token {min(c['min'] for c in cos):.6f}")
     del ref
 
@@ -106,8 +125,12 @@ def numerics(hf_bf16, weights, report):
             agree_hf += (hf_arg == ref_arg).sum().item()
     n = 256 * 32
     a_ours, a_hf = 100 * agree_ours / n, 100 * agree_hf / n
-    report["numerics"]["teacher_forced"] = {"positions": n, "ours_bf16_pct": a_ours, "hf_bf16_pct": a_hf,
-                                            "pass": a_ours >= a_hf - 0.5}
+    report["numerics"]["teacher_forced"] = {
+        "positions": n,
+        "ours_bf16_pct": a_ours,
+        "hf_bf16_pct": a_hf,
+        "pass": a_ours >= a_hf - 0.5,
+    }
     log(f"teacher-forced argmax vs HF fp32: ours {a_ours:.2f}%  HF bf16 {a_hf:.2f}%")
     del hf_fp32
 
@@ -130,8 +153,12 @@ def numerics(hf_bf16, weights, report):
         results[name] = toks
     graphs.runner.use_graphs = True
     same = results["graph"] == results["eager"]
-    report["numerics"]["graph_equals_eager"] = {"pass": same, "sequences": 16, "tokens": 64,
-                                                "graphs_used": graphs.runner.graphs is not None}
+    report["numerics"]["graph_equals_eager"] = {
+        "pass": same,
+        "sequences": 16,
+        "tokens": 64,
+        "graphs_used": graphs.runner.graphs is not None,
+    }
     log(f"graph == eager greedy: {same}")
 
 
@@ -145,9 +172,13 @@ def offline(weights, report, hf=None):
     log(f"offline engine ready: {eng.runner.num_blocks} KV blocks, graphs={eng.runner.graphs is not None}")
     run = run_engine(eng, prompts, outs, "nanovllm-256", "bfloat16")
     run["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    run["kv_cache_gib"] = round(eng.runner.num_blocks * eng.config.block_size * eng.model_config.kv_bytes_per_token(2) / 2**30, 2)
+    run["kv_cache_gib"] = round(
+        eng.runner.num_blocks * eng.config.block_size * eng.model_config.kv_bytes_per_token(2) / 2**30, 2
+    )
     report["offline"].append(run)
-    log(f"offline nano-vllm: {run['output_tokens']} tokens in {run['seconds']:.2f}s = {run['output_tok_per_s']:.0f} tok/s")
+    log(
+        f"offline nano-vllm: {run['output_tokens']} tokens in {run['seconds']:.2f}s = {run['output_tok_per_s']:.0f} tok/s"
+    )
     del eng
     if hf is not None:
         report["offline"].append(hf_continuous_batching(hf, prompts[:32], outs[:32]))
@@ -194,14 +225,16 @@ def offline_sweep(weights, report):
         while eng.has_unfinished_requests():
             running = len(eng.scheduler.running)
             decode_only = not eng.scheduler.waiting and all(
-                s.num_computed_tokens == s.num_tokens - 1 for s in eng.scheduler.running)
+                s.num_computed_tokens == s.num_tokens - 1 for s in eng.scheduler.running
+            )
             ts = time.perf_counter()
             if profiled is None and decode_only and running >= 200:
                 with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     got = sum(len(o.new_token_ids) for o in eng.step())
                 rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:10]
-                profiled = [{"name": e.key[:70], "cuda_ms": round(e.device_time_total / 1e3, 3), "calls": e.count}
-                            for e in rows]
+                profiled = [
+                    {"name": e.key[:70], "cuda_ms": round(e.device_time_total / 1e3, 3), "calls": e.count} for e in rows
+                ]
             else:
                 got = sum(len(o.new_token_ids) for o in eng.step())
             ph = phases["decode" if decode_only else "mixed"]
@@ -210,8 +243,12 @@ def offline_sweep(weights, report):
             ph[2] += got
             produced += got
         seconds = time.perf_counter() - t0
-        row = {"num_scheduler_steps": steps, "seconds": round(seconds, 3), "output_tok_per_s": round(produced / seconds, 1),
-               "phases": {k: {"seconds": round(v[0], 3), "steps": v[1], "tokens": v[2]} for k, v in phases.items()}}
+        row = {
+            "num_scheduler_steps": steps,
+            "seconds": round(seconds, 3),
+            "output_tok_per_s": round(produced / seconds, 1),
+            "phases": {k: {"seconds": round(v[0], 3), "steps": v[1], "tokens": v[2]} for k, v in phases.items()},
+        }
         if profiled:
             row["decode_window_profile"] = profiled
         sweep.append(row)
@@ -241,9 +278,15 @@ def hf_continuous_batching(hf, prompts, outs):
                 produced += len(r.generated_tokens)
     seconds = time.perf_counter() - t0
     log(f"HF continuous batching (first 32 sequences): {produced / seconds:.0f} tok/s")
-    return {"system": "hf-continuous-batching", "workload": "nanovllm-first32", "dtype": "bfloat16",
-            "num_prompts": len(prompts), "output_tokens": produced, "seconds": round(seconds, 3),
-            "output_tok_per_s": round(produced / seconds, 1)}
+    return {
+        "system": "hf-continuous-batching",
+        "workload": "nanovllm-first32",
+        "dtype": "bfloat16",
+        "num_prompts": len(prompts),
+        "output_tokens": produced,
+        "seconds": round(seconds, 3),
+        "output_tok_per_s": round(produced / seconds, 1),
+    }
 
 
 def latency(weights, report, hf=None):
@@ -266,13 +309,22 @@ def profile(weights, report):
     eng = engine(weights, max_num_seqs=8, max_model_len=4096)
     engine_ttft(eng, 2048, reps=1)
     summary = {}
-    for name, fn in (("ttft2048", lambda: engine_ttft(eng, 2048, reps=1, seed=9)),
-                     ("decode_b1", lambda: engine_itl(eng, 128, new_tokens=32))):
+    for name, fn in (
+        ("ttft2048", lambda: engine_ttft(eng, 2048, reps=1, seed=9)),
+        ("decode_b1", lambda: engine_itl(eng, 128, new_tokens=32)),
+    ):
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn()
         rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:12]
-        summary[name] = [{"name": e.key[:80], "cuda_ms": round(e.device_time_total / 1e3, 3), "calls": e.count,
-                          "cpu_ms": round(e.cpu_time_total / 1e3, 3)} for e in rows]
+        summary[name] = [
+            {
+                "name": e.key[:80],
+                "cuda_ms": round(e.device_time_total / 1e3, 3),
+                "calls": e.count,
+                "cpu_ms": round(e.cpu_time_total / 1e3, 3),
+            }
+            for e in rows
+        ]
         log(f"profile {name}:")
         for r in summary[name]:
             log(f"   {r['cuda_ms']:9.3f} ms cuda  {r['calls']:5d}x  {r['name']}")
@@ -326,8 +378,11 @@ def ablation(weights, report):
         return {"tok_per_s": thr, "itl_ms": round(itl, 3), "enabled": enabled}
 
     runs = [measure(), measure()]  # the all-on baseline twice: its spread is the noise band
-    all_on = {**max(runs, key=lambda r: r["tok_per_s"]), "itl_ms": min(r["itl_ms"] for r in runs),
-              "spread_tok_per_s_pct": round(100 * abs(runs[0]["tok_per_s"] / runs[1]["tok_per_s"] - 1), 2)}
+    all_on = {
+        **max(runs, key=lambda r: r["tok_per_s"]),
+        "itl_ms": min(r["itl_ms"] for r in runs),
+        "spread_tok_per_s_pct": round(100 * abs(runs[0]["tok_per_s"] / runs[1]["tok_per_s"] - 1), 2),
+    }
     noise = max(3.0, 2 * all_on["spread_tok_per_s_pct"])
     log(f"ablation all-on: {all_on['tok_per_s']:.0f} tok/s, ITL {all_on['itl_ms']:.3f} ms, noise band {noise:.1f}%")
     rows = {"__all__": all_on, "__none__": measure(REPLACEABLE), "__noise_pct__": noise}
@@ -341,10 +396,17 @@ def ablation(weights, report):
         # faster with it (beyond the noise band) and no slower on the other figure.
         helps = (gain_thr > noise or gain_itl > noise) and gain_thr > -noise and gain_itl > -noise
         status = "rejected" if not num["pass"] else "accepted" if helps else "experimental"
-        rows[op] = {**off, "numerics": num, "status": status, "e2e_gain_tok_per_s_pct": round(gain_thr, 2),
-                    "e2e_gain_itl_pct": round(gain_itl, 2)}
-        log(f"ablation -{op}: {off['tok_per_s']:.0f} tok/s ({gain_thr:+.1f}%), ITL {off['itl_ms']:.3f} ms "
-            f"({gain_itl:+.1f}%), rel err {num['rel_err_max']:.2e} → {status}")
+        rows[op] = {
+            **off,
+            "numerics": num,
+            "status": status,
+            "e2e_gain_tok_per_s_pct": round(gain_thr, 2),
+            "e2e_gain_itl_pct": round(gain_itl, 2),
+        }
+        log(
+            f"ablation -{op}: {off['tok_per_s']:.0f} tok/s ({gain_thr:+.1f}%), ITL {off['itl_ms']:.3f} ms "
+            f"({gain_itl:+.1f}%), rel err {num['rel_err_max']:.2e} → {status}"
+        )
         Path(report["_path"]).write_text(json.dumps(report, indent=2, default=str))
     report["ablation"] = rows
 
@@ -352,8 +414,9 @@ def ablation(weights, report):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
-    ap.add_argument("--skip", action="append", default=[],
-                    help="offline_sweep, profile, numerics, offline, latency, ablation, hf")
+    ap.add_argument(
+        "--skip", action="append", default=[], help="offline_sweep, profile, numerics, offline, latency, ablation, hf"
+    )
     ap.add_argument("--only", action="append", default=[], help="run only these sections")
     args = ap.parse_args()
     out = Path(args.out)
@@ -361,18 +424,29 @@ def main() -> int:
     from kernellab.results import provenance
 
     path = out / "engine_h200.json"
-    report = {"schema": "kernellab.gpu.engine/v1", "provenance": provenance("cuda"), "model": MODEL,
-              "weights": "random (HF Qwen3 initialisation, seed 0), exact Qwen3-0.6B shape", "numerics": {},
-              "offline": [], "latency": None, "ablation": None, "errors": [], "_path": str(path)}
+    report = {
+        "schema": "kernellab.gpu.engine/v1",
+        "provenance": provenance("cuda"),
+        "model": MODEL,
+        "weights": "random (HF Qwen3 initialisation, seed 0), exact Qwen3-0.6B shape",
+        "numerics": {},
+        "offline": [],
+        "latency": None,
+        "ablation": None,
+        "errors": [],
+        "_path": str(path),
+    }
     hf = hf_model(torch.bfloat16)
     weights = [(k, v) for k, v in hf.state_dict().items()]
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__}; HF model ready")
-    for name, fn in (("offline_sweep", lambda: offline_sweep(weights, report)),
-                     ("profile", lambda: profile(weights, report)),
-                     ("numerics", lambda: numerics(hf, weights, report)),
-                     ("latency", lambda: latency(weights, report, None if "hf" in args.skip else hf)),
-                     ("offline", lambda: offline(weights, report, None if "hf" in args.skip else hf)),
-                     ("ablation", lambda: ablation(weights, report))):
+    for name, fn in (
+        ("offline_sweep", lambda: offline_sweep(weights, report)),
+        ("profile", lambda: profile(weights, report)),
+        ("numerics", lambda: numerics(hf, weights, report)),
+        ("latency", lambda: latency(weights, report, None if "hf" in args.skip else hf)),
+        ("offline", lambda: offline(weights, report, None if "hf" in args.skip else hf)),
+        ("ablation", lambda: ablation(weights, report)),
+    ):
         if name in args.skip or (args.only and name not in args.only):
             continue
         try:

@@ -31,8 +31,21 @@ def run_tests(out: Path, timeout_s: float, extra: list[str]) -> dict:
     # xdist spreads Triton's compiles over 4 processes (the GPU has room for all of them); the compiled
     # kernels land in Triton's disk cache, which the benchmarks then reuse.
     parallel = ["-n", "4"] if importlib.util.find_spec("xdist") else []
-    cmd = [sys.executable, "-m", "pytest", "tests/gpu/test_kernels_gpu.py", "-q", "-p", "no:cacheprovider",
-           "-o", "addopts=", "--junitxml", str(out / "gpu_tests.xml"), *parallel, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "tests/gpu/test_kernels_gpu.py",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        "--junitxml",
+        str(out / "gpu_tests.xml"),
+        *parallel,
+        *extra,
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -51,8 +64,13 @@ def run_tests(out: Path, timeout_s: float, extra: list[str]) -> dict:
                 counts["errors" if kind.startswith("error") else kind] = int(n)
             break
     failures = [ln for ln in log.splitlines() if ln.startswith(("FAILED", "ERROR"))]
-    return {"returncode": rc, **counts, "seconds": round(time.monotonic() - t0, 1), "summary": summary,
-            "failures": failures[:50]}
+    return {
+        "returncode": rc,
+        **counts,
+        "seconds": round(time.monotonic() - t0, 1),
+        "summary": summary,
+        "failures": failures[:50],
+    }
 
 
 def main() -> None:

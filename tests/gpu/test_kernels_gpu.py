@@ -49,8 +49,14 @@ def rnd(*shape, dtype=BF16, scale=1.0):
     return (torch.randn(*shape, device=DEV) * scale).to(dtype)
 
 
-def assert_bf16_faithful(actual: torch.Tensor, expected: torch.Tensor, what: str, max_frac: float = 2e-3,
-                         max_ulp: float = 1.0, floor: float = 0.0):
+def assert_bf16_faithful(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    what: str,
+    max_frac: float = 2e-3,
+    max_ulp: float = 1.0,
+    floor: float = 0.0,
+):
     """Bit-equal except ≤ max_frac of elements, off by ≤ max_ulp bf16 ulps of max(|expected|, floor)."""
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
     assert not torch.isnan(actual).any(), f"{what}: NaN (unwritten) elements"
@@ -95,8 +101,9 @@ def test_silu_and_mul(T):
 @pytest.mark.parametrize("T", [4096, 37, 1])
 def test_rms_norm_is_qwen_exact(T):
     x, w = rnd(T, H, scale=2.0), 1 + rnd(H, scale=0.1)
-    assert_bf16_faithful(rms_norm(x, w, 1e-6, out=poisoned((T, H), BF16, DEV)), ops.rms_norm(x, w, 1e-6), "rms",
-                         **NORM_FAITHFUL)
+    assert_bf16_faithful(
+        rms_norm(x, w, 1e-6, out=poisoned((T, H), BF16, DEV)), ops.rms_norm(x, w, 1e-6), "rms", **NORM_FAITHFUL
+    )
 
 
 @pytest.mark.parametrize("T", [4096, 37, 1])
@@ -120,7 +127,11 @@ def test_rms_norm_per_head_and_long_rows():
 
 def _qkv(T):
     qkv = rnd(T, (HQ + 2 * HK) * D, scale=2.0)
-    return qkv[:, : HQ * D].view(T, HQ, D), qkv[:, HQ * D : (HQ + HK) * D].view(T, HK, D), qkv[:, (HQ + HK) * D :].view(T, HK, D)
+    return (
+        qkv[:, : HQ * D].view(T, HQ, D),
+        qkv[:, HQ * D : (HQ + HK) * D].view(T, HK, D),
+        qkv[:, (HQ + HK) * D :].view(T, HK, D),
+    )
 
 
 @pytest.mark.parametrize("T", [4096, 64, 1])
@@ -139,7 +150,10 @@ def test_rope_family_is_exact(T):
     assert_bf16_faithful(kn, kn_ref, "norm rope k", **NORM_ROPE_FAITHFUL)
     for block_size in (16, 32):
         n_blocks = T // block_size + 3
-        k_cache, v_cache = poisoned((n_blocks, block_size, HK, D), BF16, DEV), poisoned((n_blocks, block_size, HK, D), BF16, DEV)
+        k_cache, v_cache = (
+            poisoned((n_blocks, block_size, HK, D), BF16, DEV),
+            poisoned((n_blocks, block_size, HK, D), BF16, DEV),
+        )
         k_ref_c, v_ref_c = k_cache.clone(), v_cache.clone()
         slots = torch.randperm(n_blocks * block_size, device=DEV)[:T]
         slots[::7] = -1
@@ -204,8 +218,16 @@ def test_gemv(name, M):
 
 
 @pytest.mark.parametrize("name", ["qkv", "down"])
-@pytest.mark.parametrize("cfg", [GemvConfig(16, 512, 4, pdl=True), GemvConfig(8, 512, 1), GemvConfig(32, 256, 3),
-                                 GemvConfig(4, 4096, 1, 8), GemvConfig(4, 1024, 2, 8, pdl=True)])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        GemvConfig(16, 512, 4, pdl=True),
+        GemvConfig(8, 512, 1),
+        GemvConfig(32, 256, 3),
+        GemvConfig(4, 4096, 1, 8),
+        GemvConfig(4, 1024, 2, 8, pdl=True),
+    ],
+)
 def test_gemv_configs(name, cfg):
     N, K = PROJ[name]
     w = rnd(N, K, scale=K**-0.5)
@@ -273,9 +295,11 @@ def _paged(lens, block_size):
     return rnd(len(lens), HQ, D), kc, vc, tables, torch.tensor(lens, dtype=torch.int32, device=DEV)
 
 
-@pytest.mark.parametrize("lens, block_size", [([1024] * 64, 16), ([4096], 16), ([4096], 32), ("mixed", 16),
-                                              ("mixed", 5)], ids=["b64x1024", "b1x4096", "b1x4096-bs32",
-                                                                  "mixed", "mixed-bs5"])
+@pytest.mark.parametrize(
+    "lens, block_size",
+    [([1024] * 64, 16), ([4096], 16), ([4096], 32), ("mixed", 16), ("mixed", 5)],
+    ids=["b64x1024", "b1x4096", "b1x4096-bs32", "mixed", "mixed-bs5"],
+)
 def test_paged_decode_attention(lens, block_size):
     if lens == "mixed":
         lens = [*torch.randint(1, 3000, (33,)).tolist(), 1]

@@ -30,9 +30,7 @@ SMOL_PROMPTS = ALL_SMOL_PROMPTS[:10]
 class BatchStack:
     def __init__(self, redis_url: str, workdir: Path):
         self.files_dir = workdir / "files"
-        self.stack = Stack(
-            redis_url, workdir, workers=1, KERNELLAB_FILES_DIR=str(self.files_dir), **BATCH_ENV
-        )
+        self.stack = Stack(redis_url, workdir, workers=1, KERNELLAB_FILES_DIR=str(self.files_dir), **BATCH_ENV)
         self.url, self.prefix = self.stack.url, self.stack.prefix
         self.batch_workers = 0
         self.batch_worker = None
@@ -161,9 +159,7 @@ def comparable(line: dict) -> dict:
                     "top": [sorted(t) for t in lp["top_logprobs"]],
                 }
             elif lp is not None:
-                choice["logprobs"] = [
-                    (c["token"], [t["token"] for t in c["top_logprobs"]]) for c in lp["content"]
-                ]
+                choice["logprobs"] = [(c["token"], [t["token"] for t in c["top_logprobs"]]) for c in lp["content"]]
     return line
 
 

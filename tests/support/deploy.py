@@ -42,9 +42,7 @@ def free_port() -> int:
 
 def http_json(url: str, data: dict | None = None, timeout: float = 10.0, headers: dict | None = None):
     body = None if data is None else json.dumps(data).encode()
-    request = urllib.request.Request(
-        url, data=body, headers={"Content-Type": "application/json", **(headers or {})}
-    )
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())
 
@@ -86,9 +84,7 @@ class Prometheus:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # The config may name the server's own address before the port is known.
-        (workdir / "prometheus.yml").write_text(
-            config.replace("__PROMETHEUS_ADDRESS__", f"127.0.0.1:{self.port}")
-        )
+        (workdir / "prometheus.yml").write_text(config.replace("__PROMETHEUS_ADDRESS__", f"127.0.0.1:{self.port}"))
         self.log_path = workdir / "prometheus.log"
         self.process: subprocess.Popen | None = None
 

@@ -107,8 +107,9 @@ class FakeEngine:
 
     def stats(self):
         usage = min(1.0, sum(len(s.prompt) + len(s.output) for s in self.seqs.values()) / 16 / self.num_blocks)
-        return FakeStats(len(self.seqs), 0, usage, prompt_tokens=self.prompt_tokens,
-                         generation_tokens=self.generation_tokens)
+        return FakeStats(
+            len(self.seqs), 0, usage, prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens
+        )
 
     def check_integrity(self):
         pass

@@ -21,8 +21,12 @@ ERROR = {
         "error": {
             "type": "object",
             "required": ["message", "type", "param", "code"],
-            "properties": {"message": {"type": "string", "minLength": 1}, "type": {"type": "string"},
-                           "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}},
+            "properties": {
+                "message": {"type": "string", "minLength": 1},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
         }
     },
 }
@@ -30,8 +34,10 @@ GENERATION = {"/v1/chat/completions": "ChatBody", "/v1/completions": "Completion
 
 
 def _error(description: str) -> dict:
-    return {"description": description, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/"
-                                                                                           "ErrorResponse"}}}}
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+    }
 
 
 def gateway_openapi() -> dict:
@@ -59,21 +65,35 @@ def gateway_openapi() -> dict:
                 continue
             # No security scheme on purpose: schemathesis would spend its cases on auth variants, which
             # test_security.py covers; 401 stays documented.
-            for code, what in (("400", "invalid request"), ("401", "missing or wrong API key"),
-                               ("404", "unknown model, route or object"), ("405", "method not allowed"),
-                               ("413", "body over the limit"), ("429", "too many requests waiting"),
-                               ("503", "queue or workers unavailable")):
+            for code, what in (
+                ("400", "invalid request"),
+                ("401", "missing or wrong API key"),
+                ("404", "unknown model, route or object"),
+                ("405", "method not allowed"),
+                ("413", "body over the limit"),
+                ("429", "too many requests waiting"),
+                ("503", "queue or workers unavailable"),
+            ):
                 responses[code] = _error(what)
             if path in GENERATION:
-                op["requestBody"] = {"required": True, "content": {"application/json": {
-                    "schema": {"$ref": f"#/components/schemas/{GENERATION[path]}"}}}}
-                responses["200"] = {"description": "a completion, or its SSE stream",
-                                    "content": {"application/json": {"schema": {"type": "object"}},
-                                                "text/event-stream": {"schema": {"type": "string"}}}}
+                op["requestBody"] = {
+                    "required": True,
+                    "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{GENERATION[path]}"}}},
+                }
+                responses["200"] = {
+                    "description": "a completion, or its SSE stream",
+                    "content": {
+                        "application/json": {"schema": {"type": "object"}},
+                        "text/event-stream": {"schema": {"type": "string"}},
+                    },
+                }
                 responses["504"] = _error("deadline exceeded")
             elif path == "/v1/files" and method == "post":
-                form = {"type": "object", "required": ["file", "purpose"],
-                        "properties": {"file": {"type": "string", "format": "binary"}, "purpose": {"type": "string"}}}
+                form = {
+                    "type": "object",
+                    "required": ["file", "purpose"],
+                    "properties": {"file": {"type": "string", "format": "binary"}, "purpose": {"type": "string"}},
+                }
                 op["requestBody"] = {"required": True, "content": {"multipart/form-data": {"schema": form}}}
             elif path == "/v1/files/{file_id}/content":
                 responses["200"] = {"description": "the file", "content": {"application/jsonl": {"schema": {}}}}

@@ -39,9 +39,23 @@ class RedisServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> RedisServer:
-        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.workdir)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         import redis
 
         wait_for(lambda: redis.Redis.from_url(self.url, socket_connect_timeout=0.2).ping(), 10, "redis-server")
@@ -94,11 +108,22 @@ class Stack:
         self.worker_ports = [free_port() for _ in range(workers)]
         self.url = f"http://127.0.0.1:{self.port}"
         self.prefix = f"klit-{uuid.uuid4().hex[:8]}:"
-        self.env = dict(os.environ, PYTHONUNBUFFERED="1", KERNELLAB_REDIS_URL=redis_url, KERNELLAB_MODEL=MODEL,
-                        KERNELLAB_KEY_PREFIX=self.prefix, KERNELLAB_API_KEYS=API_KEY,
-                        KERNELLAB_METRICS_HOST="127.0.0.1", KERNELLAB_HEARTBEAT_INTERVAL_S="0.5",
-                        KERNELLAB_WORKER_DEAD_AFTER_S="2.5", KERNELLAB_DEVICE="cpu", KERNELLAB_DTYPE="float32",
-                        KERNELLAB_NUM_KV_BLOCKS="512", KERNELLAB_MAX_NUM_SEQS="32", KERNELLAB_DRAIN_TIMEOUT_S="20")
+        self.env = dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            KERNELLAB_REDIS_URL=redis_url,
+            KERNELLAB_MODEL=MODEL,
+            KERNELLAB_KEY_PREFIX=self.prefix,
+            KERNELLAB_API_KEYS=API_KEY,
+            KERNELLAB_METRICS_HOST="127.0.0.1",
+            KERNELLAB_HEARTBEAT_INTERVAL_S="0.5",
+            KERNELLAB_WORKER_DEAD_AFTER_S="2.5",
+            KERNELLAB_DEVICE="cpu",
+            KERNELLAB_DTYPE="float32",
+            KERNELLAB_NUM_KV_BLOCKS="512",
+            KERNELLAB_MAX_NUM_SEQS="32",
+            KERNELLAB_DRAIN_TIMEOUT_S="20",
+        )
         # N workers share the cores: more torch threads than cores makes every step slower.
         self.env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
         self.env.update(env)
@@ -106,17 +131,27 @@ class Stack:
 
     def _spawn(self, name: str, args: list[str], env: dict) -> None:
         log = (self.workdir / f"{name}.log").open("wb")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "kernellab", *args], env=env, stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "kernellab", *args],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def start(self, timeout: float = 300) -> Stack:
         for i, port in enumerate(self.worker_ports):
             self._spawn(f"worker-{i}", ["worker", "--metrics-port", str(port)], self.env)
-        self._spawn("gateway", ["gateway", "--port", str(self.port), "--metrics-port",
-                                str(self.gateway_metrics_port)], self.env)
+        self._spawn(
+            "gateway", ["gateway", "--port", str(self.port), "--metrics-port", str(self.gateway_metrics_port)], self.env
+        )
         try:
-            wait_for(lambda: self._alive() and self.ready(len(self.worker_ports)), timeout, "the stack's /ready",
-                     interval=0.5)
+            wait_for(
+                lambda: self._alive() and self.ready(len(self.worker_ports)),
+                timeout,
+                "the stack's /ready",
+                interval=0.5,
+            )
         except Exception:
             self.stop()
             raise RuntimeError(f"stack did not start:\n{self.log_tail()}") from None

@@ -29,10 +29,33 @@ pytestmark = pytest.mark.integration
 
 def run_offline(tmp_path, input_path):
     out, errors = tmp_path / "offline.jsonl", tmp_path / "offline.errors.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "kernellab", "batch", "-i", str(input_path), "-o", str(out),
-                           "--errors", str(errors), "--model", MODEL, "--device", "cpu", "--dtype", "float32",
-                           "--num-kv-blocks", "512", "--max-num-seqs", "32"],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kernellab",
+            "batch",
+            "-i",
+            str(input_path),
+            "-o",
+            str(out),
+            "--errors",
+            str(errors),
+            "--model",
+            MODEL,
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--num-kv-blocks",
+            "512",
+            "--max-num-seqs",
+            "32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "lines in" in proc.stderr  # the summary under the progress bar
 
@@ -89,9 +112,16 @@ def test_malformed_lines_land_in_the_error_file_and_offline_writes_the_same_line
     assert len(out[2]["response"]["body"]["choices"][0]["logprobs"]["tokens"]) == 3
     assert len(out[3]["response"]["body"]["choices"]) == 2
     reasons = [(x["custom_id"], x["error"]["code"] if x["error"] else x["response"]["status_code"]) for x in errors]
-    assert reasons == [(None, "invalid_json_line"), ("embed", "invalid_url"), ("negative-temperature", 400),
-                       ("string-max-tokens", 400), ("wrong-model", 404), ("ok-chat", "duplicate_custom_id"),
-                       (None, "invalid_custom_id"), ("get", "invalid_method")]
+    assert reasons == [
+        (None, "invalid_json_line"),
+        ("embed", "invalid_url"),
+        ("negative-temperature", 400),
+        ("string-max-tokens", 400),
+        ("wrong-model", 404),
+        ("ok-chat", "duplicate_custom_id"),
+        (None, "invalid_custom_id"),
+        ("get", "invalid_method"),
+    ]
     for x in errors:  # every error says why
         message = x["error"]["message"] if x["error"] else x["response"]["body"]["error"]["message"]
         assert message
@@ -110,16 +140,45 @@ def test_structured_and_tool_call_lines_answer_as_the_api_does(client, tmp_path)
     ``tool_calls`` with ``finish_reason: "tool_calls"``: the same request layer and output parser as the API."""
     import jsonschema
 
-    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-              "required": ["name", "age"], "additionalProperties": False}
-    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 16}}, "required": ["city"],
-        "additionalProperties": False}}}
-    lines = [chat_line("json", "Describe a person.", 80, temperature=0,
-                       response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": person}}),
-             chat_line("tool", "What is the weather in Paris?", 80, temperature=0, tools=[weather],
-                       tool_choice="required", parallel_tool_calls=False)]
+    person = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 16}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    lines = [
+        chat_line(
+            "json",
+            "Describe a person.",
+            80,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": person}},
+        ),
+        chat_line(
+            "tool",
+            "What is the weather in Paris?",
+            80,
+            temperature=0,
+            tools=[weather],
+            tool_choice="required",
+            parallel_tool_calls=False,
+        ),
+    ]
     b = wait_batch(client, start_batch(client, write_jsonl(tmp_path / "structured.jsonl", lines)).id, timeout=180)
     assert b.status == "completed" and b.request_counts.completed == 2
     out = {x["custom_id"]: x["response"]["body"]["choices"][0] for x in file_lines(client, b.output_file_id)}

@@ -28,8 +28,7 @@ def batch_stream(batch_stack):
     return r, f"{batch_stack.prefix}req:{MODEL}:batch"
 
 
-def test_cancel_mid_batch_keeps_finished_lines_and_never_runs_queued_ones(batch_stack, client, offline_llm,
-                                                                          tmp_path):
+def test_cancel_mid_batch_keeps_finished_lines_and_never_runs_queued_ones(batch_stack, client, offline_llm, tmp_path):
     r, stream = batch_stream(batch_stack)
     before = r.xlen(stream)
     lines = mixed_lines(60, max_tokens=16, tag="cancel")
@@ -54,14 +53,18 @@ def test_cancel_mid_batch_keeps_finished_lines_and_never_runs_queued_ones(batch_
     # Queued lines never reached the request queue; what was in flight was aborted on the worker.
     submitted = r.xlen(stream) - before
     assert submitted <= n + CONCURRENCY and submitted < len(lines)
-    wait_for(lambda: metric(batch_stack.stack.worker_metrics(0), "kernellab:num_requests_running") == 0, 10,
-             "the worker to drop the cancelled batch's requests")
+    wait_for(
+        lambda: metric(batch_stack.stack.worker_metrics(0), "kernellab:num_requests_running") == 0,
+        10,
+        "the worker to drop the cancelled batch's requests",
+    )
     time.sleep(1.0)
     assert r.xlen(stream) - before == submitted
 
 
-def test_batch_worker_killed_with_minus_9_mid_batch_completes_after_redelivery(batch_stack, client, offline_llm,
-                                                                               tmp_path):
+def test_batch_worker_killed_with_minus_9_mid_batch_completes_after_redelivery(
+    batch_stack, client, offline_llm, tmp_path
+):
     lines = mixed_lines(40, max_tokens=12, tag="kill")
     created = start_batch(client, write_jsonl(tmp_path / "in.jsonl", lines))
     wait_batch(client, created.id, until=lambda b: b.request_counts.completed >= 8, timeout=180)

@@ -140,9 +140,7 @@ def locust_run(stack, prometheus, tmp_path_factory):
 def test_headless_locust_run_ends_with_zero_failures_and_a_report(stack, locust_run):
     report = locust_run["report"]
     assert report is not None, locust_run["log_tail"]
-    assert locust_run["exit_code"] == 0, (
-        locust_run["log_tail"] + "\n--- kernellab up ---\n" + stack.log_tail()
-    )
+    assert locust_run["exit_code"] == 0, locust_run["log_tail"] + "\n--- kernellab up ---\n" + stack.log_tail()
     assert report["requests"]["failed"] == 0, report["requests"]["failures"]
     # Bounded twice: by count, and by time on a machine too slow to finish the count.
     assert report["requests"]["completed"] == LOCUST_REQUESTS or report["duration_s"] >= LOCUST_RUN_TIME_S
@@ -182,9 +180,7 @@ def test_every_dashboard_panel_query_returns_data(prometheus, locust_run):
 @pytest.mark.timeout(420)
 def test_every_metric_the_dashboards_read_is_exported(prometheus, locust_run):
     exported = set(prometheus.api("label/__name__/values")["data"])
-    wanted = {
-        name for _, panel, expr in _panel_queries() if not requires_gpu(panel) for name in metric_names(expr)
-    }
+    wanted = {name for _, panel, expr in _panel_queries() if not requires_gpu(panel) for name in metric_names(expr)}
     assert wanted <= exported, f"read by a dashboard but not exported: {sorted(wanted - exported)}"
 
 

@@ -66,9 +66,7 @@ def test_openai_chat_streaming_and_not_agree(handler_api):
     assert streamed[-1] == "data: [DONE]\n\n"
     assert result.completion_tokens == 12 and result.finish_reason == "length"
 
-    [whole] = runsync(handler_api, _openai("/v1/chat/completions", messages=MESSAGES, max_tokens=12))[
-        "output"
-    ]
+    [whole] = runsync(handler_api, _openai("/v1/chat/completions", messages=MESSAGES, max_tokens=12))["output"]
     assert whole["object"] == "chat.completion" and whole["model"] == MODEL
     assert whole["choices"][0]["message"]["content"] == "".join(result.text)  # greedy: the same text
     assert whole["usage"]["completion_tokens"] == 12
@@ -87,9 +85,7 @@ def test_openai_chat_logprobs(handler_api):
 
 @pytest.mark.timeout(600)
 def test_openai_completions_with_a_stop_string(handler_api):
-    [out] = runsync(
-        handler_api, _openai("/v1/completions", prompt="1, 2, 3, 4,", max_tokens=24, stop=[" 7"])
-    )["output"]
+    [out] = runsync(handler_api, _openai("/v1/completions", prompt="1, 2, 3, 4,", max_tokens=24, stop=[" 7"]))["output"]
     text = out["choices"][0]["text"]
     assert out["object"] == "text_completion" and " 7" not in text
     assert out["choices"][0]["finish_reason"] == "stop", text
@@ -103,18 +99,16 @@ def test_native_prompt_streaming_and_not_agree(handler_api):
     *body, last = pieces
     assert body and all(set(p) == {"text", "token_ids"} for p in body)
     assert last["usage"]["completion_tokens"] == sum(len(p["token_ids"]) for p in body) == 10
-    [whole] = runsync(handler_api, {"prompt": "The capital of France is", "sampling_params": params})[
-        "output"
-    ]
+    [whole] = runsync(handler_api, {"prompt": "The capital of France is", "sampling_params": params})["output"]
     assert whole["text"] == "".join(p["text"] for p in body) + last["text"]
     assert whole["token_ids"] == [t for p in body for t in p["token_ids"]]
 
 
 @pytest.mark.timeout(600)
 def test_native_messages(handler_api):
-    [out] = runsync(
-        handler_api, {"messages": MESSAGES, "sampling_params": {"max_tokens": 8, "temperature": 0}}
-    )["output"]
+    [out] = runsync(handler_api, {"messages": MESSAGES, "sampling_params": {"max_tokens": 8, "temperature": 0}})[
+        "output"
+    ]
     assert out["text"] and out["usage"]["completion_tokens"] == 8 and out["finish_reason"] == "length"
 
 
@@ -123,9 +117,7 @@ def test_concurrent_jobs_all_complete(handler_api):
     prompts = ["Once upon a time", "The best way to learn", "In 1969, the first", "A recipe for bread:"]
 
     def one(prompt):
-        return runsync(
-            handler_api, {"prompt": prompt, "sampling_params": {"max_tokens": 8, "temperature": 0}}
-        )
+        return runsync(handler_api, {"prompt": prompt, "sampling_params": {"max_tokens": 8, "temperature": 0}})
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         answers = list(pool.map(one, prompts))
@@ -141,7 +133,5 @@ def test_models_route_and_clean_errors(handler_api):
     assert models["data"][0]["id"] == MODEL
     [error] = runsync(handler_api, {"prompt": "x", "sampling_params": {"max_tokenz": 3}})["output"]
     assert error["error"]["param"] == "sampling_params.max_tokenz"
-    [error] = runsync(handler_api, _openai("/v1/chat/completions", messages=MESSAGES, max_tokens=100_000))[
-        "output"
-    ]
+    [error] = runsync(handler_api, _openai("/v1/chat/completions", messages=MESSAGES, max_tokens=100_000))["output"]
     assert error["error"]["code"] == "context_length_exceeded", json.dumps(error)

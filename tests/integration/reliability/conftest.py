@@ -23,15 +23,16 @@ def pytest_collection_modifyitems(items):
     if mine:
         start = items.index(mine[0])
         faults = [i for i in mine if Path(str(i.fspath)).name == "test_faults.py"]
-        items[start:start + len(mine)] = [i for i in mine if i not in faults] + faults
+        items[start : start + len(mine)] = [i for i in mine if i not in faults] + faults
 
 
 @pytest.fixture(scope="package")
 def rstack(tmp_path_factory):
     if shutil.which("redis-server") is None:
         pytest.fail("redis-server is not installed (apt-get install redis-server)")
-    stack = LocalStack(tmp_path_factory.mktemp("reliability"), workers=2, api_key=KEY,
-                       env={"KERNELLAB_API_KEYS": f"{KEY},{OTHER}"})
+    stack = LocalStack(
+        tmp_path_factory.mktemp("reliability"), workers=2, api_key=KEY, env={"KERNELLAB_API_KEYS": f"{KEY},{OTHER}"}
+    )
     stack.start()
     yield stack
     stack.stop()

@@ -17,8 +17,15 @@ CAP = 400  # requests at most; a fault scenario stops 2 x concurrency requests a
 
 
 def run(rstack, tmp_path, scenario: str, **fault_kwargs) -> dict:
-    report = run_scenario(rstack, scenario, requests=CAP, concurrency=16, seed=2, fault_kwargs=fault_kwargs,
-                          command=f"pytest tests/integration/reliability/test_faults.py -k {scenario}")
+    report = run_scenario(
+        rstack,
+        scenario,
+        requests=CAP,
+        concurrency=16,
+        seed=2,
+        fault_kwargs=fault_kwargs,
+        command=f"pytest tests/integration/reliability/test_faults.py -k {scenario}",
+    )
     results.write(tmp_path / f"{scenario}.json", report)
     failed = [k for k, ok in report["checks"].items() if not ok]
     assert report["passed"], {"failed_checks": failed, "faults": report["faults"], **brief(report)}

@@ -33,8 +33,9 @@ FIGURES: dict = {"cases": 0, "statuses": Counter(), "failures": [], "operations"
 
 
 @schema.parametrize()
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+)
 def test_gateway_conforms_to_its_schema_and_never_answers_5xx(case, rstack):
     FIGURES["cases"] += 1
     FIGURES["operations"][f"{case.method} {case.path}"] += 1
@@ -56,14 +57,24 @@ def test_fuzz_figures(rstack):
     if out:
         from kernellab import results
 
-        results.write(out, {
-            "schema": "kernellab.reliability.fuzz/v1", "provenance": results.provenance("cpu"),
-            "config": {"examples_per_operation": EXAMPLES, "schemathesis": schemathesis.__version__,
-                       "checks": [c.__name__ for c in CHECKS],
-                       "command": f"KERNELLAB_FUZZ_EXAMPLES={EXAMPLES} KERNELLAB_FUZZ_REPORT={out} "
-                                  "pytest tests/integration/reliability/test_fuzz.py"},
-            "cases": FIGURES["cases"], "operations": dict(FIGURES["operations"]),
-            "statuses": dict(FIGURES["statuses"]), "server_errors": server_errors,
-            "failures": FIGURES["failures"][:50], "passed": not FIGURES["failures"] and server_errors == 0,
-        })
+        results.write(
+            out,
+            {
+                "schema": "kernellab.reliability.fuzz/v1",
+                "provenance": results.provenance("cpu"),
+                "config": {
+                    "examples_per_operation": EXAMPLES,
+                    "schemathesis": schemathesis.__version__,
+                    "checks": [c.__name__ for c in CHECKS],
+                    "command": f"KERNELLAB_FUZZ_EXAMPLES={EXAMPLES} KERNELLAB_FUZZ_REPORT={out} "
+                    "pytest tests/integration/reliability/test_fuzz.py",
+                },
+                "cases": FIGURES["cases"],
+                "operations": dict(FIGURES["operations"]),
+                "statuses": dict(FIGURES["statuses"]),
+                "server_errors": server_errors,
+                "failures": FIGURES["failures"][:50],
+                "passed": not FIGURES["failures"] and server_errors == 0,
+            },
+        )
     assert server_errors == 0 and not FIGURES["failures"], FIGURES["failures"][:5]

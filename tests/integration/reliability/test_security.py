@@ -33,18 +33,33 @@ ROUTES = gateway_routes()
 
 def test_the_route_list_covers_the_api():
     paths = {p for _, p in ROUTES}
-    for expected in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/requests/{request_id}/cancel",
-                     "/ready", "/health", "/v1/files", "/v1/files/{file_id}", "/v1/files/{file_id}/content",
-                     "/v1/batches", "/v1/batches/{batch_id}", "/v1/batches/{batch_id}/cancel"):
+    for expected in (
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/v1/requests/{request_id}/cancel",
+        "/ready",
+        "/health",
+        "/v1/files",
+        "/v1/files/{file_id}",
+        "/v1/files/{file_id}/content",
+        "/v1/batches",
+        "/v1/batches/{batch_id}",
+        "/v1/batches/{batch_id}/cancel",
+    ):
         assert expected in paths, f"{expected} is gone from the app: update this test"
 
 
-@pytest.mark.parametrize(("method", "path"), [r for r in ROUTES if r[1] not in ("/health", "/ready")],
-                         ids=lambda v: v)
+@pytest.mark.parametrize(("method", "path"), [r for r in ROUTES if r[1] not in ("/health", "/ready")], ids=lambda v: v)
 def test_every_route_needs_a_key(rstack, method, path):
     url = rstack.url + re.sub(r"\{(\w+)\}", lambda m: DUMMY.get(m.group(1), "x"), path)
-    for headers in ({}, auth("sk-wrong"), {"Authorization": "Bearer"}, {"Authorization": f"Basic {KEY}"},
-                    {"X-Api-Key": KEY}):
+    for headers in (
+        {},
+        auth("sk-wrong"),
+        {"Authorization": "Bearer"},
+        {"Authorization": f"Basic {KEY}"},
+        {"X-Api-Key": KEY},
+    ):
         resp = httpx.request(method, url, headers=headers, json={}, params={"api_key": KEY}, timeout=10)
         err = is_openai_error(resp, 401)
         assert err["code"] == "invalid_api_key" and resp.headers.get("www-authenticate") == "Bearer", (path, headers)
@@ -82,7 +97,7 @@ def _listening(port: int) -> set[str]:
             addr, _, hexport = fields[1].partition(":")
             if int(hexport, 16) == port and fields[3] == "0A":  # 0A: LISTEN
                 if width == 8:
-                    found.add(".".join(str(int(addr[i:i + 2], 16)) for i in (6, 4, 2, 0)))
+                    found.add(".".join(str(int(addr[i : i + 2], 16)) for i in (6, 4, 2, 0)))
                 else:
                     found.add("::1" if addr == "0" * 24 + "01000000" else addr)
     return found
@@ -112,10 +127,17 @@ def _stream_first_id(http: httpx.Client, lines) -> str:
 
 
 def test_a_tenant_cannot_cancel_another_tenants_request(rstack):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to one thousand."}],
-            "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60) as http, http.stream("POST", f"{rstack.url}/v1/chat/completions", json=body,
-                                                        headers=auth(KEY)) as resp:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Count to one thousand."}],
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{rstack.url}/v1/chat/completions", json=body, headers=auth(KEY)) as resp,
+    ):
         assert resp.status_code == 200
         lines = resp.iter_lines()
         request_id = _stream_first_id(http, lines)
@@ -130,27 +152,47 @@ def test_a_tenant_cannot_cancel_another_tenants_request(rstack):
 
 
 def test_a_tenant_cannot_see_or_touch_another_tenants_files_and_batches(rstack):
-    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}}
-    up = httpx.post(f"{rstack.url}/v1/files", headers=auth(KEY), data={"purpose": "batch"},
-                    files={"file": ("in.jsonl", json.dumps(line).encode() + b"\n")}, timeout=30)
+    line = {
+        "custom_id": "a",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+    }
+    up = httpx.post(
+        f"{rstack.url}/v1/files",
+        headers=auth(KEY),
+        data={"purpose": "batch"},
+        files={"file": ("in.jsonl", json.dumps(line).encode() + b"\n")},
+        timeout=30,
+    )
     assert up.status_code == 200, up.text
     file_id = up.json()["id"]
     assert "owner" not in up.json()
-    batch = httpx.post(f"{rstack.url}/v1/batches", headers=auth(KEY), timeout=30,
-                       json={"input_file_id": file_id, "endpoint": "/v1/chat/completions",
-                             "completion_window": "24h"})
+    batch = httpx.post(
+        f"{rstack.url}/v1/batches",
+        headers=auth(KEY),
+        timeout=30,
+        json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+    )
     assert batch.status_code == 200, batch.text
     batch_id = batch.json()["id"]
     base = rstack.url
     other = auth(OTHER)
-    for method, path in (("GET", f"/v1/files/{file_id}"), ("GET", f"/v1/files/{file_id}/content"),
-                         ("DELETE", f"/v1/files/{file_id}"), ("GET", f"/v1/batches/{batch_id}"),
-                         ("POST", f"/v1/batches/{batch_id}/cancel")):
+    for method, path in (
+        ("GET", f"/v1/files/{file_id}"),
+        ("GET", f"/v1/files/{file_id}/content"),
+        ("DELETE", f"/v1/files/{file_id}"),
+        ("GET", f"/v1/batches/{batch_id}"),
+        ("POST", f"/v1/batches/{batch_id}/cancel"),
+    ):
         resp = httpx.request(method, base + path, headers=other, timeout=10)
         assert is_openai_error(resp, 404)["code"] == "not_found", (method, path)
-    reuse = httpx.post(f"{base}/v1/batches", headers=other, timeout=10,
-                       json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+    reuse = httpx.post(
+        f"{base}/v1/batches",
+        headers=other,
+        timeout=10,
+        json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+    )
     is_openai_error(reuse, 400)
     listed = httpx.get(f"{base}/v1/batches", headers=other, timeout=10).json()
     assert batch_id not in [b["id"] for b in listed["data"]]

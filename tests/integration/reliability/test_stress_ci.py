@@ -14,8 +14,14 @@ pytestmark = pytest.mark.integration
 
 
 def test_mixed_load_loses_nothing_and_leaks_nothing(rstack, tmp_path):
-    report = run_scenario(rstack, "load", requests=240, concurrency=16, seed=1,
-                          command="pytest tests/integration/reliability/test_stress_ci.py")
+    report = run_scenario(
+        rstack,
+        "load",
+        requests=240,
+        concurrency=16,
+        seed=1,
+        command="pytest tests/integration/reliability/test_stress_ci.py",
+    )
     results.write(tmp_path / "load.json", report)  # validates against kernellab.reliability/v1
     q = report["requests"]
     assert report["passed"], brief(report)

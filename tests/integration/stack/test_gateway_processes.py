@@ -24,9 +24,15 @@ ROOT = Path(__file__).resolve().parents[3]
 @pytest.fixture()
 def tier(private_redis, tmp_path):
     """Two gateway processes in front of one worker running the deterministic test engine (no model load)."""
-    s = Stack(private_redis.url, tmp_path, workers=1, KERNELLAB_GATEWAY_PROCESSES="2",
-              KERNELLAB_ENGINE="tests.support.fake_engine:FakeEngine", FAKE_STEP_S="0.005",
-              PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    s = Stack(
+        private_redis.url,
+        tmp_path,
+        workers=1,
+        KERNELLAB_GATEWAY_PROCESSES="2",
+        KERNELLAB_ENGINE="tests.support.fake_engine:FakeEngine",
+        FAKE_STEP_S="0.005",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
     s.start(timeout=120)
     yield s
     s.stop()
@@ -41,8 +47,13 @@ def children(s: Stack) -> list[psutil.Process]:
 def complete_many(s: Stack, n: int) -> list[str]:
     def one(i: int) -> str:
         # A fresh client per request: new connections, so the kernel spreads them over the tier's sockets.
-        stream = s.openai().completions.create(model="smollm2-135m", prompt=f"request {i}", max_tokens=6,
-                                               stream=True, stream_options={"include_usage": True})
+        stream = s.openai().completions.create(
+            model="smollm2-135m",
+            prompt=f"request {i}",
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         text, usage = "", None
         for chunk in stream:
             if chunk.choices:
@@ -61,8 +72,9 @@ def test_requests_are_served_by_the_tier_and_metrics_merge(tier):
     texts = complete_many(tier, 16)
     assert all(texts)
     # The supervisor's /metrics merges what each process counted: every request once.
-    after = metric(tier.gateway_metrics(), "kernellab_gateway_http_requests_total", route="/v1/completions",
-                   status="200")
+    after = metric(
+        tier.gateway_metrics(), "kernellab_gateway_http_requests_total", route="/v1/completions", status="200"
+    )
     assert after - before == 16
     assert metric(tier.gateway_metrics(), "kernellab_gateway_requests_in_flight") == 0
 
@@ -71,8 +83,11 @@ def test_a_killed_gateway_process_is_replaced(tier):
     first = children(tier)
     victim = first[0]
     victim.send_signal(signal.SIGKILL)
-    wait_for(lambda: len(children(tier)) == 2 and victim.pid not in {c.pid for c in children(tier)}, 30,
-             "a replacement gateway process")
+    wait_for(
+        lambda: len(children(tier)) == 2 and victim.pid not in {c.pid for c in children(tier)},
+        30,
+        "a replacement gateway process",
+    )
     wait_for(lambda: tier.ready(1), 30, "/ready after the restart")
     assert all(complete_many(tier, 8))
 

@@ -22,9 +22,26 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def test_serve_gpu_benchmark_runs_end_to_end_on_the_cpu(tmp_path):
     out = tmp_path / "serve_ci.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_gpu.py"), "--profile", "ci", "--gpus", "2",
-                           "--phases", "g1-nogather-slowpath,g2", "--interactive-repeats", "1", "--output", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "serve_gpu.py"),
+            "--profile",
+            "ci",
+            "--gpus",
+            "2",
+            "--phases",
+            "g1-nogather-slowpath,g2",
+            "--interactive-repeats",
+            "1",
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     art = json.loads(out.read_text())
     assert validate(art) == "kernellab.bench.serve_gpu/v1"
@@ -54,9 +71,24 @@ def test_structured_stack_benchmark_gpu_path_runs_on_the_cpu(tmp_path):
     """``benchmarks/structured_overhead.py`` as its GPU profile runs it (a synthetic checkpoint, plain HTTP), small:
     the tiny shape on this CPU, one pair of phases; the artifact validates."""
     out = tmp_path / "structured_tiny.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "structured_overhead.py"), "--profile", "tiny",
-                           "--concurrency", "4", "--max-tokens", "16", "--output", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "structured_overhead.py"),
+            "--profile",
+            "tiny",
+            "--concurrency",
+            "4",
+            "--max-tokens",
+            "16",
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     art = json.loads(out.read_text())
     assert validate(art) == "kernellab.bench.structured/v1"

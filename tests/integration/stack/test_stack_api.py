@@ -49,8 +49,14 @@ def test_chat_greedy_equals_offline_stream_and_not(client, reference):
         assert resp.choices[0].message.content == expected
         assert resp.choices[0].finish_reason in ("length", "stop")
         assert resp.usage.completion_tokens <= N and resp.usage.prompt_tokens > 0
-        stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=N, temperature=0,
-                                                stream=True, stream_options={"include_usage": True})
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=N,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         chunks = list(stream)
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == expected
@@ -66,13 +72,15 @@ def test_completion_greedy_and_logprobs(client, reference):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == resp.usage.completion_tokens
     assert all(v <= 0 for v in lp.token_logprobs) and all(len(t) == 2 for t in lp.top_logprobs)
     # greedy: the chosen token is the most likely one
-    assert all(lp.token_logprobs[i] == pytest.approx(max(lp.top_logprobs[i].values()), abs=1e-4)
-               for i in range(len(lp.tokens)))
+    assert all(
+        lp.token_logprobs[i] == pytest.approx(max(lp.top_logprobs[i].values()), abs=1e-4) for i in range(len(lp.tokens))
+    )
 
 
 def test_chat_logprobs(client):
-    resp = client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=4, temperature=0,
-                                          logprobs=True, top_logprobs=3)
+    resp = client.chat.completions.create(
+        model=MODEL, messages=CHATS[0], max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = resp.choices[0].logprobs.content
     assert len(content) == resp.usage.completion_tokens
     assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 and c.bytes is not None for c in content)
@@ -105,8 +113,11 @@ def test_seed_reproducibility_and_n2(client):
     assert [c.index for c in two.choices] == [0, 1]
     assert two.choices[0].text == a.choices[0].text  # choice i samples with seed + i
     assert 2 <= two.usage.completion_tokens <= 12
-    chunks = list(client.chat.completions.create(model=MODEL, messages=CHATS[1], max_tokens=4, temperature=0.8,
-                                                 seed=7, n=2, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=CHATS[1], max_tokens=4, temperature=0.8, seed=7, n=2, stream=True
+        )
+    )
     by_index = {0: "", 1: ""}
     for c in chunks:
         for ch in c.choices:
@@ -151,17 +162,21 @@ def test_bad_input_is_4xx_never_5xx(stack, client):
     after = stack.gateway_metrics()
     five = "kernellab_gateway_http_requests_total"
     assert metric(after, five) > metric(before, five)
-    assert sum(v for k, v in after.items() if k.startswith(five) and 'status="5' in k) == \
-        sum(v for k, v in before.items() if k.startswith(five) and 'status="5' in k)
+    assert sum(v for k, v in after.items() if k.startswith(five) and 'status="5' in k) == sum(
+        v for k, v in before.items() if k.startswith(five) and 'status="5' in k
+    )
 
 
 def test_client_disconnect_cancels_and_frees_kv(stack):
     before = metric(stack.gateway_metrics(), "kernellab_gateway_client_disconnects_total")
-    body = {"model": MODEL, "messages": CHATS[1], "max_tokens": 400, "stream": True, "temperature": 0,
-            "stop": None}
+    body = {"model": MODEL, "messages": CHATS[1], "max_tokens": 400, "stream": True, "temperature": 0, "stop": None}
     got = []
-    with httpx.Client(timeout=60) as http, http.stream("POST", f"{stack.url}/v1/chat/completions", json=body,
-                                                         headers={"Authorization": f"Bearer {API_KEY}"}) as resp:
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream(
+            "POST", f"{stack.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}
+        ) as resp,
+    ):
         for line in resp.iter_lines():
             if line.startswith("data: {"):
                 got.append(json.loads(line[6:]))
@@ -171,15 +186,22 @@ def test_client_disconnect_cancels_and_frees_kv(stack):
 
     def idle_and_freed():
         ms = [stack.worker_metrics(i) for i in stack.live_workers()]
-        return all(metric(m, "kernellab:kv_cache_usage_perc") == 0 and
-                   metric(m, "kernellab:num_requests_running") == 0 for m in ms)
+        return all(
+            metric(m, "kernellab:kv_cache_usage_perc") == 0 and metric(m, "kernellab:num_requests_running") == 0
+            for m in ms
+        )
 
     wait_for(idle_and_freed, 30, "the cancelled request's KV blocks to be freed")
-    aborted = sum(metric(stack.worker_metrics(i), "kernellab:request_success_total", finished_reason="abort")
-                  for i in stack.live_workers())
+    aborted = sum(
+        metric(stack.worker_metrics(i), "kernellab:request_success_total", finished_reason="abort")
+        for i in stack.live_workers()
+    )
     assert aborted >= 1
-    wait_for(lambda: metric(stack.gateway_metrics(), "kernellab_gateway_client_disconnects_total") > before, 10,
-             "the gateway to count the disconnect")
+    wait_for(
+        lambda: metric(stack.gateway_metrics(), "kernellab_gateway_client_disconnects_total") > before,
+        10,
+        "the gateway to count the disconnect",
+    )
 
 
 def test_concurrent_streams_all_complete(client, reference):
@@ -187,8 +209,9 @@ def test_concurrent_streams_all_complete(client, reference):
 
     def run(i):
         try:
-            chunks = client.chat.completions.create(model=MODEL, messages=CHATS[i % 2], max_tokens=N, temperature=0,
-                                                    stream=True)
+            chunks = client.chat.completions.create(
+                model=MODEL, messages=CHATS[i % 2], max_tokens=N, temperature=0, stream=True
+            )
             results[i] = "".join(c.choices[0].delta.content or "" for c in chunks)
         except Exception as exc:  # reported below
             errors.append(exc)

@@ -28,15 +28,32 @@ PERSON = {
     "additionalProperties": False,
 }
 ASK = [{"role": "user", "content": "Describe a person as JSON."}]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
-                                                    "unit": {"enum": ["C", "F"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time in a timezone",
-                                          "parameters": {"type": "object", "properties": {
-                                              "tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
-                                              "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 16}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time in a timezone",
+        "parameters": {
+            "type": "object",
+            "properties": {"tz": {"enum": ["UTC", "CET"]}},
+            "required": ["tz"],
+            "additionalProperties": False,
+        },
+    },
+}
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
 
 
@@ -50,8 +67,9 @@ def test_json_schema_answers_always_validate(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 
     def ask(seed: int):
-        resp = client.chat.completions.create(model=MODEL, messages=ASK, temperature=1.0, seed=seed,
-                                              max_tokens=120, response_format=fmt)
+        resp = client.chat.completions.create(
+            model=MODEL, messages=ASK, temperature=1.0, seed=seed, max_tokens=120, response_format=fmt
+        )
         return resp.choices[0]
 
     with ThreadPoolExecutor(32) as pool:
@@ -63,8 +81,9 @@ def test_json_schema_answers_always_validate(client):
 
 def test_json_object_mode_streams_a_json_object(client):
     # Greedy: a free-form object sampled at a high temperature can run on to max_tokens (a valid prefix, cut).
-    stream = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=200,
-                                            response_format={"type": "json_object"}, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=ASK, temperature=0, max_tokens=200, response_format={"type": "json_object"}, stream=True
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -76,8 +95,9 @@ def test_parse_with_a_pydantic_model(client):
         name: str
         age: int
 
-    resp = client.chat.completions.parse(model=MODEL, messages=ASK, temperature=0.7, seed=1, max_tokens=200,
-                                         response_format=Person)
+    resp = client.chat.completions.parse(
+        model=MODEL, messages=ASK, temperature=0.7, seed=1, max_tokens=200, response_format=Person
+    )
     person = resp.choices[0].message.parsed
     assert isinstance(person, Person)
 
@@ -86,8 +106,15 @@ def test_parse_with_a_pydantic_model(client):
 def test_forced_tool_calls_parse(client, choice):
     messages = [{"role": "user", "content": "What is the weather in Paris, and the time?"}]
     for seed in range(4):
-        resp = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, CLOCK],
-                                              tool_choice=choice, temperature=1.0, seed=seed, max_tokens=150)
+        resp = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=[WEATHER, CLOCK],
+            tool_choice=choice,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=150,
+        )
         c = resp.choices[0]
         assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
         for call in c.message.tool_calls:
@@ -99,9 +126,16 @@ def test_forced_tool_calls_parse(client, choice):
 
 def test_streamed_tool_calls_and_a_tool_result_round_trip(client):
     messages = [{"role": "user", "content": "Weather in Oslo?"}]
-    stream = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
-                                            tool_choice="required", parallel_tool_calls=False, temperature=0,
-                                            max_tokens=150, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=150,
+        stream=True,
+    )
     chunks = list(stream)
     calls = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
     assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_weather"
@@ -109,25 +143,39 @@ def test_streamed_tool_calls_and_a_tool_result_round_trip(client):
     args = json.loads(calls[0].function.arguments)
     jsonschema.validate(args, PARAMS["get_weather"])
     # The call and its result go back in; the model answers in text (tool_choice auto, nothing forced).
-    messages += [{"role": "assistant", "content": None, "tool_calls": [
-                     {"id": calls[0].id, "type": "function",
-                      "function": {"name": "get_weather", "arguments": calls[0].function.arguments}}]},
-                 {"role": "tool", "tool_call_id": calls[0].id, "content": '{"temp": 3, "sky": "snow"}'}]
-    resp = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0,
-                                          max_tokens=12)
+    messages += [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": calls[0].id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": calls[0].function.arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": calls[0].id, "content": '{"temp": 3, "sky": "snow"}'},
+    ]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0, max_tokens=12)
     assert resp.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 def test_logit_bias_bans_and_forces(stack, client):
     greedy = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=1, logprobs=True)
     first = greedy.choices[0].logprobs.content[0].token
-    ids = httpx.post(f"{stack.url}/tokenize", headers={"Authorization": f"Bearer {API_KEY}"},
-                     json={"prompt": first, "add_special_tokens": False}).json()["tokens"]
-    banned = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=1, logprobs=True,
-                                            logit_bias={str(i): -100 for i in ids})
+    ids = httpx.post(
+        f"{stack.url}/tokenize",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={"prompt": first, "add_special_tokens": False},
+    ).json()["tokens"]
+    banned = client.chat.completions.create(
+        model=MODEL, messages=ASK, temperature=0, max_tokens=1, logprobs=True, logit_bias={str(i): -100 for i in ids}
+    )
     assert banned.choices[0].logprobs.content[0].token != first
-    forced = client.chat.completions.create(model=MODEL, messages=ASK, temperature=1.0, seed=5, max_tokens=3,
-                                            logprobs=True, logit_bias={str(ids[0]): 100})
+    forced = client.chat.completions.create(
+        model=MODEL, messages=ASK, temperature=1.0, seed=5, max_tokens=3, logprobs=True, logit_bias={str(ids[0]): 100}
+    )
     assert len({t.token for t in forced.choices[0].logprobs.content}) == 1
 
 
@@ -144,8 +192,12 @@ def test_tokenize_detokenize_need_the_key(stack):
 
 def test_bad_schema_and_tool_requests_are_400s(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, response_format={
-            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}})
+        client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            max_tokens=5,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}},
+        )
     assert info.value.body["param"] == "response_format"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, tool_choice="required")

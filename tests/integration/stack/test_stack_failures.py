@@ -23,8 +23,12 @@ CHATS = [
 ]
 N = 10
 # A structured stream killed mid-way must continue exactly: the survivor rebuilds the grammar from the emitted tokens.
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
 
 
@@ -43,12 +47,14 @@ def structured_reference(offline_llm):
 def stream_chat(stack, messages, max_tokens, record: dict, key: str, **extra):
     """Stream one chat completion over raw SSE; record every content delta in order."""
     record[key] = {"deltas": [], "done": False, "error": None}
-    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            **extra}
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True, **extra}
     try:
-        with httpx.Client(timeout=180) as http, http.stream(
-                "POST", f"{stack.url}/v1/chat/completions", json=body,
-                headers={"Authorization": f"Bearer {API_KEY}"}) as resp:
+        with (
+            httpx.Client(timeout=180) as http,
+            http.stream(
+                "POST", f"{stack.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}
+            ) as resp,
+        ):
             assert resp.status_code == 200, resp.read()
             for line in resp.iter_lines():
                 if line == "data: [DONE]":
@@ -66,18 +72,24 @@ def stream_chat(stack, messages, max_tokens, record: dict, key: str, **extra):
 def test_kill_9_of_one_worker_mid_stream_loses_and_duplicates_nothing(stack, reference, structured_reference):
     wait_for(lambda: stack.ready(2), 30, "two live workers")
     record: dict = {}
-    threads = [threading.Thread(target=stream_chat, args=(stack, CHATS[i % 2], N, record, f"s{i}"))
-               for i in range(4)]
-    threads += [threading.Thread(target=stream_chat, args=(stack, CHATS[i % 2], N, record, f"j{i}"),
-                                 kwargs={"response_format": FORMAT}) for i in range(2)]
+    threads = [threading.Thread(target=stream_chat, args=(stack, CHATS[i % 2], N, record, f"s{i}")) for i in range(4)]
+    threads += [
+        threading.Thread(
+            target=stream_chat, args=(stack, CHATS[i % 2], N, record, f"j{i}"), kwargs={"response_format": FORMAT}
+        )
+        for i in range(2)
+    ]
     for t in threads:
         t.start()
 
     def running(i):
         return metric(stack.worker_metrics(i), "kernellab:num_requests_running")
 
-    wait_for(lambda: len(record) == 6 and all(len(r["deltas"]) >= 2 for r in record.values()), 120,
-             "every stream to emit tokens")
+    wait_for(
+        lambda: len(record) == 6 and all(len(r["deltas"]) >= 2 for r in record.values()),
+        120,
+        "every stream to emit tokens",
+    )
     busy = [i for i in stack.live_workers() if running(i) > 0]
     assert busy, "no worker is running the streams"
     victim = busy[0]
@@ -113,8 +125,9 @@ def test_redis_outage_answers_503_fast_and_recovers(stack, private_redis, refere
         assert record["inflight"]["error"] is not None
         for _ in range(3):
             t0 = time.monotonic()
-            resp = httpx.post(f"{stack.url}/v1/chat/completions", headers=auth, json={**body, "stream": False},
-                              timeout=10)
+            resp = httpx.post(
+                f"{stack.url}/v1/chat/completions", headers=auth, json={**body, "stream": False}, timeout=10
+            )
             assert resp.status_code == 503 and resp.json()["error"]["type"] == "server_error", resp.text
             assert time.monotonic() - t0 < 3.0
             assert httpx.get(f"{stack.url}/ready", timeout=5).status_code == 503

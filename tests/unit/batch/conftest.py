@@ -24,9 +24,18 @@ def engine_worker(redis_url, prefix):
     started = []
 
     def start(step_s: float = 0.003):
-        worker = Worker(WorkerSettings(redis_url=redis_url, key_prefix=prefix, model=MODEL, heartbeat_interval_s=0.05,
-                                       worker_dead_after_s=2.0, worker_metrics_port=0, drain_timeout_s=0),
-                        engine=FakeEngine(step_s=step_s))
+        worker = Worker(
+            WorkerSettings(
+                redis_url=redis_url,
+                key_prefix=prefix,
+                model=MODEL,
+                heartbeat_interval_s=0.05,
+                worker_dead_after_s=2.0,
+                worker_metrics_port=0,
+                drain_timeout_s=0,
+            ),
+            engine=FakeEngine(step_s=step_s),
+        )
         thread = threading.Thread(target=worker.run, daemon=True)
         thread.start()
         started.append((worker, thread))

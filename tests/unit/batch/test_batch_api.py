@@ -17,8 +17,17 @@ from kernellab.services.gateway.app import create_app
 
 KEY = "sk-batch-unit"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-LINE = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
-                   "body": {"model": MODEL, "prompt": "hi", "max_tokens": 2}}) + "\n"
+LINE = (
+    json.dumps(
+        {
+            "custom_id": "a",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": MODEL, "prompt": "hi", "max_tokens": 2},
+        }
+    )
+    + "\n"
+)
 
 
 @pytest.fixture
@@ -26,8 +35,9 @@ def client(redis_url, prefix, tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("KERNELLAB_FILES_DIR", str(tmp_path / "files"))
     monkeypatch.setenv("KERNELLAB_BATCH_MAX_FILE_BYTES", "4096")
     monkeypatch.setenv("KERNELLAB_BATCH_MAX_LINES", "5")
-    settings = GatewaySettings(redis_url=redis_url, key_prefix=prefix, model=MODEL, api_keys=KEY,
-                               gateway_metrics_port=0)
+    settings = GatewaySettings(
+        redis_url=redis_url, key_prefix=prefix, model=MODEL, api_keys=KEY, gateway_metrics_port=0
+    )
     with TestClient(create_app(settings, tokenizer=tokenizer)) as c:
         yield c
 
@@ -44,8 +54,9 @@ def openai_error(resp, status: int, param=None, code=None) -> dict:
 
 
 def upload(client, data: bytes = LINE.encode(), purpose: str = "batch", headers=AUTH):
-    return client.post("/v1/files", files={"file": ("in.jsonl", data, "application/jsonl")},
-                       data={"purpose": purpose}, headers=headers)
+    return client.post(
+        "/v1/files", files={"file": ("in.jsonl", data, "application/jsonl")}, data={"purpose": purpose}, headers=headers
+    )
 
 
 def queued_batch_ids(redis_url, prefix) -> list[str]:
@@ -71,12 +82,17 @@ def test_file_lifecycle(client):
     assert client.get(f"/v1/files/{meta['id']}", headers=AUTH).json() == meta
     content = client.get(f"/v1/files/{meta['id']}/content", headers=AUTH)
     assert content.status_code == 200 and content.content == LINE.encode()
-    assert client.delete(f"/v1/files/{meta['id']}", headers=AUTH).json() == {"id": meta["id"], "object": "file",
-                                                                             "deleted": True}
-    for resp in (client.get(f"/v1/files/{meta['id']}", headers=AUTH),
-                 client.get(f"/v1/files/{meta['id']}/content", headers=AUTH),
-                 client.delete(f"/v1/files/{meta['id']}", headers=AUTH),
-                 client.get("/v1/files/..%2F..%2Fetc%2Fpasswd", headers=AUTH)):
+    assert client.delete(f"/v1/files/{meta['id']}", headers=AUTH).json() == {
+        "id": meta["id"],
+        "object": "file",
+        "deleted": True,
+    }
+    for resp in (
+        client.get(f"/v1/files/{meta['id']}", headers=AUTH),
+        client.get(f"/v1/files/{meta['id']}/content", headers=AUTH),
+        client.delete(f"/v1/files/{meta['id']}", headers=AUTH),
+        client.get("/v1/files/..%2F..%2Fetc%2Fpasswd", headers=AUTH),
+    ):
         openai_error(resp, 404)
 
 
@@ -87,14 +103,21 @@ def test_upload_errors(client):
     openai_error(upload(client, data=b"\xff\xfe{}\n"), 400, param="file")
     openai_error(upload(client, data=b"\n\n"), 400, param="file")
     openai_error(client.post("/v1/files", json={"purpose": "batch"}, headers=AUTH), 400)
-    openai_error(client.post("/v1/files", data={"purpose": "batch"}, files={"other": ("x", b"{}")}, headers=AUTH),
-                 400, param="file")
+    openai_error(
+        client.post("/v1/files", data={"purpose": "batch"}, files={"other": ("x", b"{}")}, headers=AUTH),
+        400,
+        param="file",
+    )
 
 
 def test_create_get_list_cancel(client, redis_url, prefix):
     file_id = upload(client).json()["id"]
-    body = {"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h",
-            "metadata": {"team": "search"}}
+    body = {
+        "input_file_id": file_id,
+        "endpoint": "/v1/completions",
+        "completion_window": "24h",
+        "metadata": {"team": "search"},
+    }
     created = [client.post("/v1/batches", json=body, headers=AUTH).json() for _ in range(3)]
     b = created[0]
     assert b["object"] == "batch" and b["status"] == "validating" and b["id"].startswith("batch_")
@@ -114,21 +137,23 @@ def test_create_get_list_cancel(client, redis_url, prefix):
     assert client.post(f"/v1/batches/{b['id']}/cancel", headers=AUTH).json()["status"] == "cancelling"
     r = redis.Redis.from_url(redis_url)
     r.hset(f"{prefix}batch:{created[1]['id']}", "status", "completed")
-    openai_error(client.post(f"/v1/batches/{created[1]['id']}/cancel", headers=AUTH), 400,
-                 code="batch_not_cancellable")
+    openai_error(client.post(f"/v1/batches/{created[1]['id']}/cancel", headers=AUTH), 400, code="batch_not_cancellable")
     openai_error(client.post("/v1/batches/batch_nope/cancel", headers=AUTH), 404)
     openai_error(client.get("/v1/batches/batch_nope", headers=AUTH), 404)
 
 
-@pytest.mark.parametrize(("change", "param"), [
-    ({"endpoint": "/v1/embeddings"}, "endpoint"),
-    ({"completion_window": "1h"}, "completion_window"),
-    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
-    ({"metadata": {"k": "v" * 513}}, "metadata"),
-    ({"input_file_id": "file-" + "0" * 24}, "input_file_id"),
-    ({"input_file_id": 5}, None),
-    ({"endpoint": None}, None),
-])
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"endpoint": "/v1/embeddings"}, "endpoint"),
+        ({"completion_window": "1h"}, "completion_window"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k": "v" * 513}}, "metadata"),
+        ({"input_file_id": "file-" + "0" * 24}, "input_file_id"),
+        ({"input_file_id": 5}, None),
+        ({"endpoint": None}, None),
+    ],
+)
 def test_create_validation(client, redis_url, prefix, change, param):
     file_id = upload(client).json()["id"]
     body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h", **change}
@@ -147,8 +172,9 @@ def test_output_files_are_not_batch_inputs(client, tmp_path):
 def test_no_batch_is_left_behind_when_the_queue_is_down(redis_url, prefix, tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("KERNELLAB_FILES_DIR", str(tmp_path / "files"))
     monkeypatch.setenv("KERNELLAB_CELERY_BROKER_URL", "redis://127.0.0.1:1/0")
-    settings = GatewaySettings(redis_url=redis_url, key_prefix=prefix, model=MODEL, api_keys=KEY,
-                               gateway_metrics_port=0)
+    settings = GatewaySettings(
+        redis_url=redis_url, key_prefix=prefix, model=MODEL, api_keys=KEY, gateway_metrics_port=0
+    )
     with TestClient(create_app(settings, tokenizer=tokenizer)) as c:
         file_id = upload(c).json()["id"]
         body = {"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}

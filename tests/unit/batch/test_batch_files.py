@@ -27,13 +27,16 @@ def test_upload_get_content_delete(tmp_path):
     assert sorted(p.name for p in (tmp_path / "files").iterdir()) == []  # no temp files left behind
 
 
-@pytest.mark.parametrize(("data", "limits", "error", "what"), [
-    (b"x" * 5000, {"max_bytes": 4096}, FileTooLarge, "exceeds"),
-    (b"{}\n" * 4, {"max_lines": 3}, InvalidRequestError, "more than 3"),
-    (b"{}\n" * 3 + b"{}", {"max_lines": 3}, InvalidRequestError, "more than 3"),  # a last line without newline
-    (b'{"a": "\xff"}\n', {}, InvalidRequestError, "UTF-8"),
-    (b"\n  \n", {}, InvalidRequestError, "empty"),
-])
+@pytest.mark.parametrize(
+    ("data", "limits", "error", "what"),
+    [
+        (b"x" * 5000, {"max_bytes": 4096}, FileTooLarge, "exceeds"),
+        (b"{}\n" * 4, {"max_lines": 3}, InvalidRequestError, "more than 3"),
+        (b"{}\n" * 3 + b"{}", {"max_lines": 3}, InvalidRequestError, "more than 3"),  # a last line without newline
+        (b'{"a": "\xff"}\n', {}, InvalidRequestError, "UTF-8"),
+        (b"\n  \n", {}, InvalidRequestError, "empty"),
+    ],
+)
 def test_upload_limits(tmp_path, data, limits, error, what):
     store = FileStore(tmp_path)
     with pytest.raises(error, match=what):

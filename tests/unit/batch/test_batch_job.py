@@ -25,20 +25,34 @@ from kernellab.services.queue.protocol import CancelMessage, RequestMessage, fro
 
 
 def chat(cid: str, text: str, max_tokens: int = 3, **body) -> dict:
-    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, **body}}
+    return {
+        "custom_id": cid,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, **body},
+    }
 
 
 def completion(cid: str, text: str, max_tokens: int = 3, **body) -> dict:
-    return {"custom_id": cid, "method": "POST", "url": "/v1/completions",
-            "body": {"model": MODEL, "prompt": text, "max_tokens": max_tokens, **body}}
+    return {
+        "custom_id": cid,
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": MODEL, "prompt": text, "max_tokens": max_tokens, **body},
+    }
 
 
 class Harness:
     def __init__(self, redis_url, prefix, tmp_path, tokenizer, **settings):
-        self.settings = BatchSettings(redis_url=redis_url, key_prefix=prefix, model=MODEL,
-                                      files_dir=str(tmp_path / "files"), batch_concurrency=4,
-                                      batch_lease_ttl_s=2.0, **settings)
+        self.settings = BatchSettings(
+            redis_url=redis_url,
+            key_prefix=prefix,
+            model=MODEL,
+            files_dir=str(tmp_path / "files"),
+            batch_concurrency=4,
+            batch_lease_ttl_s=2.0,
+            **settings,
+        )
         self.files = FileStore(self.settings.files_path)
         self.tokenizer = tokenizer
         self.keys = Keys(prefix, MODEL)
@@ -51,8 +65,15 @@ class Harness:
         batch_id = new_batch_id()
 
         async def body(store):
-            await store.create(batch_id, endpoint="/v1/chat/completions", input_file_id=meta["id"],
-                               completion_window="24h", expires_in_s=expires_in_s, metadata=None, model=MODEL)
+            await store.create(
+                batch_id,
+                endpoint="/v1/chat/completions",
+                input_file_id=meta["id"],
+                completion_window="24h",
+                expires_in_s=expires_in_s,
+                metadata=None,
+                model=MODEL,
+            )
 
         self.call(body)
         return batch_id
@@ -73,10 +94,13 @@ class Harness:
     async def run_async(self, batch_id: str, should_stop=lambda: False, during=None) -> str:
         client = redis_client(self.settings.redis_url)
         try:
-            job = BatchJob(self.settings, BatchStore(client, self.prefix), self.files,
-                           lambda deadline_s: QueueExecutor(self.settings, self.tokenizer, MODEL, 8192,
-                                                            deadline_s=deadline_s),
-                           should_stop=should_stop)
+            job = BatchJob(
+                self.settings,
+                BatchStore(client, self.prefix),
+                self.files,
+                lambda deadline_s: QueueExecutor(self.settings, self.tokenizer, MODEL, 8192, deadline_s=deadline_s),
+                should_stop=should_stop,
+            )
             task = asyncio.create_task(job.run(batch_id))
             if during is not None:
                 await during()
@@ -106,12 +130,18 @@ def harness(redis_url, prefix, tmp_path, tokenizer):
 
 def test_mixed_batch_in_order_with_bad_lines_in_the_error_file(harness, engine_worker, tokenizer):
     engine_worker()
-    lines = [chat("c0", "Hello there"), completion("p1", "The quick brown fox", 4), "{broken json",
-             completion("p1", "duplicate id"), {"custom_id": "e", "method": "POST", "url": "/v1/embeddings",
-                                                "body": {}},
-             completion("bad-temp", "x", temperature=-1), chat("bad-model", "x", model="gpt-9"),
-             completion("bad-type", "x", max_tokens="5"), chat("stream", "x", stream=True),
-             chat("c9", "Good morning", 2, n=2)]
+    lines = [
+        chat("c0", "Hello there"),
+        completion("p1", "The quick brown fox", 4),
+        "{broken json",
+        completion("p1", "duplicate id"),
+        {"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {}},
+        completion("bad-temp", "x", temperature=-1),
+        chat("bad-model", "x", model="gpt-9"),
+        completion("bad-type", "x", max_tokens="5"),
+        chat("stream", "x", stream=True),
+        chat("c9", "Good morning", 2, n=2),
+    ]
     batch_id = harness.create(lines)
     assert harness.run(batch_id) == "done"
     b = harness.batch(batch_id)
@@ -128,14 +158,28 @@ def test_mixed_batch_in_order_with_bad_lines_in_the_error_file(harness, engine_w
     assert b["usage"]["output_tokens"] == 3 + 4 + 2 * 2
     errors = {x["custom_id"]: x for x in harness.file_lines(b["error_file_id"])}
     assert [x["custom_id"] for x in harness.file_lines(b["error_file_id"])] == [
-        None, "p1", "e", "bad-temp", "bad-model", "bad-type", "stream"]
+        None,
+        "p1",
+        "e",
+        "bad-temp",
+        "bad-model",
+        "bad-type",
+        "stream",
+    ]
     assert errors[None]["error"]["code"] == "invalid_json_line" and errors[None]["response"] is None
     assert errors["p1"]["error"]["code"] == "duplicate_custom_id"
     assert errors["e"]["error"]["code"] == "invalid_url"
-    status = {k: (v["response"]["status_code"], v["response"]["body"]["error"]["param"])
-              for k, v in errors.items() if v["response"]}
-    assert status == {"bad-temp": (400, "temperature"), "bad-model": (404, "model"), "bad-type": (400, "max_tokens"),
-                      "stream": (400, "stream")}
+    status = {
+        k: (v["response"]["status_code"], v["response"]["body"]["error"]["param"])
+        for k, v in errors.items()
+        if v["response"]
+    }
+    assert status == {
+        "bad-temp": (400, "temperature"),
+        "bad-model": (404, "model"),
+        "bad-type": (400, "max_tokens"),
+        "stream": (400, "stream"),
+    }
     # Only the runnable lines reached the queue, on the batch stream at batch priority (one per choice).
     sent = harness.submitted()
     assert len(sent) == 4 and {m.priority for m in sent} == {"batch"} and harness.submitted("interactive") == []
@@ -152,8 +196,19 @@ def test_a_redelivered_job_resumes_without_duplicates(harness, engine_worker):
         await store.transition(batch_id, ("validating",), "in_progress", total=8, in_progress_at=int(time.time()))
         for i in range(3):
             body = {"usage": {"prompt_tokens": 3, "completion_tokens": 3}}
-            await store.record(batch_id, i, json.dumps({"custom_id": f"r{i}", "from": "earlier owner", "error": None,
-                                                        "response": {"status_code": 200, "body": body}}), True)
+            await store.record(
+                batch_id,
+                i,
+                json.dumps(
+                    {
+                        "custom_id": f"r{i}",
+                        "from": "earlier owner",
+                        "error": None,
+                        "response": {"status_code": 200, "body": body},
+                    }
+                ),
+                True,
+            )
         await store.mark_inflight(batch_id, "cmpl-orphan", 3)
 
     harness.call(earlier_owner)
@@ -191,8 +246,9 @@ def test_cancel_keeps_finished_lines_and_never_submits_the_rest(harness, engine_
 
 def test_expiry_writes_unfinished_lines_as_batch_expired(harness, engine_worker):
     engine_worker(step_s=0.05)
-    batch_id = harness.create([completion(f"r{i}", f"prompt number {i}", 20) for i in range(12)] + ["{bad"],
-                              expires_in_s=1)
+    batch_id = harness.create(
+        [completion(f"r{i}", f"prompt number {i}", 20) for i in range(12)] + ["{bad"], expires_in_s=1
+    )
     assert harness.run(batch_id) == "done"
     b = harness.batch(batch_id)
     assert b["status"] == "expired" and b["expired_at"]
@@ -214,8 +270,7 @@ def test_a_held_lease_makes_the_job_busy_and_shutdown_hands_it_back(harness, eng
         await asyncio.sleep(0.3)
         stopping["now"] = True
 
-    assert aio.run(harness.run_async(batch_id, should_stop=lambda: stopping["now"], during=stop_soon)) \
-        == "handed_back"
+    assert aio.run(harness.run_async(batch_id, should_stop=lambda: stopping["now"], during=stop_soon)) == "handed_back"
     b = harness.batch(batch_id)
     assert b["status"] == "in_progress" and b["request_counts"]["completed"] < 20
     assert not harness.r.exists(f"{harness.prefix}batch:{batch_id}:lease")
@@ -250,8 +305,12 @@ def test_an_input_file_deleted_while_running_fails_the_batch_and_keeps_what_fini
     async def ran_one_line(store):
         await store.transition(batch_id, ("validating",), "in_progress", total=2, in_progress_at=int(time.time()))
         body = {"usage": {"prompt_tokens": 1, "completion_tokens": 1}}
-        await store.record(batch_id, 0, json.dumps({"custom_id": "a", "error": None,
-                                                    "response": {"status_code": 200, "body": body}}), True)
+        await store.record(
+            batch_id,
+            0,
+            json.dumps({"custom_id": "a", "error": None, "response": {"status_code": 200, "body": body}}),
+            True,
+        )
 
     harness.call(ran_one_line)
     harness.files.delete(harness.batch(batch_id)["input_file_id"])

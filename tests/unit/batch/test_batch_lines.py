@@ -15,18 +15,21 @@ def line(custom_id="q1", url="/v1/chat/completions", body=None, **extra) -> str:
     return json.dumps(obj)
 
 
-@pytest.mark.parametrize(("text", "code"), [
-    ("{not json", "invalid_json_line"),
-    ("[1, 2]", "invalid_json_line"),
-    (json.dumps({"method": "POST", "url": "/v1/completions", "body": {}}), "invalid_custom_id"),
-    (line(custom_id=""), "invalid_custom_id"),
-    (line(custom_id=7), "invalid_custom_id"),
-    (line(custom_id="x" * 513), "invalid_custom_id"),
-    (line(url="/v1/embeddings"), "invalid_url"),
-    (line(url=None), "invalid_url"),
-    (line(method="GET"), "invalid_method"),
-    (json.dumps({"custom_id": "q", "url": "/v1/completions"}), "missing_body"),
-])
+@pytest.mark.parametrize(
+    ("text", "code"),
+    [
+        ("{not json", "invalid_json_line"),
+        ("[1, 2]", "invalid_json_line"),
+        (json.dumps({"method": "POST", "url": "/v1/completions", "body": {}}), "invalid_custom_id"),
+        (line(custom_id=""), "invalid_custom_id"),
+        (line(custom_id=7), "invalid_custom_id"),
+        (line(custom_id="x" * 513), "invalid_custom_id"),
+        (line(url="/v1/embeddings"), "invalid_url"),
+        (line(url=None), "invalid_url"),
+        (line(method="GET"), "invalid_method"),
+        (json.dumps({"custom_id": "q", "url": "/v1/completions"}), "missing_body"),
+    ],
+)
 def test_envelope_errors_name_the_line(text, code):
     parsed = L.parse_line(text, 4, 9, set())
     assert parsed.error is not None and parsed.error.code == code
@@ -64,6 +67,8 @@ def test_output_line_shapes():
     assert refused["response"]["status_code"] == 400 and not L.is_success(refused)
     assert refused["response"]["body"]["error"]["param"] == "temperature"
     broken = L.envelope_error_line(None, L.LineError("invalid_json_line", "line 3 is not valid JSON"))
-    assert broken["response"] is None and broken["error"] == {"code": "invalid_json_line",
-                                                              "message": "line 3 is not valid JSON"}
+    assert broken["response"] is None and broken["error"] == {
+        "code": "invalid_json_line",
+        "message": "line 3 is not valid JSON",
+    }
     assert "\n" not in L.dumps({"text": "a\nb"}) and json.loads(L.dumps({"é": "ü"})) == {"é": "ü"}

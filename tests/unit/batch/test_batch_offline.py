@@ -33,14 +33,24 @@ def run_lines(tokenizer, raw_lines: list[dict], engine=None, concurrency: int = 
 
 
 def completion(cid, prompt, **body):
-    return {"custom_id": cid, "method": "POST", "url": "/v1/completions",
-            "body": {"model": MODEL, "prompt": prompt, **body}}
+    return {
+        "custom_id": cid,
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": MODEL, "prompt": prompt, **body},
+    }
 
 
 def test_lines_match_what_the_api_answers(tokenizer):
     lines = [completion(f"r{i}", f"prompt number {i} is here", max_tokens=4) for i in range(7)]
-    lines.append({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
-                  "body": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "n": 2}})
+    lines.append(
+        {
+            "custom_id": "c",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "n": 2},
+        }
+    )
     lines.append(completion("lp", "The quick brown fox", max_tokens=2, logprobs=1))
     results = run_lines(tokenizer, lines)
     assert sorted(results) == list(range(9)) and all(ok for ok, _ in results.values())
@@ -57,15 +67,18 @@ def test_lines_match_what_the_api_answers(tokenizer):
 
 def test_a_stop_string_ends_the_choice_and_frees_the_engine(tokenizer):
     engine = FakeEngine(step_s=0.0)
-    results = run_lines(tokenizer, [completion("s", "alpha beta gamma delta", max_tokens=20, stop=[" gamma"])],
-                        engine=engine)
+    results = run_lines(
+        tokenizer, [completion("s", "alpha beta gamma delta", max_tokens=20, stop=[" gamma"])], engine=engine
+    )
     choice = results[0][1]["response"]["body"]["choices"][0]
     assert choice["text"] == "alpha beta" and choice["finish_reason"] == "stop"
     assert engine.seqs == {}  # aborted at once, not run to max_tokens
 
 
 def test_engine_refusals_are_error_lines(tokenizer):
-    results = run_lines(tokenizer, [completion("long", "word " * 300, max_tokens=2), completion("ok", "fine", max_tokens=1)])
+    results = run_lines(
+        tokenizer, [completion("long", "word " * 300, max_tokens=2), completion("ok", "fine", max_tokens=1)]
+    )
     ok, line = results[0]
     assert not ok and line["response"]["status_code"] == 400
     assert line["response"]["body"]["error"]["code"] == "context_length_exceeded"

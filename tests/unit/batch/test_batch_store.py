@@ -24,8 +24,15 @@ def run(redis_url, prefix, body):
 
 async def make(store, **kw) -> str:
     batch_id = new_batch_id()
-    await store.create(batch_id, endpoint="/v1/chat/completions", input_file_id="file-x", completion_window="24h",
-                       expires_in_s=3600, metadata=kw.get("metadata"), model="m")
+    await store.create(
+        batch_id,
+        endpoint="/v1/chat/completions",
+        input_file_id="file-x",
+        completion_window="24h",
+        expires_in_s=3600,
+        metadata=kw.get("metadata"),
+        model="m",
+    )
     return batch_id
 
 
@@ -44,10 +51,12 @@ def test_create_and_openai_shape(redis_url, prefix):
 def test_transitions_are_compare_and_set(redis_url, prefix):
     async def body(store):
         batch_id = await make(store)
-        steps = [await store.transition(batch_id, ("validating",), "in_progress", in_progress_at=5, total=3),
-                 await store.transition(batch_id, ("validating", "in_progress"), "cancelling", cancelling_at=6),
-                 await store.transition(batch_id, ("in_progress",), "finalizing"),  # the cancel won
-                 await store.transition("batch_missing", ("validating",), "cancelling")]
+        steps = [
+            await store.transition(batch_id, ("validating",), "in_progress", in_progress_at=5, total=3),
+            await store.transition(batch_id, ("validating", "in_progress"), "cancelling", cancelling_at=6),
+            await store.transition(batch_id, ("in_progress",), "finalizing"),  # the cancel won
+            await store.transition("batch_missing", ("validating",), "cancelling"),
+        ]
         return steps, await store.get(batch_id)
 
     steps, b = run(redis_url, prefix, body)
@@ -63,9 +72,11 @@ def test_lines_are_recorded_once_and_counted_with_them(redis_url, prefix):
         await store.transition(batch_id, ("validating",), "in_progress", total=3)
         await store.mark_inflight(batch_id, "cmpl-1", 0)
         await store.mark_inflight(batch_id, "cmpl-2", 1)
-        got = [await store.record(batch_id, 0, '{"n":0}', True, "cmpl-1"),
-               await store.record(batch_id, 0, '{"n":"again"}', True),  # a redelivered job's duplicate
-               await store.record(batch_id, 2, '{"n":2}', False)]
+        got = [
+            await store.record(batch_id, 0, '{"n":0}', True, "cmpl-1"),
+            await store.record(batch_id, 0, '{"n":"again"}', True),  # a redelivered job's duplicate
+            await store.record(batch_id, 2, '{"n":2}', False),
+        ]
         results = await store.results(batch_id, [0, 1, 2])
         inflight = await store.take_inflight(batch_id)
         done = await store.recorded_indices(batch_id)
@@ -74,7 +85,9 @@ def test_lines_are_recorded_once_and_counted_with_them(redis_url, prefix):
         return before, got, results, inflight, done, after, await store.get(batch_id)
 
     before, got, results, inflight, done, after, b = run(redis_url, prefix, body)
-    assert before == after == -1 and got == [1, 0, 1] and b["request_counts"] == {"total": 3, "completed": 1, "failed": 1}
+    assert (
+        before == after == -1 and got == [1, 0, 1] and b["request_counts"] == {"total": 3, "completed": 1, "failed": 1}
+    )
     assert results == [(True, '{"n":0}'), None, (False, '{"n":2}')]
     assert inflight == ["cmpl-2"] and done == {0, 2}
     r = redis.Redis.from_url(redis_url)
@@ -83,10 +96,16 @@ def test_lines_are_recorded_once_and_counted_with_them(redis_url, prefix):
 
 def test_lease(redis_url, prefix):
     async def body(store):
-        return [await store.acquire("b1", "owner-1", 5), await store.acquire("b1", "owner-2", 5),
-                await store.renew("b1", "owner-2", 5), await store.renew("b1", "owner-1", 5),
-                await store.release("b1", "owner-2"), await store.acquire("b1", "owner-2", 5),
-                await store.release("b1", "owner-1"), await store.acquire("b1", "owner-2", 5)]
+        return [
+            await store.acquire("b1", "owner-1", 5),
+            await store.acquire("b1", "owner-2", 5),
+            await store.renew("b1", "owner-2", 5),
+            await store.renew("b1", "owner-1", 5),
+            await store.release("b1", "owner-2"),
+            await store.acquire("b1", "owner-2", 5),
+            await store.release("b1", "owner-1"),
+            await store.acquire("b1", "owner-2", 5),
+        ]
 
     assert run(redis_url, prefix, body) == [True, False, False, True, None, False, None, True]
 

@@ -27,9 +27,7 @@ def _all_exprs(dashboard: dict) -> list[str]:
 
 
 def test_datasource_points_at_the_compose_prometheus():
-    datasources = yaml.safe_load((GRAFANA / "provisioning/datasources/prometheus.yml").read_text())[
-        "datasources"
-    ]
+    datasources = yaml.safe_load((GRAFANA / "provisioning/datasources/prometheus.yml").read_text())["datasources"]
     assert len(datasources) == 1
     ds = datasources[0]
     assert ds["type"] == "prometheus" and ds["url"] == "http://prometheus:9090" and ds["uid"] == "prometheus"

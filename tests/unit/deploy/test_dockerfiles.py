@@ -168,9 +168,7 @@ def test_every_copied_source_exists_and_is_in_the_build_context(path):
         parts = [p for p in args.split() if not p.startswith("--")]
         for source in parts[:-1]:
             assert (REPO / source).exists(), f"{path.name}: COPY {source}: missing"
-            assert _dockerignore_allows(source.rstrip("/")), (
-                f"{path.name}: COPY {source}: excluded by .dockerignore"
-            )
+            assert _dockerignore_allows(source.rstrip("/")), f"{path.name}: COPY {source}: excluded by .dockerignore"
 
 
 def test_worker_image_installs_cuda_torch_our_package_and_the_runpod_handler():

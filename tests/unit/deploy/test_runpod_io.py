@@ -54,9 +54,7 @@ def test_openai_completions_input(tokenizer):
 
 
 def test_native_inputs(tokenizer):
-    by_prompt = _parse(
-        {"prompt": "Once", "sampling_params": {"max_tokens": 4, "seed": 1}, "stream": True}, tokenizer
-    )
+    by_prompt = _parse({"prompt": "Once", "sampling_params": {"max_tokens": 4, "seed": 1}, "stream": True}, tokenizer)
     assert by_prompt.kind == "native" and by_prompt.stream and by_prompt.params.seed == 1
     by_messages = _parse({"messages": [{"role": "user", "content": "Hi"}]}, tokenizer)
     assert by_messages.params.max_tokens == 256 and not by_messages.stream
@@ -125,9 +123,7 @@ def test_openai_non_stream_shapes(tokenizer):
     assert full["object"] == "chat.completion"
     assert full["choices"][0]["message"]["content"] == "Hi there"
     assert full["choices"][0]["finish_reason"] == "length" and full["usage"]["total_tokens"] == 3
-    request = _parse(
-        {"openai_route": "/v1/completions", "openai_input": {"model": SERVED, "prompt": "a"}}, tokenizer
-    )
+    request = _parse({"openai_route": "/v1/completions", "openai_input": {"model": SERVED, "prompt": "a"}}, tokenizer)
     completion = ResponseBuilder(request, tokenizer)
     completion.piece("abc", [1])
     [full] = completion.closing("", "stop", 1, 1)
@@ -205,9 +201,7 @@ def test_engine_loop_exits_non_zero_after_a_cuda_fault(tmp_path):
         asyncio.run(main())
     """)
     )
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path
-    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "job saw: CUDA error: an illegal memory access" in done.stdout
 

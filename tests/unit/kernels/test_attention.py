@@ -15,7 +15,9 @@ ATTN_DTYPES = [(torch.float32, 1e-5, 1e-5), (torch.float16, 2e-3, 2e-3), (torch.
 
 
 @pytest.mark.parametrize("dtype, atol, rtol", ATTN_DTYPES)
-@pytest.mark.parametrize("Tq, Tk, Hq, Hk, D", [(1, 1, 2, 1, 32), (37, 37, 4, 2, 32), (5, 40, 2, 2, 16), (20, 33, 3, 1, 24)])
+@pytest.mark.parametrize(
+    "Tq, Tk, Hq, Hk, D", [(1, 1, 2, 1, 32), (37, 37, 4, 2, 32), (5, 40, 2, 2, 16), (20, 33, 3, 1, 24)]
+)
 def test_causal_attention(Tq, Tk, Hq, Hk, D, dtype, atol, rtol, gen):
     q = torch.randn(Tq, Hq, D, generator=gen).to(dtype)
     k = torch.randn(Tk, Hk, D, generator=gen).to(dtype)
@@ -57,8 +59,9 @@ def test_paged_decode_attention(block_size, splits, dtype, atol, rtol, gen):
     q, kc, vc, tables, ctx = _paged_case(lens, Hq, Hk, D, block_size, dtype, gen)
     out = poisoned(q.shape, dtype, "cpu")
     y = paged_decode_attention(q, kc, vc, tables, ctx, D**-0.5, out=out, splits=splits, block_n=16)
-    ref = ops.paged_decode_attention(q.float(), kc.float().nan_to_num(), vc.float().nan_to_num(), tables, ctx,
-                                     D**-0.5).to(dtype)
+    ref = ops.paged_decode_attention(
+        q.float(), kc.float().nan_to_num(), vc.float().nan_to_num(), tables, ctx, D**-0.5
+    ).to(dtype)
     assert_close(y, ref, atol, rtol, "paged decode")
 
 

@@ -27,8 +27,9 @@ def test_add_block_sweep_masks(block_size, num_warps, gen):
     n = 3 * block_size + 5  # a partial last block whatever the block size
     a, b = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     out = poisoned(n, torch.float32, "cpu")
-    assert_close(add_silu(a, b, out=out, block_size=block_size, num_warps=num_warps), ops.add_silu(a, b),
-                 1e-5, 1e-5, "add_silu")
+    assert_close(
+        add_silu(a, b, out=out, block_size=block_size, num_warps=num_warps), ops.add_silu(a, b), 1e-5, 1e-5, "add_silu"
+    )
 
 
 def test_add_rejects_mismatched_shapes():

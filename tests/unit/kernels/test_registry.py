@@ -16,8 +16,11 @@ NO_OPS_REFERENCE = {"add", "topk", "linear_w8a16", "linear_w4a16"}
 
 
 def _positional(fn):
-    return [p.name for p in inspect.signature(fn).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return [
+        p.name
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
 
 
 def test_every_kernel_mirrors_its_reference():

@@ -48,8 +48,15 @@ def test_two_pass_long_row_path(residual, gen):
     w = _weight(333, torch.bfloat16, gen)
     if residual:
         res = torch.randn(3, 333, generator=gen).to(torch.bfloat16)
-        y, r = add_rms_norm(x, res, w, 1e-6, out=poisoned((3, 333), torch.bfloat16, "cpu"),
-                            residual_out=poisoned((3, 333), torch.bfloat16, "cpu"), max_single_pass=64)
+        y, r = add_rms_norm(
+            x,
+            res,
+            w,
+            1e-6,
+            out=poisoned((3, 333), torch.bfloat16, "cpu"),
+            residual_out=poisoned((3, 333), torch.bfloat16, "cpu"),
+            max_single_pass=64,
+        )
         y_ref, r_ref = ops.add_rms_norm(x, res, w, 1e-6)
         assert_close(r, r_ref, 1.6e-2, 1.6e-2, "residual")
     else:

@@ -68,8 +68,7 @@ def test_qk_norm_rope_store_kv(block_size, dtype, atol, rtol, gen):
     v_cache = poisoned((num_blocks, block_size, Hk, D), dtype, "cpu")
     k_cache_ref, v_cache_ref = k_cache.clone(), v_cache.clone()
     q_out, k_out = poisoned(q.shape, dtype, "cpu"), poisoned(k.shape, dtype, "cpu")
-    qr, kr = qk_norm_rope_store_kv(pos, q, k, v, qw, kw, 1e-6, cache, k_cache, v_cache, slots,
-                                   q_out=q_out, k_out=k_out)
+    qr, kr = qk_norm_rope_store_kv(pos, q, k, v, qw, kw, 1e-6, cache, k_cache, v_cache, slots, q_out=q_out, k_out=k_out)
     q_ref, k_ref = ops.qk_norm_rope_store_kv(pos, q, k, v, qw, kw, 1e-6, cache, k_cache_ref, v_cache_ref, slots)
     assert_close(qr, q_ref, atol, rtol, "q")
     assert_close(kr, k_ref, atol, rtol, "k")

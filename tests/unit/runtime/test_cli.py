@@ -13,8 +13,9 @@ KL = [sys.executable, "-m", "kernellab"]
 
 
 def run(*args, env=None, timeout=300):
-    return subprocess.run([*KL, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [*KL, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
 
 
 @pytest.mark.slow
@@ -47,8 +48,14 @@ def test_download_offline_is_one_clear_line():
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("args", [["generate", "no-such-model", "hi"], ["generate", "smollm2-135m", "  "],
-                                  ["generate", "smollm2-135m", "hi", "--temperature", "-1"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["generate", "no-such-model", "hi"],
+        ["generate", "smollm2-135m", "  "],
+        ["generate", "smollm2-135m", "hi", "--temperature", "-1"],
+    ],
+)
 def test_bad_input_exits_with_a_message(args):
     proc = run(*args)
     assert proc.returncode == 2
@@ -56,10 +63,22 @@ def test_bad_input_exits_with_a_message(args):
 
 
 def test_validate_result(tmp_path):
-    good = {"schema": "kernellab.bench.offline/v1", "model": "m",
-            "provenance": {"date": "d", "commit": "c", "python": "3", "torch": "t", "device": "cpu"},
-            "runs": [{"system": "kernellab", "workload": "batch1", "dtype": "float32", "num_prompts": 1,
-                      "output_tokens": 10, "seconds": 1.0, "output_tok_per_s": 10.0}]}
+    good = {
+        "schema": "kernellab.bench.offline/v1",
+        "model": "m",
+        "provenance": {"date": "d", "commit": "c", "python": "3", "torch": "t", "device": "cpu"},
+        "runs": [
+            {
+                "system": "kernellab",
+                "workload": "batch1",
+                "dtype": "float32",
+                "num_prompts": 1,
+                "output_tokens": 10,
+                "seconds": 1.0,
+                "output_tok_per_s": 10.0,
+            }
+        ],
+    }
     (tmp_path / "good.json").write_text(json.dumps(good))
     bad = dict(good, runs=[{**good["runs"][0], "seconds": -1}])
     (tmp_path / "bad.json").write_text(json.dumps(bad))

@@ -42,8 +42,17 @@ class ScriptedRunner:
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(EngineConfig(model="smollm2-135m", device="cpu", dtype="float32", max_model_len=96,
-                                  num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=256))
+    return LLMEngine(
+        EngineConfig(
+            model="smollm2-135m",
+            device="cpu",
+            dtype="float32",
+            max_model_len=96,
+            num_kv_blocks=64,
+            max_num_seqs=8,
+            max_num_batched_tokens=256,
+        )
+    )
 
 
 def run(engine: LLMEngine, requests, script, width: int):
@@ -65,16 +74,17 @@ def run(engine: LLMEngine, requests, script, width: int):
 
 def test_windows_emit_exactly_what_single_steps_emit(engine):
     tok = engine.tokenizer
-    words = tok.encode(" one two three four five six seven eight nine ten eleven twelve thirteen fourteen",
-                       add_special_tokens=False)
+    words = tok.encode(
+        " one two three four five six seven eight nine ten eleven twelve thirteen fourteen", add_special_tokens=False
+    )
     eos = sorted(engine.eos_token_ids)[0]
     filler = words * 8
     script = {
-        "length5": filler,                       # max_tokens 5: cut after one token of the second window
-        "eos6": [*words[:6], eos, *filler],      # EOS mid-window: what the window made past it is dropped
-        "stop": filler,                          # a stop string completed mid-window
-        "long": filler,                          # 13 tokens: windows of 4, 4, 4, 1
-        "cap": filler,                           # runs into max_model_len (96) mid-window
+        "length5": filler,  # max_tokens 5: cut after one token of the second window
+        "eos6": [*words[:6], eos, *filler],  # EOS mid-window: what the window made past it is dropped
+        "stop": filler,  # a stop string completed mid-window
+        "long": filler,  # 13 tokens: windows of 4, 4, 4, 1
+        "cap": filler,  # runs into max_model_len (96) mid-window
     }
     prompt = tok.encode("Count with me:", add_special_tokens=False)
     greedy = dict(temperature=0.0)
@@ -99,8 +109,10 @@ def test_no_window_when_a_row_needs_the_full_sampler(engine):
     tok = engine.tokenizer
     words = tok.encode(" a b c d e f g h", add_special_tokens=False) * 4
     prompt = tok.encode("Letters:", add_special_tokens=False)
-    requests = [("plain", prompt, SamplingParams(temperature=0.0, max_tokens=8)),
-                ("logprobs", prompt, SamplingParams(temperature=0.0, max_tokens=8, logprobs=1))]
+    requests = [
+        ("plain", prompt, SamplingParams(temperature=0.0, max_tokens=8)),
+        ("logprobs", prompt, SamplingParams(temperature=0.0, max_tokens=8, logprobs=1)),
+    ]
     got, _steps, windows = run(engine, requests, {"plain": words, "logprobs": words}, 4)
     assert windows == 0  # the logprobs row keeps the whole batch on single steps
     assert got["plain"][0] == got["logprobs"][0] == words[:8]

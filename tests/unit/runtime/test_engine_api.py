@@ -13,8 +13,9 @@ from kernellab.runtime.sampling import SamplingParams
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoints):
-    return LLMEngine(model=str(tiny_checkpoints["qwen3"]), device="cpu", dtype="float32", num_kv_blocks=128,
-                     max_model_len=256)
+    return LLMEngine(
+        model=str(tiny_checkpoints["qwen3"]), device="cpu", dtype="float32", num_kv_blocks=128, max_model_len=256
+    )
 
 
 def drain(engine) -> dict[str, list[int]]:
@@ -46,8 +47,9 @@ def test_resume_from_emitted_tokens_continues_exactly(engine):
 
 def test_different_seeds_differ(engine):
     for seed in (1, 2):
-        engine.add_request(f"s{seed}", [3, 3, 3], SamplingParams(temperature=1.0, seed=seed, max_tokens=16,
-                                                                   ignore_eos=True))
+        engine.add_request(
+            f"s{seed}", [3, 3, 3], SamplingParams(temperature=1.0, seed=seed, max_tokens=16, ignore_eos=True)
+        )
     out = drain(engine)
     assert out["s1"] != out["s2"]
 
@@ -70,8 +72,9 @@ def test_stop_token_ids_and_max_tokens(engine):
     engine.add_request("greedy", [4, 5, 6], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     greedy = drain(engine)["greedy"]
     assert len(greedy) == 6
-    engine.add_request("stop", [4, 5, 6], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
-                                                         stop_token_ids=[greedy[2]]))
+    engine.add_request(
+        "stop", [4, 5, 6], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop_token_ids=[greedy[2]])
+    )
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()
@@ -123,13 +126,16 @@ def test_bad_prompts(engine):
     assert not engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("make", [
-    lambda: EngineConfig(block_size=3),
-    lambda: EngineConfig(max_num_seqs=0),
-    lambda: EngineConfig(dtype="float8"),
-    lambda: EngineConfig(device="tpu"),
-    lambda: ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: EngineConfig(block_size=3),
+        lambda: EngineConfig(max_num_seqs=0),
+        lambda: EngineConfig(dtype="float8"),
+        lambda: EngineConfig(device="tpu"),
+        lambda: ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}),
+    ],
+)
 def test_configuration_mistakes_are_server_errors_not_bad_requests(make):
     # The operator's settings, not a client's request: a 500 should one ever reach an HTTP response.
     with pytest.raises(ConfigError) as exc:

@@ -34,8 +34,15 @@ def test_logits_match_transformers(tiny_checkpoints, arch, chunked):
     from transformers import AutoModelForCausalLM
 
     path = tiny_checkpoints[arch]
-    engine = LLMEngine(model=str(path), device="cpu", dtype="float32", num_kv_blocks=64, block_size=16,
-                       max_num_batched_tokens=48 if chunked else 2048, enable_chunked_prefill=chunked)
+    engine = LLMEngine(
+        model=str(path),
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=64,
+        block_size=16,
+        max_num_batched_tokens=48 if chunked else 2048,
+        enable_chunked_prefill=chunked,
+    )
     seen = _record_logits(engine)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in PROMPT_LENS]

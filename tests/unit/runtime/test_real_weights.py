@@ -35,8 +35,9 @@ def test_greedy_continuations_equal_transformers(smol_engine_fp32, hf_smol):
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        ref = hf_smol.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32, do_sample=False,
-                               eos_token_id=None, pad_token_id=pad)
+        ref = hf_smol.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=pad
+        )
     for i, out in enumerate(ours):
         assert out.token_ids == ref[i, width:].tolist(), f"prompt {i} ({SMOL_PROMPTS[i]!r}) diverges"
 
@@ -85,15 +86,14 @@ def test_triton_path_under_the_interpreter_agrees_with_transformers(hf_smol):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.fail("run with TRITON_INTERPRET=1 (the Makefile's test target sets it)")
     patch_interpreter()
-    llm = LLM("smollm2-135m", device="cpu", dtype="float32", backend="triton", kernels="experimental",
-              num_kv_blocks=64)
+    llm = LLM("smollm2-135m", device="cpu", dtype="float32", backend="triton", kernels="experimental", num_kv_blocks=64)
     assert {"add_rms_norm", "rotary_embedding", "store_kv", "silu_and_mul"} <= set(llm.engine.runner.model.ops.enabled)
     budget = int(os.environ.get("KERNELLAB_TRITON_GATE_TOKENS", "256"))
     agree = total = 0
     for prompt in SMOL_PROMPTS:
         if total >= budget:
             break
-        ids = _chat_ids(llm, prompt)[-min(64, budget - total):]
+        ids = _chat_ids(llm, prompt)[-min(64, budget - total) :]
         ours = _all_position_argmax(llm, ids)
         with torch.no_grad():
             ref = hf_smol(torch.tensor([ids])).logits[0].argmax(-1)

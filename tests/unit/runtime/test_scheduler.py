@@ -13,14 +13,19 @@ EOS = 0
 
 def make(num_blocks=32, budget=64, max_seqs=8, chunked=True, max_len=256, caching=True):
     bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
-    return Scheduler(bm, max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len,
-                     eos_token_ids=(EOS,), enable_chunked_prefill=chunked)
+    return Scheduler(
+        bm,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_len,
+        eos_token_ids=(EOS,),
+        enable_chunked_prefill=chunked,
+    )
 
 
 def seq(rid, n, priority=0, max_tokens=8, deadline=None, arrival=None, start=1000):
     tokens = list(range(start, start + n))
-    return Sequence(rid, tokens, SamplingParams(temperature=0.0), max_tokens, priority, deadline,
-                    arrival_time=arrival)
+    return Sequence(rid, tokens, SamplingParams(temperature=0.0), max_tokens, priority, deadline, arrival_time=arrival)
 
 
 def run_step(s: Scheduler, token=7):
@@ -162,8 +167,15 @@ def test_prefix_cache_hit_skips_cached_tokens():
 
 def test_background_prefill_yields_step_time_to_interactive_requests():
     bm = BlockManager(64, BS, enable_prefix_caching=True)
-    s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, eos_token_ids=(EOS,),
-                  background_prefill_tokens=8, foreground_window_s=60.0)
+    s = Scheduler(
+        bm,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        eos_token_ids=(EOS,),
+        background_prefill_tokens=8,
+        foreground_window_s=60.0,
+    )
     # Background work alone takes the whole budget.
     s.add(seq("b1", 40, priority=1, arrival=1.0, start=100, max_tokens=50))
     out, _ = run_step(s)

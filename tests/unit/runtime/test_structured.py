@@ -11,8 +11,12 @@ from kernellab.runtime.errors import InvalidRequestError
 from kernellab.runtime.registry import resolve_model
 from kernellab.runtime.tokenizer import load_tokenizer
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +35,15 @@ def allowed(state: structured.GrammarState, vocab: int) -> np.ndarray:
     return np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab].astype(bool)
 
 
-@pytest.mark.parametrize("spec", [{"json_schema": SCHEMA}, {"json_object": True}, {"regex": "[0-9]+"},
-                                  {"lark": 'start: "x=" num\nnum: %json {"type": "integer"}'}])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"json_schema": SCHEMA},
+        {"json_object": True},
+        {"regex": "[0-9]+"},
+        {"lark": 'start: "x=" num\nnum: %json {"type": "integer"}'},
+    ],
+)
 def test_every_kind_compiles_and_validates(spec, tok):
     assert isinstance(structured.grammar_for(spec), str)
     structured.check(spec, tok)
@@ -40,8 +51,7 @@ def test_every_kind_compiles_and_validates(spec, tok):
 
 def test_grammars_are_cached_by_content_and_json_object_is_any_object():
     assert structured.grammar_for({"json_schema": dict(SCHEMA)}) is structured.grammar_for({"json_schema": SCHEMA})
-    assert structured.grammar_for({"json_object": True}) == structured.grammar_for(
-        {"json_schema": {"type": "object"}})
+    assert structured.grammar_for({"json_object": True}) == structured.grammar_for({"json_schema": {"type": "object"}})
 
 
 def test_tokenizer_view_is_cached_and_covers_the_model_vocab(tok):
@@ -49,21 +59,24 @@ def test_tokenizer_view_is_cached_and_covers_the_model_vocab(tok):
     wide = structured.ll_tokenizer(tok, vocab_size=tok.vocab_size + 64, eos_token_ids=tok.eos_token_ids)
     assert wide.vocab_size == tok.vocab_size + 64
     state = structured.GrammarState(wide, {"json_object": True})
-    assert not allowed(state, wide.vocab_size)[tok.vocab_size:].any()  # padding ids are never allowed
+    assert not allowed(state, wide.vocab_size)[tok.vocab_size :].any()  # padding ids are never allowed
 
 
-@pytest.mark.parametrize("spec", [
-    {"json_schema": {"type": "bogus"}},
-    {"json_schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}},
-    {"json_schema": [1, 2]},
-    {"json_schema": "not json"},
-    {"json_object": "yes"},
-    {"regex": "[0-9"},
-    {"regex": ""},
-    {"lark": "start: undefined_rule"},
-    {"lark": 42},
-    {"xml": "<a/>"},
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"json_schema": {"type": "bogus"}},
+        {"json_schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}},
+        {"json_schema": [1, 2]},
+        {"json_schema": "not json"},
+        {"json_object": "yes"},
+        {"regex": "[0-9"},
+        {"regex": ""},
+        {"lark": "start: undefined_rule"},
+        {"lark": 42},
+        {"xml": "<a/>"},
+    ],
+)
 def test_invalid_specs_are_invalid_requests_naming_response_format(spec, tok):
     with pytest.raises(InvalidRequestError) as err:
         structured.check(spec, tok)
@@ -98,8 +111,10 @@ def test_eos_only_once_the_grammar_accepts(tok, lltok):
 
 def test_parallel_fill_equals_row_by_row(tok, lltok):
     prefixes = ['{"', '{"name":"A', '{"name":"Bo","age":', "", '{"name":"x","age":12']
-    states = [structured.GrammarState(lltok, {"json_schema": SCHEMA}, tok.encode(p, add_special_tokens=False))
-              for p in prefixes]
+    states = [
+        structured.GrammarState(lltok, {"json_schema": SCHEMA}, tok.encode(p, add_special_tokens=False))
+        for p in prefixes
+    ]
     assert len(states) >= structured.PARALLEL_ROWS
     par = structured.allocate_bitmask(len(states), lltok.vocab_size)
     structured.fill_bitmasks(states, par)

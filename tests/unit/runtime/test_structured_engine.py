@@ -58,8 +58,9 @@ def drain(engine: LLMEngine) -> dict[str, list]:
 def test_json_schema_outputs_validate_and_leave_unconstrained_neighbours_unchanged(llm, prompt):
     plain = [SamplingParams(temperature=0.0, max_tokens=16), SamplingParams(temperature=1.0, seed=5, max_tokens=16)]
     alone = [o.token_ids for o in llm.generate([prompt] * 2, plain)]
-    constrained = [SamplingParams(temperature=1.0, seed=s, max_tokens=64, structured={"json_schema": PERSON})
-                   for s in range(4)]
+    constrained = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=64, structured={"json_schema": PERSON}) for s in range(4)
+    ]
     outs = llm.generate([prompt] * 6, [plain[0], *constrained, plain[1]])
     assert [outs[0].token_ids, outs[5].token_ids] == alone
     for o in outs[1:5]:
@@ -85,12 +86,14 @@ def test_regex_outputs_fullmatch(llm, prompt):
 
 
 def test_lark_grammar_with_embedded_json(llm, prompt):
-    grammar = ('start: "Answer: " obj\n'
-               'obj: %json {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 999}}, "required": ["x"], '
-               '"additionalProperties": false, "x-guidance": {"whitespace_flexible": false}}')
+    grammar = (
+        'start: "Answer: " obj\n'
+        'obj: %json {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 999}}, "required": ["x"], '
+        '"additionalProperties": false, "x-guidance": {"whitespace_flexible": false}}'
+    )
     (o,) = llm.generate([prompt], SamplingParams(temperature=0.7, seed=3, max_tokens=32, structured={"lark": grammar}))
     assert o.finish_reason == "stop" and o.text.startswith("Answer: ")
-    assert isinstance(json.loads(o.text[len("Answer: "):])["x"], int)
+    assert isinstance(json.loads(o.text[len("Answer: ") :])["x"], int)
 
 
 def test_logit_bias_bans_and_forces(llm, prompt):
@@ -107,8 +110,13 @@ def test_logit_bias_bans_and_forces(llm, prompt):
 
 def test_resume_from_emitted_tokens_continues_exactly(llm, prompt):
     engine = llm.engine
-    params = SamplingParams(temperature=1.0, seed=11, max_tokens=64, structured={"json_schema": PERSON},
-                            logit_bias={llm.tokenizer.encode("A", add_special_tokens=False)[0]: 5.0})
+    params = SamplingParams(
+        temperature=1.0,
+        seed=11,
+        max_tokens=64,
+        structured={"json_schema": PERSON},
+        logit_bias={llm.tokenizer.encode("A", add_special_tokens=False)[0]: 5.0},
+    )
     engine.add_request("full", prompt, params)
     full, reason = drain(engine)["full"]
     assert reason == "stop" and len(full) > 6
@@ -146,7 +154,9 @@ def test_bad_requests_are_rejected_before_they_run(llm, prompt):
 
 def test_a_failing_matcher_stops_the_sequence_not_the_step(llm, prompt, caplog):
     engine = llm.engine
-    engine.add_request("broken", prompt, SamplingParams(temperature=0.0, max_tokens=8, structured={"json_object": True}))
+    engine.add_request(
+        "broken", prompt, SamplingParams(temperature=0.0, max_tokens=8, structured={"json_object": True})
+    )
     engine.add_request("other", prompt, SamplingParams(temperature=0.0, max_tokens=3))
     grammar = engine.scheduler.requests["broken"].grammar
     outside = llm.tokenizer.encode("zzz", add_special_tokens=False)[0]  # no JSON object starts so
@@ -163,8 +173,9 @@ def test_multi_step_decode_falls_back_to_one_step_for_biased_or_constrained_rows
     runner = SimpleNamespace(graphs=graphs, use_graphs=True, cfg=SimpleNamespace(num_scheduler_steps=8))
 
     def width(**extra) -> int:
-        seqs = [Sequence(str(i), [1, 2, 3], SamplingParams(temperature=0.0, **(extra if i else {})), 32)
-                for i in range(2)]
+        seqs = [
+            Sequence(str(i), [1, 2, 3], SamplingParams(temperature=0.0, **(extra if i else {})), 32) for i in range(2)
+        ]
         for s in seqs:
             s.num_computed_tokens = s.num_tokens - 1
         return ModelRunner.decode_window(runner, SchedulerOutput(scheduled=[(s, 1) for s in seqs]))

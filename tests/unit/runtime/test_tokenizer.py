@@ -11,8 +11,12 @@ from kernellab.runtime.tokenizer import load_tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
-     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Ünïcödé — 日本語?"}],
+    [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Ünïcödé — 日本語?"},
+    ],
 ]
 
 
@@ -46,8 +50,9 @@ def test_stop_ids_come_from_the_gguf_metadata(ours):
     assert ours.eos_token_ids == [2]  # <|im_end|>: where a chat turn ends
 
 
-@pytest.mark.parametrize("messages", [[], [{"role": "wizard", "content": "x"}], [{"role": "user", "content": 5}],
-                                      "not a list"])
+@pytest.mark.parametrize(
+    "messages", [[], [{"role": "wizard", "content": "x"}], [{"role": "user", "content": 5}], "not a list"]
+)
 def test_bad_messages_are_typed_errors(ours, messages):
     with pytest.raises(InvalidRequestError):
         ours.apply_chat_template(messages)
@@ -60,9 +65,14 @@ def test_incremental_detokenizer_streams_the_exact_text(ours):
     assert "".join(detok.push([i]) for i in ids) + detok.flush() == text
 
 
-@pytest.mark.parametrize(("stop", "include", "expected"), [(["Paris"], False, "The capital is "),
-                                                           (["Paris"], True, "The capital is Paris"),
-                                                           (["is P", "capital"], False, "The ")])
+@pytest.mark.parametrize(
+    ("stop", "include", "expected"),
+    [
+        (["Paris"], False, "The capital is "),
+        (["Paris"], True, "The capital is Paris"),
+        (["is P", "capital"], False, "The "),
+    ],
+)
 def test_stop_strings_never_leak_past_the_stop(ours, stop, include, expected):
     ids = ours.encode("The capital is Paris. More text after.")
     detok = IncrementalDetokenizer(ours, stop=stop, include_stop_str_in_output=include)

@@ -110,8 +110,11 @@ def test_grafana_has_no_default_admin_password_and_no_anonymous_access():
 
 
 def test_env_example_ships_no_secret_values():
-    values = dict(line.split("=", 1) for line in (REPO / ".env.example").read_text().splitlines()
-                  if line and not line.startswith("#") and "=" in line)
+    values = dict(
+        line.split("=", 1)
+        for line in (REPO / ".env.example").read_text().splitlines()
+        if line and not line.startswith("#") and "=" in line
+    )
     for secret in ("REDIS_PASSWORD", "KERNELLAB_API_KEYS", "GRAFANA_ADMIN_PASSWORD"):
         assert values.get(secret) == "", f"{secret} must be empty in .env.example (each host makes its own)"
 

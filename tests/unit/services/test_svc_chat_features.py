@@ -20,33 +20,41 @@ from kernellab.services.gateway.requests import (
 
 MODEL = "smollm2-135m"
 QWEN3_TEMPLATE = (Path(__file__).parents[2] / "fixtures" / "chat_templates" / "qwen3.jinja").read_text()
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
-                   "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city"],
+        },
+    },
+}
 CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
-CALL = {"id": "call_1", "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 
 CONVERSATIONS = {
     "plain": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"}],
     "multi_turn_with_reasoning": [
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "<think>\nGreet back.\n</think>\n\nHello!"},
-        {"role": "user", "content": "Weather?"}],
+        {"role": "user", "content": "Weather?"},
+    ],
     "tool_round_trip": [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": "", "tool_calls": [CALL]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
-        {"role": "tool", "tool_call_id": "call_2", "content": '{"temp": 22}'}],
+        {"role": "tool", "tool_call_id": "call_2", "content": '{"temp": 22}'},
+    ],
 }
 
 
 @pytest.fixture(scope="module")
 def qwen3(tokenizer):
     """The embedded model's vocabulary with Qwen3's chat template: what the gateway renders for Qwen3."""
-    return TextTokenizer(tokenizer._tok, {**tokenizer.config, "chat_template": QWEN3_TEMPLATE},
-                         tokenizer.eos_token_ids)
+    return TextTokenizer(tokenizer._tok, {**tokenizer.config, "chat_template": QWEN3_TEMPLATE}, tokenizer.eos_token_ids)
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +73,9 @@ def hf_tokenizer():
 def test_qwen3_template_renders_as_transformers_does(qwen3, hf_tokenizer, name, tools, thinking):
     messages = CONVERSATIONS[name]
     kwargs = {} if thinking is None else {"enable_thinking": thinking}
-    expected = hf_tokenizer.apply_chat_template(messages, chat_template=QWEN3_TEMPLATE, tools=tools,
-                                                add_generation_prompt=True, tokenize=False, **kwargs)
+    expected = hf_tokenizer.apply_chat_template(
+        messages, chat_template=QWEN3_TEMPLATE, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
+    )
     assert qwen3.render_chat(messages, tools=tools, **kwargs) == expected
     if thinking is False:
         assert expected.endswith("<think>\n\n</think>\n\n")
@@ -113,8 +122,10 @@ def test_a_template_without_tools_gets_them_in_a_system_turn(tokenizer):
     assert "get_weather" in text and "<tool_call>" in text and p.parser.tools
 
 
-@pytest.mark.parametrize("choice, names", [("required", ["get_weather", "get_time"]),
-                                           ({"type": "function", "function": {"name": "get_time"}}, ["get_time"])])
+@pytest.mark.parametrize(
+    "choice, names",
+    [("required", ["get_weather", "get_time"]), ({"type": "function", "function": {"name": "get_time"}}, ["get_time"])],
+)
 def test_forced_tool_choice_is_a_grammar(qwen3, choice, names):
     from kernellab.runtime.structured import check
 
@@ -125,22 +136,30 @@ def test_forced_tool_choice_is_a_grammar(qwen3, choice, names):
     check(p.choices[0].params.structured, qwen3)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
-    ({"tools": [WEATHER, WEATHER]}, "tools"),
-    ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
-     "response_format"),
-    ({"logit_bias": {"abc": 1}}, "logit_bias"),
-    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
-    ({"logit_bias": {"5": 500}}, "logit_bias"),
-    ({"stop_token_ids": [10**9]}, "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+            "response_format",
+        ),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 500}}, "logit_bias"),
+        ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+    ],
+)
 def test_bad_tool_and_format_requests_are_400s(tokenizer, body, param):
     with pytest.raises(InvalidRequestError) as info:
         chat(tokenizer, **body)
@@ -149,17 +168,27 @@ def test_bad_tool_and_format_requests_are_400s(tokenizer, body, param):
 
 def test_response_format_logit_bias_and_stop_token_ids_reach_the_engine(tokenizer):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    p = chat(tokenizer, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
-                                                                               "strict": True}},
-             logit_bias={"17": -100, "42": 2.5}, stop_token_ids=[7])
+    p = chat(
+        tokenizer,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}},
+        logit_bias={"17": -100, "42": 2.5},
+        stop_token_ids=[7],
+    )
     params = p.choices[0].params
     assert params.structured == {"json_schema": schema}
     assert params.logit_bias == {17: -100.0, 42: 2.5} and params.stop_token_ids == [7]
     assert chat(tokenizer, response_format={"type": "json_object"}).choices[0].params.structured == {
-        "json_object": True}
-    completion = prepare("completion", {"model": MODEL, "prompt": "x", "logit_bias": {"3": 1},
-                                        "response_format": {"type": "json_object"}}, tokenizer, served_model=MODEL,
-                         max_model_len=4096, max_n=1, options=options(tokenizer))
+        "json_object": True
+    }
+    completion = prepare(
+        "completion",
+        {"model": MODEL, "prompt": "x", "logit_bias": {"3": 1}, "response_format": {"type": "json_object"}},
+        tokenizer,
+        served_model=MODEL,
+        max_model_len=4096,
+        max_n=1,
+        options=options(tokenizer),
+    )
     assert completion.choices[0].params.logit_bias == {3: 1.0}
     assert completion.choices[0].params.structured == {"json_object": True}
 
@@ -180,13 +209,19 @@ def test_sampling_defaults_come_from_generation_config(tokenizer):
 
 def test_tokenize_and_detokenize(qwen3, tokenizer):
     opts = options(tokenizer)
-    out = tokenize_request({"prompt": "Hello world", "return_token_strs": True}, tokenizer, served_model=MODEL,
-                           max_model_len=4096, options=opts)
+    out = tokenize_request(
+        {"prompt": "Hello world", "return_token_strs": True},
+        tokenizer,
+        served_model=MODEL,
+        max_model_len=4096,
+        options=opts,
+    )
     assert out["tokens"] == tokenizer.encode("Hello world") and out["count"] == len(out["tokens"])
     assert out["max_model_len"] == 4096 and len(out["token_strs"]) == out["count"]
     msgs = [{"role": "user", "content": "Hi"}]
-    out = tokenize_request({"model": MODEL, "messages": msgs}, tokenizer, served_model=MODEL, max_model_len=4096,
-                           options=opts)
+    out = tokenize_request(
+        {"model": MODEL, "messages": msgs}, tokenizer, served_model=MODEL, max_model_len=4096, options=opts
+    )
     assert out["tokens"] == tokenizer.apply_chat_template(msgs) and out["token_strs"] is None
     back = detokenize_request({"tokens": out["tokens"]}, tokenizer, served_model=MODEL)
     assert back["prompt"] == tokenizer.decode(out["tokens"], skip_special_tokens=False)
@@ -211,9 +246,11 @@ def test_incoming_reasoning_and_developer_role(qwen3, tokenizer):
 
 
 def test_an_assistant_refusal_part_is_its_text(tokenizer):
-    msgs = [{"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]},
-            {"role": "user", "content": "Why?"}]
+    msgs = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]},
+        {"role": "user", "content": "Why?"},
+    ]
     text = tokenizer.decode(chat(tokenizer, messages=msgs).prompts[0])
     assert "I can't help with that." in text
     with pytest.raises(InvalidRequestError):

@@ -23,15 +23,26 @@ MODEL = "smollm2-135m"
 
 
 def gateway_settings(redis_url, prefix, **kw):
-    base = dict(redis_url=redis_url, key_prefix=prefix, model=MODEL, api_keys=f"other,{KEY}", gateway_metrics_port=0,
-                max_body_bytes=4096, worker_dead_after_s=2.0)
+    base = dict(
+        redis_url=redis_url,
+        key_prefix=prefix,
+        model=MODEL,
+        api_keys=f"other,{KEY}",
+        gateway_metrics_port=0,
+        max_body_bytes=4096,
+        worker_dead_after_s=2.0,
+    )
     return GatewaySettings(**{**base, **kw})
 
 
 @pytest.fixture
 def worker(redis_url, prefix):
-    w = Worker(WorkerSettings(redis_url=redis_url, key_prefix=prefix, model=MODEL, heartbeat_interval_s=0.05,
-                              worker_metrics_port=0), engine=FakeEngine(step_s=0.003))
+    w = Worker(
+        WorkerSettings(
+            redis_url=redis_url, key_prefix=prefix, model=MODEL, heartbeat_interval_s=0.05, worker_metrics_port=0
+        ),
+        engine=FakeEngine(step_s=0.003),
+    )
     t = threading.Thread(target=w.run, daemon=True)
     t.start()
     yield w
@@ -77,26 +88,42 @@ def test_http_level_errors(client):
     is_openai_error(client.post("/v1/completions", json=body, headers=AUTH), 413, "payload_too_large")
     is_openai_error(client.get("/v1/nothing-here", headers=AUTH), 404)
     is_openai_error(client.get("/v1/completions", headers=AUTH), 405)
-    err = is_openai_error(client.post("/v1/chat/completions", json={"model": MODEL, "messages": []}, headers=AUTH),
-                          400)
+    err = is_openai_error(client.post("/v1/chat/completions", json={"model": MODEL, "messages": []}, headers=AUTH), 400)
     assert err["param"] == "messages" and err["type"] == "invalid_request_error"
-    is_openai_error(client.post("/v1/chat/completions", json={"model": "gpt-9", "messages": [{"role": "user",
-                    "content": "x"}]}, headers=AUTH), 404, "model_not_found")
+    is_openai_error(
+        client.post(
+            "/v1/chat/completions",
+            json={"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]},
+            headers=AUTH,
+        ),
+        404,
+        "model_not_found",
+    )
 
 
 def test_chat_and_completion(client, tokenizer):
-    resp = client.post("/v1/chat/completions", headers=AUTH, json={
-        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+    resp = client.post(
+        "/v1/chat/completions",
+        headers=AUTH,
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
+    )
     body = resp.json()
     assert resp.status_code == 200 and body["object"] == "chat.completion"
     assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 3
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert body["choices"][0]["message"]["content"] == tokenizer.decode(prompt[:3])
-    body = client.post("/v1/completions", headers=AUTH, json={
-        "model": MODEL, "prompt": "Hello there my friend", "max_tokens": 4, "n": 2, "echo": True}).json()
+    body = client.post(
+        "/v1/completions",
+        headers=AUTH,
+        json={"model": MODEL, "prompt": "Hello there my friend", "max_tokens": 4, "n": 2, "echo": True},
+    ).json()
     assert [c["text"] for c in body["choices"]] == ["Hello there my friend" + "Hello there my friend"] * 2
-    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+    assert body["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 8,
+        "total_tokens": 12,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def sse_events(resp):
@@ -106,8 +133,14 @@ def sse_events(resp):
 
 
 def test_streaming_stop_string_cancels_on_the_worker(client, redis_url, prefix):
-    body = {"model": MODEL, "prompt": "Hello there my friend", "max_tokens": 50, "stream": True, "stop": [" my"],
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": "Hello there my friend",
+        "max_tokens": 50,
+        "stream": True,
+        "stop": [" my"],
+        "stream_options": {"include_usage": True},
+    }
     with client.stream("POST", "/v1/completions", headers=AUTH, json=body) as resp:
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
         events = sse_events(resp)
@@ -120,8 +153,14 @@ def test_streaming_stop_string_cancels_on_the_worker(client, redis_url, prefix):
 
 
 def test_chat_stream_shape_and_logprobs(client):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True,
-            "logprobs": True, "top_logprobs": 1}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 3,
+        "stream": True,
+        "logprobs": True,
+        "top_logprobs": 1,
+    }
     with client.stream("POST", "/v1/chat/completions", headers=AUTH, json=body) as resp:
         events = sse_events(resp)
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
@@ -135,8 +174,9 @@ def test_cancel_endpoint(client):
     result = {}
 
     def long_request():
-        result["body"] = client.post("/v1/completions", headers=AUTH, json={
-            "model": MODEL, "prompt": "Hello there", "max_tokens": 200}).json()
+        result["body"] = client.post(
+            "/v1/completions", headers=AUTH, json={"model": MODEL, "prompt": "Hello there", "max_tokens": 200}
+        ).json()
 
     t = threading.Thread(target=long_request)
     t.start()
@@ -229,8 +269,11 @@ class _FailingTemplate:
 
 def _http(sock, body: dict, path: str) -> tuple[int, dict]:
     data = json.dumps(body).encode()
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json"
-                 f"\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json"
+        f"\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     f = sock.makefile("rb")
     status = int(f.readline().split()[1])
     length = 0
@@ -265,8 +308,9 @@ def test_an_internal_error_is_an_openai_500_and_the_connection_stays_usable(redi
                 assert time.monotonic() < deadline, body
                 time.sleep(0.05)
             assert status == 200, body
-            status, body = _http(sock, {"model": MODEL, "messages": [{"role": "user", "content": "boom"}]},
-                                 "/v1/chat/completions")
+            status, body = _http(
+                sock, {"model": MODEL, "messages": [{"role": "user", "content": "boom"}]}, "/v1/chat/completions"
+            )
             assert status == 500 and body["error"]["message"] == "internal error: RuntimeError"
             # The same connection answers the next request.
             status, body = _http(sock, {"model": MODEL, "prompt": "hello", "max_tokens": 3}, "/v1/completions")

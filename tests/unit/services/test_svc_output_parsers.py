@@ -15,29 +15,70 @@ CALL_T = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
 
 # (output text, config, expected reasoning, expected content, expected calls as (name, arguments dict))
 CASES = {
-    "think_then_answer": ("<think>\nThe user asks 2+2. That is 4.\n</think>\n\nThe answer is **4**.",
-                          ParserConfig(reasoning=True), "\nThe user asks 2+2. That is 4.\n", "The answer is **4**.",
-                          []),
+    "think_then_answer": (
+        "<think>\nThe user asks 2+2. That is 4.\n</think>\n\nThe answer is **4**.",
+        ParserConfig(reasoning=True),
+        "\nThe user asks 2+2. That is 4.\n",
+        "The answer is **4**.",
+        [],
+    ),
     "thinking_off": ("The answer is 4.", ParserConfig(reasoning=True), None, "The answer is 4.", []),
-    "prompt_opened_the_block": ("Short thought.\n</think>\n\nAnswer.", ParserConfig(reasoning=True,
-                                                                                   reasoning_open=True),
-                                "Short thought.\n", "Answer.", []),
-    "cut_by_max_tokens": ("<think>\nStill thinking about", ParserConfig(reasoning=True), "\nStill thinking about",
-                          "", []),
-    "think_then_two_calls": ("<think>\nNeed weather and time.\n</think>\n\n" + CALL_W + "\n" + CALL_T,
-                             ParserConfig(reasoning=True, tools=True), "\nNeed weather and time.\n", None,
-                             [("get_weather", {"city": "Paris", "unit": "C"}), ("get_time", {})]),
-    "text_then_call": ("Let me check.\n" + CALL_W, ParserConfig(tools=True), None, "Let me check.",
-                       [("get_weather", {"city": "Paris", "unit": "C"})]),
-    "broken_call_stays_text": ("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {oops}\n</tool_call>",
-                               ParserConfig(tools=True), None,
-                               "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {oops}\n</tool_call>", []),
-    "unclosed_call_at_the_end": ('<tool_call>\n{"name": "get_time", "arguments": {}}', ParserConfig(tools=True),
-                                 None, None, [("get_time", {})]),
-    "tags_mentioned_in_text": ("Use <tool to say <thin things", ParserConfig(reasoning=True, tools=True), None,
-                               "Use <tool to say <thin things", []),
-    "no_parsers": ("<think>x</think> <tool_call>{}</tool_call>", ParserConfig(), None,
-                   "<think>x</think> <tool_call>{}</tool_call>", []),
+    "prompt_opened_the_block": (
+        "Short thought.\n</think>\n\nAnswer.",
+        ParserConfig(reasoning=True, reasoning_open=True),
+        "Short thought.\n",
+        "Answer.",
+        [],
+    ),
+    "cut_by_max_tokens": (
+        "<think>\nStill thinking about",
+        ParserConfig(reasoning=True),
+        "\nStill thinking about",
+        "",
+        [],
+    ),
+    "think_then_two_calls": (
+        "<think>\nNeed weather and time.\n</think>\n\n" + CALL_W + "\n" + CALL_T,
+        ParserConfig(reasoning=True, tools=True),
+        "\nNeed weather and time.\n",
+        None,
+        [("get_weather", {"city": "Paris", "unit": "C"}), ("get_time", {})],
+    ),
+    "text_then_call": (
+        "Let me check.\n" + CALL_W,
+        ParserConfig(tools=True),
+        None,
+        "Let me check.",
+        [("get_weather", {"city": "Paris", "unit": "C"})],
+    ),
+    "broken_call_stays_text": (
+        '<tool_call>\n{"name": "get_weather", "arguments": {oops}\n</tool_call>',
+        ParserConfig(tools=True),
+        None,
+        '<tool_call>\n{"name": "get_weather", "arguments": {oops}\n</tool_call>',
+        [],
+    ),
+    "unclosed_call_at_the_end": (
+        '<tool_call>\n{"name": "get_time", "arguments": {}}',
+        ParserConfig(tools=True),
+        None,
+        None,
+        [("get_time", {})],
+    ),
+    "tags_mentioned_in_text": (
+        "Use <tool to say <thin things",
+        ParserConfig(reasoning=True, tools=True),
+        None,
+        "Use <tool to say <thin things",
+        [],
+    ),
+    "no_parsers": (
+        "<think>x</think> <tool_call>{}</tool_call>",
+        ParserConfig(),
+        None,
+        "<think>x</think> <tool_call>{}</tool_call>",
+        [],
+    ),
 }
 
 
@@ -45,7 +86,7 @@ def stream(text: str, cfg: ParserConfig, rng: random.Random) -> tuple[ChatOutput
     parser, deltas, i = ChatOutputParser(cfg), [], 0
     while i < len(text):
         n = rng.randint(1, 9)
-        deltas.append(parser.feed(text[i:i + n], list(range(n))))
+        deltas.append(parser.feed(text[i : i + n], list(range(n))))
         i += n
     deltas.append(parser.finish())
     return parser, deltas

@@ -17,10 +17,23 @@ from kernellab.services.queue.protocol import (
 )
 
 MESSAGES = [
-    RequestMessage("chatcmpl-1", 1, "smollm2-135m", [1, 2, 3], {"max_tokens": 4, "stop": ["x"]}, "batch", 12.5, 10.0,
-                   2, True),
-    OutputChunk("chatcmpl-1", 0, 5, [7, 8], [[7, -0.1, [[7, -0.1], [9, -2.0]]], [8, -0.2, []]], True, "stop", "x",
-                3, 7, 16, "w1"),
+    RequestMessage(
+        "chatcmpl-1", 1, "smollm2-135m", [1, 2, 3], {"max_tokens": 4, "stop": ["x"]}, "batch", 12.5, 10.0, 2, True
+    ),
+    OutputChunk(
+        "chatcmpl-1",
+        0,
+        5,
+        [7, 8],
+        [[7, -0.1, [[7, -0.1], [9, -2.0]]], [8, -0.2, []]],
+        True,
+        "stop",
+        "x",
+        3,
+        7,
+        16,
+        "w1",
+    ),
     ErrorMessage("cmpl-2", 0, 400, "bad", "invalid_request_error", "context_length_exceeded", "max_tokens", "w2"),
     CancelMessage("cmpl-3", None, "disconnect"),
     CancelMessage("cmpl-3", 2),
@@ -81,8 +94,16 @@ def test_cancel_matching():
 
 def test_keys_share_one_prefix_and_split_by_model():
     k = Keys("kl:", "m")
-    names = [*k.request_streams, k.output("x-0"), k.meta("x"), k.cancel, k.dead_letter, k.workers,
-             k.heartbeat("w"), k.wake("g")]
+    names = [
+        *k.request_streams,
+        k.output("x-0"),
+        k.meta("x"),
+        k.cancel,
+        k.dead_letter,
+        k.workers,
+        k.heartbeat("w"),
+        k.wake("g"),
+    ]
     assert all(n.startswith("kl:") for n in names)
     assert len(set(names)) == len(names)
     assert k.requests("interactive") != Keys("kl:", "other").requests("interactive")

@@ -18,14 +18,18 @@ from kernellab.runtime.tokenizer import TextTokenizer
 QWEN3_TEMPLATE = (Path(__file__).parents[2] / "fixtures" / "chat_templates" / "qwen3.jinja").read_text()
 THOUGHT = "<think>\nThe user greets me. I greet back.\n</think>\n\nHello there!"
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 @pytest.fixture
 def qwen3(tokenizer):
-    return TextTokenizer(tokenizer._tok, {**tokenizer.config, "chat_template": QWEN3_TEMPLATE},
-                         tokenizer.eos_token_ids)
+    return TextTokenizer(tokenizer._tok, {**tokenizer.config, "chat_template": QWEN3_TEMPLATE}, tokenizer.eos_token_ids)
 
 
 @pytest.fixture
@@ -46,7 +50,7 @@ def echo_body(tok, text: str, **extra) -> dict:
     messages = [{"role": "user", "content": text}]
     prompt = tok.encode(tok.render_chat(messages, tools=extra.get("tools")), add_special_tokens=False)
     want = tok.encode(text, add_special_tokens=False)
-    start = next(i for i in range(len(prompt)) if prompt[i:i + len(want)] == want)
+    start = next(i for i in range(len(prompt)) if prompt[i : i + len(want)] == want)
     return {"model": MODEL, "messages": messages, "seed": start, "max_tokens": len(want), **extra}
 
 
@@ -60,8 +64,12 @@ def test_reasoning_is_split_from_the_answer(client, qwen3):
     assert 0 < details["reasoning_tokens"] < resp["usage"]["completion_tokens"]
 
     events = []
-    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True, "stream_options": {
-            "include_usage": True}}, headers=AUTH) as stream:
+    with client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        headers=AUTH,
+    ) as stream:
         for line in stream.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 events.append(json.loads(line[6:]))
@@ -81,8 +89,11 @@ def test_a_tool_call_in_the_output_becomes_tool_calls(client, qwen3):
     assert choice["message"]["content"] is None
     assert choice["finish_reason"] == "length"  # the echo ended on max_tokens: a cut-off answer says so
     with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}, headers=AUTH) as stream:
-        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in stream.iter_lines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+        deltas = [
+            json.loads(line[6:])["choices"][0]["delta"]
+            for line in stream.iter_lines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
     assert [c["function"]["name"] for c in calls] == ["get_weather"] and calls[0]["index"] == 0
     assert "".join(d.get("content") or "" for d in deltas) == ""
@@ -94,6 +105,6 @@ def test_thinking_off_leaves_the_output_as_content(client, qwen3):
     # The closed think block is now in the prompt: the echo offset moves with it.
     prompt = qwen3.encode(qwen3.render_chat(body["messages"], enable_thinking=False), add_special_tokens=False)
     want = qwen3.encode("Just the answer.", add_special_tokens=False)
-    body["seed"] = next(i for i in range(len(prompt)) if prompt[i:i + len(want)] == want)
+    body["seed"] = next(i for i in range(len(prompt)) if prompt[i : i + len(want)] == want)
     message = client.post("/v1/chat/completions", json=body, headers=AUTH).json()["choices"][0]["message"]
     assert message["content"] == "Just the answer." and message.get("reasoning") is None

@@ -15,13 +15,20 @@ MSGS = [{"role": "user", "content": "Hi"}]
 
 
 def chat(tokenizer, **body):
-    return prepare("chat", {"model": MODEL, "messages": MSGS, **body}, tokenizer, served_model=MODEL,
-                   max_model_len=128, max_n=4)
+    return prepare(
+        "chat", {"model": MODEL, "messages": MSGS, **body}, tokenizer, served_model=MODEL, max_model_len=128, max_n=4
+    )
 
 
 def completion(tokenizer, **body):
-    return prepare("completion", {"model": MODEL, "prompt": "Hello", **body}, tokenizer, served_model=MODEL,
-                   max_model_len=128, max_n=4)
+    return prepare(
+        "completion",
+        {"model": MODEL, "prompt": "Hello", **body},
+        tokenizer,
+        served_model=MODEL,
+        max_model_len=128,
+        max_n=4,
+    )
 
 
 def test_chat_defaults(tokenizer):
@@ -34,10 +41,27 @@ def test_chat_defaults(tokenizer):
 
 
 def test_chat_options(tokenizer):
-    p = chat(tokenizer, max_completion_tokens=5, max_tokens=9, temperature=0, top_p=0.5, top_k=3, min_p=0.1,
-             presence_penalty=0.5, frequency_penalty=0.2, repetition_penalty=1.1, seed=7, stop="\n", n=3,
-             logprobs=True, top_logprobs=2, stream=True, stream_options={"include_usage": True}, user="u",
-             service_tier="flex")
+    p = chat(
+        tokenizer,
+        max_completion_tokens=5,
+        max_tokens=9,
+        temperature=0,
+        top_p=0.5,
+        top_k=3,
+        min_p=0.1,
+        presence_penalty=0.5,
+        frequency_penalty=0.2,
+        repetition_penalty=1.1,
+        seed=7,
+        stop="\n",
+        n=3,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        user="u",
+        service_tier="flex",
+    )
     assert [c.index for c in p.choices] == [0, 1, 2]
     assert [c.params.seed for c in p.choices] == [7, 8, 9]
     c = p.choices[0].params
@@ -48,8 +72,12 @@ def test_chat_options(tokenizer):
 
 def test_content_parts_are_joined(tokenizer):
     parts = [{"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]}]
-    assert prepare("chat", {"model": MODEL, "messages": parts}, tokenizer, served_model=MODEL, max_model_len=128,
-                   max_n=1).prompts == chat(tokenizer).prompts
+    assert (
+        prepare(
+            "chat", {"model": MODEL, "messages": parts}, tokenizer, served_model=MODEL, max_model_len=128, max_n=1
+        ).prompts
+        == chat(tokenizer).prompts
+    )
 
 
 def test_completion_prompts(tokenizer):
@@ -60,36 +88,39 @@ def test_completion_prompts(tokenizer):
     assert p.echo_text == ["a", "b"] and p.logprobs == 1 and p.request_id.startswith("cmpl-")
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"messages": []}, "messages"),
-    ({"messages": "hi"}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
-    ({"messages": ["hi"]}, "messages[0]"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": -3}, "max_tokens"),
-    ({"max_tokens": "5"}, "max_tokens"),
-    ({"max_tokens": 1.5}, "max_tokens"),
-    ({"max_tokens": True}, "max_tokens"),
-    ({"temperature": -0.1}, "temperature"),
-    ({"temperature": "hot"}, "temperature"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_p": 0}, "top_p"),
-    ({"top_k": -2}, "top_k"),
-    ({"min_p": 2}, "min_p"),
-    ({"presence_penalty": 3}, "presence_penalty"),
-    ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"n": 0}, "n"),
-    ({"n": 5}, "n"),
-    ({"seed": -1}, "seed"),
-    ({"stop": 5}, "stop"),
-    ({"stop": [""]}, "stop"),
-    ({"stream": "yes"}, "stream"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"top_logprobs": 2}, "top_logprobs"),
-    ({"model": 3}, "model"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+        ({"messages": ["hi"]}, "messages[0]"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"max_tokens": "5"}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2}, "min_p"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"n": 0}, "n"),
+        ({"n": 5}, "n"),
+        ({"seed": -1}, "seed"),
+        ({"stop": 5}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stream": "yes"}, "stream"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"model": 3}, "model"),
+    ],
+)
 def test_bad_chat_bodies(tokenizer, body, param):
     with pytest.raises(InvalidRequestError) as info:
         chat(tokenizer, **body)
@@ -98,8 +129,11 @@ def test_bad_chat_bodies(tokenizer, body, param):
 
 
 def test_missing_fields(tokenizer):
-    for kind, body, param in (("chat", {"model": MODEL}, "messages"), ("chat", {"messages": MSGS}, "model"),
-                              ("completion", {"model": MODEL}, "prompt")):
+    for kind, body, param in (
+        ("chat", {"model": MODEL}, "messages"),
+        ("chat", {"messages": MSGS}, "model"),
+        ("completion", {"model": MODEL}, "prompt"),
+    ):
         with pytest.raises(InvalidRequestError) as info:
             prepare(kind, body, tokenizer, served_model=MODEL, max_model_len=128, max_n=1)
         assert info.value.param == param and "missing" in info.value.message
@@ -137,15 +171,18 @@ def test_every_validation_error_is_4xx(tokenizer):
         assert 400 <= info.value.status_code < 500
 
 
-@pytest.mark.parametrize("kind, body, param", [
-    ("chat", {"functions": [{"name": "f"}]}, "functions"),
-    ("chat", {"function_call": {"name": "f"}}, "function_call"),
-    ("chat", {"modalities": ["text", "audio"]}, "modalities"),
-    ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
-    ("chat", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
-    ("completion", {"suffix": " end"}, "suffix"),
-    ("completion", {"best_of": 3}, "best_of"),
-])
+@pytest.mark.parametrize(
+    "kind, body, param",
+    [
+        ("chat", {"functions": [{"name": "f"}]}, "functions"),
+        ("chat", {"function_call": {"name": "f"}}, "function_call"),
+        ("chat", {"modalities": ["text", "audio"]}, "modalities"),
+        ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ("chat", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        ("completion", {"suffix": " end"}, "suffix"),
+        ("completion", {"best_of": 3}, "best_of"),
+    ],
+)
 def test_parameters_not_honoured_are_refused_by_name(tokenizer, kind, body, param):
     """No silent drops: a parameter that would change the answer and is not implemented is a 400 naming it."""
     with pytest.raises(InvalidRequestError) as info:
@@ -154,7 +191,13 @@ def test_parameters_not_honoured_are_refused_by_name(tokenizer, kind, body, para
 
 
 def test_neutral_values_of_unsupported_parameters_are_accepted(tokenizer):
-    chat(tokenizer, functions=[], function_call="none", response_format={"type": "text"}, logit_bias={},
-         modalities=["text"])
+    chat(
+        tokenizer,
+        functions=[],
+        function_call="none",
+        response_format={"type": "text"},
+        logit_bias={},
+        modalities=["text"],
+    )
     completion(tokenizer, suffix=None, best_of=2, n=2)
     completion(tokenizer, best_of=1)

@@ -104,8 +104,14 @@ def test_run_returns_although_a_task_ignores_cancellation():
 
 
 def test_gateway_stop_leaves_no_task_running_wherever_it_lands(redis_url, prefix, tokenizer):
-    settings = GatewaySettings(redis_url=redis_url, key_prefix=prefix, model=MODEL, gateway_metrics_port=0,
-                               heartbeat_interval_s=0.05, worker_dead_after_s=2.0)
+    settings = GatewaySettings(
+        redis_url=redis_url,
+        key_prefix=prefix,
+        model=MODEL,
+        gateway_metrics_port=0,
+        heartbeat_interval_s=0.05,
+        worker_dead_after_s=2.0,
+    )
     rng = random.Random(7)
 
     async def once(mid_poll: bool) -> tuple[float, int]:

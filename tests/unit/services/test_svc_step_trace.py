@@ -27,9 +27,11 @@ def test_trace_round_trip_and_ttft_parts_add_up(tmp_path):
 
     steps, adds = read_trace(path, since=9.0)
     assert len(steps) == 2 and set(adds) == {"cmpl-a:0", "cmpl-b:0"}
-    records = [{"rid": "cmpl-a:0", "sent": 10.000, "first": 10.047},
-               {"rid": "cmpl-b:0", "sent": 10.001, "first": 10.079},
-               {"rid": "cmpl-x:0", "sent": 10.001, "first": None}]
+    records = [
+        {"rid": "cmpl-a:0", "sent": 10.000, "first": 10.047},
+        {"rid": "cmpl-b:0", "sent": 10.001, "first": 10.079},
+        {"rid": "cmpl-x:0", "sent": 10.001, "first": None},
+    ]
     tl = timeline(steps, adds, records, t0=10.0)
     assert tl["requests_joined"] == 2
     m = tl["median_ms"]

@@ -25,8 +25,15 @@ PROMPT = [101, 102, 103, 104, 105]
 
 
 def settings(redis_url, prefix, **kw):
-    base = dict(redis_url=redis_url, key_prefix=prefix, model="smollm2-135m", heartbeat_interval_s=0.05,
-                worker_dead_after_s=0.3, worker_metrics_port=0, drain_timeout_s=5.0)
+    base = dict(
+        redis_url=redis_url,
+        key_prefix=prefix,
+        model="smollm2-135m",
+        heartbeat_interval_s=0.05,
+        worker_dead_after_s=0.3,
+        worker_metrics_port=0,
+        drain_timeout_s=5.0,
+    )
     return WorkerSettings(**{**base, **kw})
 
 
@@ -74,7 +81,7 @@ def collect(r, keys, eid, timeout=10.0):
             last = from_entry(fields)
             if isinstance(last, OutputChunk):
                 assert last.seq <= len(tokens), "a gap in the stream"
-                tokens.extend(last.token_ids[len(tokens) - last.seq:])
+                tokens.extend(last.token_ids[len(tokens) - last.seq :])
         if isinstance(last, ErrorMessage) or (last is not None and last.finished):
             return tokens, last
         time.sleep(0.01)
@@ -186,15 +193,18 @@ def test_n_choices_and_priorities(ctx):
 def _delivery(rid, prompt_len):
     from kernellab.services.queue.broker import Delivery
 
-    return Delivery("stream", f"{rid}-0", RequestMessage(rid, 0, "smollm2-135m", list(range(1, prompt_len + 1)),
-                                                          {"max_tokens": 4}))
+    return Delivery(
+        "stream", f"{rid}-0", RequestMessage(rid, 0, "smollm2-135m", list(range(1, prompt_len + 1)), {"max_tokens": 4})
+    )
 
 
 def test_gather_stops_once_the_first_steps_token_budget_is_full(redis_url, prefix):
     """An idle worker gathers a burst, but a first step that is already full does not wait for the rest: they
     would run in the second step anyway (the engine has them as soon as the loop drains the inbox again)."""
-    w = Worker(settings(redis_url, prefix, max_num_batched_tokens=100, gather_burst_gap_s=5.0, gather_max_s=5.0),
-               engine=FakeEngine(step_s=0))
+    w = Worker(
+        settings(redis_url, prefix, max_num_batched_tokens=100, gather_burst_gap_s=5.0, gather_max_s=5.0),
+        engine=FakeEngine(step_s=0),
+    )
     for i in range(4):
         w.inbox.put(("add", _delivery(f"r{i}", 60)))
     t = time.monotonic()
@@ -208,8 +218,17 @@ def test_gather_stops_once_the_first_steps_token_budget_is_full(redis_url, prefi
 def test_gather_waits_out_a_burst_arriving_in_pieces(redis_url, prefix):
     """Pieces of a burst closer than gather_burst_gap_s join the first step; the gather ends at the first
     quiet gap."""
-    w = Worker(settings(redis_url, prefix, max_num_batched_tokens=10_000, gather_gap_s=0.5,
-                        gather_burst_gap_s=1.0, gather_max_s=10.0), engine=FakeEngine(step_s=0))
+    w = Worker(
+        settings(
+            redis_url,
+            prefix,
+            max_num_batched_tokens=10_000,
+            gather_gap_s=0.5,
+            gather_burst_gap_s=1.0,
+            gather_max_s=10.0,
+        ),
+        engine=FakeEngine(step_s=0),
+    )
     w.inbox.put(("add", _delivery("first", 10)))
     w._drain_inbox(block=False)
 
