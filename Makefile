@@ -26,8 +26,9 @@ test: install  ## everything CI runs: unit (CPU, Triton interpreter) + integrati
 test-unit: install
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/unit
 
-lint: install
-	$(BIN)/ruff check .  # the code is not ruff-formatted (hand-wrapped at 120); only the lint rules are enforced
+lint: install  ## what CI checks before the tests: lint rules and formatting (ruff format, line length 120)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 format: install
 	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
