@@ -29,6 +29,9 @@ test-unit: install
 lint: install  ## what CI checks before the tests: lint rules and formatting (ruff format, line length 120)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	rm -rf .import-check && $(BIN)/pip install -q --no-deps --no-build-isolation --target .import-check . \
+		&& cd /tmp && PYTHONPATH=$(CURDIR)/.import-check $(abspath $(BIN))/lint-imports $(CURDIR)/pyproject.toml; \
+		rc=$$?; rm -rf $(CURDIR)/.import-check; exit $$rc
 
 format: install
 	$(BIN)/ruff format . && $(BIN)/ruff check --fix .

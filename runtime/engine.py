@@ -11,40 +11,13 @@ from kernellab.runtime.block_manager import BlockManager
 from kernellab.runtime.config import EngineConfig, ModelConfig
 from kernellab.runtime.detokenizer import IncrementalDetokenizer
 from kernellab.runtime.errors import ContextLengthError, InvalidRequestError, ModelNotAvailableError
+from kernellab.runtime.outputs import EngineStats, RequestOutput, TokenLogprob
 from kernellab.runtime.registry import ModelSpec, resolve_model
-from kernellab.runtime.sampler import TokenLogprob
 from kernellab.runtime.sampling import SamplingParams
 from kernellab.runtime.scheduler import Scheduler
 from kernellab.runtime.sequence import Sequence
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprob] | None
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "deadline"
-    stop_reason: str | int | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_free_blocks: int
-    num_total_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    prompt_tokens: int
-    generation_tokens: int
 
 
 def load_model_config(spec: ModelSpec, random_weights: bool):
@@ -84,6 +57,8 @@ class LLMEngine:
 
         self.config = cfg = config or EngineConfig(**kwargs)
         self.spec = resolve_model(cfg.model)
+        self.model_name = self.spec.name
+        self.last_schedule: tuple[int, int] | None = None  # (rows, tokens) of the last step: for step traces
         t0 = time.perf_counter()
         model_cfg, checkpoint, path = load_model_config(self.spec, cfg.random_weights)
         weights = checkpoint if weights is None else weights
@@ -213,7 +188,7 @@ class LLMEngine:
         on the device, run, then take each row's tokens one by one (EOS, stop tokens, length and stop strings
         end a row there; what the window computed past that is discarded) and advance grammars."""
         out = self.scheduler.schedule()
-        self.last_schedule = (len(out.scheduled), out.num_batched_tokens)  # (rows, tokens): for step traces
+        self.last_schedule = (len(out.scheduled), out.num_batched_tokens)
         results = [self._output(seq, [], None) for seq in out.finished]
         if not out.scheduled:
             return results

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernellab.runtime.outputs import TokenLogprob
 from kernellab.runtime.sequence import Sequence
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier to spread (seed, index) pairs
@@ -25,13 +26,6 @@ class Constraints:
     bias: tuple[list[int], list[int], list[float]] | None  # (rows, token ids, biases) of the rows with a bias
     mask_rows: list[int]  # rows with a grammar, in bitmask row order
     bitmask: torch.Tensor | None  # host int32 (len(mask_rows), ceil(V/32)): bit t of a row set = t allowed
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
 
 
 def _row_generator(seed: int, index: int, device: torch.device) -> torch.Generator:

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 from kernellab.runtime.errors import KernellabError
+from kernellab.runtime.outputs import Engine
 from kernellab.runtime.sampling import SamplingParams
 from kernellab.services.config import WorkerSettings
 from kernellab.services.queue.broker import Delivery, WorkerQueue, connect
@@ -70,8 +71,8 @@ class Worker:
                     weight_quant=s.weight_quant,
                 )
             )
-        self.engine = engine
-        self.model_name = getattr(getattr(engine, "spec", None), "name", None) or s.model
+        self.engine: Engine = engine
+        self.model_name = engine.model_name or s.model
         self.keys = Keys(s.key_prefix, self.model_name)
         self.metrics = WorkerMetrics(self.model_name)
         self.metrics_url = ""
@@ -111,7 +112,7 @@ class Worker:
             st.num_running,
             st.num_waiting,
             float(st.kv_cache_usage),
-            int(getattr(self.engine, "max_model_len", 0) or 0),
+            int(self.engine.max_model_len),
             self.metrics_url,
             self.draining.is_set(),
             {"active": len(self.active)},
@@ -120,7 +121,6 @@ class Worker:
     def health(self) -> dict:
         ok = self.loop_error is None and not self.stopped.is_set()
         st = self._stats
-        total, free = getattr(st, "num_total_blocks", None), getattr(st, "num_free_blocks", None)
         return {
             "status": "ok" if ok else "failed",
             "worker_id": self.worker_id,
@@ -131,8 +131,8 @@ class Worker:
             "waiting": st.num_waiting,
             "kv_cache_usage": st.kv_cache_usage,
             # Leak checks (tests, `kernellab stress`): once idle, used blocks and active requests must be 0.
-            "kv_blocks_total": total,
-            "kv_blocks_used": None if total is None or free is None else total - free,
+            "kv_blocks_total": st.num_total_blocks,
+            "kv_blocks_used": st.num_total_blocks - st.num_free_blocks,
             "active": len(self.active),
             "held": self.io.holdings.count(),
             "integrity": self.integrity,
@@ -189,7 +189,7 @@ class Worker:
             self._check_stall(last)  # stopped mid-step: what others reclaimed meanwhile is not emitted
             first = self._emit(outputs)
             if self.trace is not None:
-                self.trace.step(t0, t1 - t0, getattr(self.engine, "last_schedule", None), first, time.monotonic() - t1)
+                self.trace.step(t0, t1 - t0, self.engine.last_schedule, first, time.monotonic() - t1)
             self._refresh_stats()
 
     def _check_stall(self, since: float) -> None:
@@ -209,12 +209,11 @@ class Worker:
 
     def _check_integrity(self) -> None:
         """Idle: the engine's own consistency check (ref counts, free queue, hash index), at most once a second."""
-        check = getattr(self.engine, "check_integrity", None)
-        if check is None or time.monotonic() - self._integrity_at < 1.0:
+        if time.monotonic() - self._integrity_at < 1.0:
             return
         self._integrity_at = time.monotonic()
         try:
-            check()
+            self.engine.check_integrity()
             self.integrity = "ok"
         except AssertionError as exc:
             if self.integrity != str(exc):

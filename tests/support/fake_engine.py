@@ -6,41 +6,9 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 
 from kernellab.runtime.errors import ContextLengthError, InvalidRequestError
-
-
-@dataclass
-class _Logprob:
-    token_id: int
-    logprob: float
-    top: list
-
-
-@dataclass
-class FakeOutput:
-    request_id: str
-    new_token_ids: list
-    new_logprobs: list | None
-    finished: bool
-    finish_reason: str | None
-    stop_reason: object
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-
-
-@dataclass
-class FakeStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
+from kernellab.runtime.outputs import EngineStats, RequestOutput, TokenLogprob
 
 
 class _Seq:
@@ -54,8 +22,11 @@ class FakeEngine:
     max_model_len = 256
     num_blocks = 64
 
+    last_schedule = None  # no scheduler: step traces get no (rows, tokens)
+
     def __init__(self, config=None, step_s: float | None = None):
         self.config = config
+        self.model_name = getattr(config, "model", "")
         self.step_s = float(os.environ.get("FAKE_STEP_S", "0.01")) if step_s is None else step_s
         self.seqs: dict[str, _Seq] = {}
         self.generation_tokens = 0
@@ -96,19 +67,28 @@ class FakeEngine:
             done = len(s.output) >= limit
             lp = None
             if s.params.logprobs is not None:
-                lp = [_Logprob(token, -0.5, [(token, -0.5), (token + 1, -1.5)][: s.params.logprobs])]
+                lp = [TokenLogprob(token, -0.5, [(token, -0.5), (token + 1, -1.5)][: s.params.logprobs])]
             outs.append(self._out(s, [token], done, "length" if done else None, lp))
         return outs
 
     def _out(self, s, tokens, finished, reason, lp=None):
         if finished:
             del self.seqs[s.rid]
-        return FakeOutput(s.rid, tokens, lp, finished, reason, None, len(s.prompt), len(s.output), 0)
+        return RequestOutput(s.rid, tokens, lp, finished, reason, None, len(s.prompt), len(s.output), 0)
 
-    def stats(self):
-        usage = min(1.0, sum(len(s.prompt) + len(s.output) for s in self.seqs.values()) / 16 / self.num_blocks)
-        return FakeStats(
-            len(self.seqs), 0, usage, prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens
+    def stats(self) -> EngineStats:
+        used = min(self.num_blocks, sum(-(-(len(s.prompt) + len(s.output)) // 16) for s in self.seqs.values()))
+        return EngineStats(
+            num_running=len(self.seqs),
+            num_waiting=0,
+            kv_cache_usage=used / self.num_blocks,
+            num_free_blocks=self.num_blocks - used,
+            num_total_blocks=self.num_blocks,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            num_preemptions=0,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
         )
 
     def check_integrity(self):

@@ -1,0 +1,78 @@
+"""What an engine step gives back, and the step API every engine offers: no torch here, so the worker, the
+gateway's tests and the fake engine share these types without importing the model.
+
+``Engine`` is the contract the worker drives (``LLMEngine`` and the tests' fake engine both satisfy it):
+add requests, step, abort, report stats; ``check_integrity`` runs when idle; ``last_schedule`` says what the
+last step ran (rows, tokens) for step traces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from kernellab.runtime.sampling import SamplingParams
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "deadline"
+    stop_reason: str | int | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class Engine(Protocol):
+    """The step API (runtime/engine.py's ``LLMEngine``; tests/support/fake_engine.py's ``FakeEngine``)."""
+
+    max_model_len: int
+    model_name: str
+    last_schedule: tuple[int, int] | None
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        deadline: float | None = None,
+        output_token_ids=(),
+    ) -> None: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def check_integrity(self) -> None: ...
