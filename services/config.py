@@ -45,7 +45,7 @@ class StackSettings(BaseSettings):
     tool_parser: Literal["auto", "hermes", "none"] = "auto"
 
     def serving_options(self, tokenizer):
-        from kernellab.services.gateway.requests import ServingOptions
+        from kernellab.services.gateway.options import ServingOptions
 
         return ServingOptions.build(
             tokenizer,

@@ -34,8 +34,9 @@ from kernellab.services.gateway.errors import (
 )
 from kernellab.services.gateway.generation import NOT_READY, chat_delta, collect, usage_of
 from kernellab.services.gateway.metrics import GatewayMetrics, HTTPMetricsMiddleware
-from kernellab.services.gateway.requests import detokenize_request, prepare, tokenize_request
+from kernellab.services.gateway.requests import prepare
 from kernellab.services.gateway.state import Gateway
+from kernellab.services.gateway.utility import detokenize_request, tokenize_request
 
 log = logging.getLogger("kernellab.gateway")
 

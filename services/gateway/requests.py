@@ -8,8 +8,6 @@ known fields are type-checked strictly (``"max_tokens": "5"`` is an error, not 5
 from __future__ import annotations
 
 import functools
-import json
-import re
 import uuid
 from dataclasses import dataclass, field, replace
 
@@ -18,6 +16,15 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from kernellab.runtime.errors import ContextLengthError, InvalidRequestError, UnknownModelError
 from kernellab.runtime.registry import resolve_model
 from kernellab.runtime.sampling import MAX_SEED, SamplingParams
+from kernellab.services.gateway.constraints import (
+    forced_tool_names,
+    parse_logit_bias,
+    structured_spec,
+    structured_with_think,
+    tool_call_grammar,
+    validate_tools,
+)
+from kernellab.services.gateway.options import ServingOptions, default_options
 from kernellab.services.gateway.output_parsers import ParserConfig
 
 _TEXT_PART_TYPES = ("text", "input_text")
@@ -66,68 +73,6 @@ class CompletionBody(_Common):
     echo: bool | None = None
 
 
-# The model's generation_config.json fields that are request sampling defaults, as the peers apply them.
-_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-@dataclass(frozen=True)
-class ServingOptions:
-    """Server-side choices that shape every request: sampling defaults (the model's generation_config.json
-    unless turned off), default template switches, and which output parsers run."""
-
-    sampling_defaults: dict = field(default_factory=dict)
-    default_max_tokens: int | None = None  # generation_config's max_new_tokens; None: the rest of the context
-    chat_template_kwargs: dict = field(default_factory=dict)
-    reasoning: bool = False  # split <think> blocks into the reasoning field
-    tools: bool = True  # parse <tool_call> blocks into tool_calls
-    think_end_id: int | None = None
-
-    @classmethod
-    def build(
-        cls,
-        tokenizer,
-        *,
-        generation_config: str = "auto",
-        chat_template_kwargs: dict | None = None,
-        reasoning_parser: str = "auto",
-        tool_parser: str = "auto",
-    ) -> ServingOptions:
-        gen = getattr(tokenizer, "generation_config", None) or {} if generation_config == "auto" else {}
-        defaults = {
-            k: gen[k]
-            for k in _GENERATION_DEFAULTS
-            if isinstance(gen.get(k), int | float) and not isinstance(gen.get(k), bool)
-        }
-        if not gen.get("do_sample", True):  # greedy by the model's own choice
-            defaults = {"temperature": 0.0}
-        max_new = gen.get("max_new_tokens")
-        template = getattr(tokenizer, "chat_template", None) or ""
-        reasoning = reasoning_parser == "qwen3" or (reasoning_parser == "auto" and "<think>" in template)
-        think_end = tokenizer.token_id("</think>") if reasoning and hasattr(tokenizer, "token_id") else None
-        return cls(
-            defaults,
-            max_new if isinstance(max_new, int) and max_new > 0 else None,
-            dict(chat_template_kwargs or {}),
-            reasoning,
-            tool_parser != "none",
-            think_end,
-        )
-
-
-_DEFAULT_OPTIONS: dict[int, ServingOptions] = {}
-
-
-def default_options(tokenizer) -> ServingOptions:
-    """The options the process's settings (KERNELLAB_* environment) give, for front ends without their own
-    (the batch runner, the RunPod handler); cached per tokenizer."""
-    opts = _DEFAULT_OPTIONS.get(id(tokenizer))
-    if opts is None:
-        from kernellab.services.config import StackSettings
-
-        opts = _DEFAULT_OPTIONS[id(tokenizer)] = StackSettings().serving_options(tokenizer)
-    return opts
-
-
 @dataclass
 class Choice:
     index: int
@@ -154,7 +99,7 @@ class Prepared:
         return len(self.choices)
 
 
-def _validation_error(exc: ValidationError) -> InvalidRequestError:
+def validation_error(exc: ValidationError) -> InvalidRequestError:
     err = exc.errors()[0]
     loc = [str(p) for p in err.get("loc", ())]
     param = loc[0] if loc else None
@@ -181,7 +126,7 @@ def check_model(requested: str, served_name: str) -> str:
     return served_name
 
 
-def _normalize_messages(messages: list) -> list[dict]:
+def normalize_messages(messages: list) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
@@ -244,104 +189,15 @@ def _params(
             raise InvalidRequestError(f"stop_token_ids must be token ids in [0, {vocab})", param="stop_token_ids")
         kwargs["stop_token_ids"] = list(body.stop_token_ids)
     if body.logit_bias:
-        kwargs["logit_bias"] = _logit_bias(body.logit_bias, vocab)
+        kwargs["logit_bias"] = parse_logit_bias(body.logit_bias, vocab)
     kwargs["structured"] = structured
     return SamplingParams(**kwargs)
-
-
-def _logit_bias(bias: dict, vocab: int) -> dict[int, float]:
-    out = {}
-    for key, value in bias.items():
-        token = key.strip()
-        if not (token.isascii() and token.isdigit()) or int(token) >= vocab:
-            raise InvalidRequestError(
-                f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}", param="logit_bias"
-            )
-        if not -100 <= value <= 100:  # before float(): an int beyond a float's range would overflow there
-            raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias")
-        out[int(token)] = float(value)
-    return out
-
-
-def _structured(response_format: dict | None) -> dict | None:
-    """``response_format`` → the engine's structured-output spec (None for text)."""
-    if response_format is None:
-        return None
-    kind = response_format.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
-            raise InvalidRequestError(
-                "response_format.json_schema must be an object with a name and a schema", param="response_format"
-            )
-        schema = spec.get("schema", {})  # OpenAI: an absent schema allows any JSON
-        if not isinstance(schema, dict):
-            raise InvalidRequestError(
-                "response_format.json_schema.schema must be a JSON Schema object", param="response_format"
-            )
-        return {"json_schema": schema or {"type": "object"}}
-    raise InvalidRequestError(
-        f"response_format.type must be text, json_object or json_schema, got {kind!r}", param="response_format"
-    )
-
-
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
-
-
-def _tools(tools: list | None) -> list[dict]:
-    if not tools:
-        return []
-    names = set()
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
-            raise InvalidRequestError(
-                f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", param=f"tools[{i}]"
-            )
-        name = fn.get("name")
-        if not isinstance(name, str) or not _TOOL_NAME.match(name):
-            raise InvalidRequestError(
-                f"tools[{i}].function.name must be 1-64 letters, digits, '_', '-', '.' or ':'",
-                param=f"tools[{i}].function.name",
-            )
-        if name in names:
-            raise InvalidRequestError(f"tools[{i}]: the function name {name!r} is used twice", param="tools")
-        names.add(name)
-        if not isinstance(fn.get("parameters", {}), dict) or not isinstance(fn.get("description", ""), str):
-            raise InvalidRequestError(
-                f"tools[{i}].function: parameters must be a JSON Schema object and description a string",
-                param=f"tools[{i}].function",
-            )
-    return tools
-
-
-def _forced_tool_names(tools: list[dict], choice) -> list[str] | None:
-    """The functions a tool_choice forces a call to (None: nothing forced)."""
-    if choice is None or choice in ("auto", "none"):
-        return None
-    if choice == "required":
-        if not tools:
-            raise InvalidRequestError("tool_choice 'required' needs tools", param="tool_choice")
-        return [t["function"]["name"] for t in tools]
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
-        name = choice["function"].get("name")
-        if name not in {t["function"]["name"] for t in tools}:
-            raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
-        return [name]
-    raise InvalidRequestError(
-        "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
-        param="tool_choice",
-    )
 
 
 _RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
 
 
-def _template_kwargs(opts: ServingOptions, requested: dict | None) -> dict:
+def template_kwargs(opts: ServingOptions, requested: dict | None) -> dict:
     """The server's default template switches, overridden key by key by the request's."""
     reserved = _RESERVED_TEMPLATE_ARGS & (requested or {}).keys()
     if reserved:
@@ -349,56 +205,6 @@ def _template_kwargs(opts: ServingOptions, requested: dict | None) -> dict:
             f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}", param="chat_template_kwargs"
         )
     return {**opts.chat_template_kwargs, **(requested or {})}
-
-
-def _lark_string(text: str) -> str:
-    return json.dumps(text)  # a Lark string literal: JSON's escaping is valid there
-
-
-def tool_call_grammar(tools: list[dict], names: list[str], parallel: bool, think: str) -> str:
-    """A Lark grammar (llguidance dialect) that admits only Qwen-format calls to ``names``, each call's
-    arguments valid against its function's parameters. ``think``: "" (no think block), "optional" (the model
-    may think first) or "open" (the prompt opened the block; the model must close it)."""
-    by_name = {t["function"]["name"]: t["function"] for t in tools}
-    schemas = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": n}, "arguments": by_name[n].get("parameters") or {"type": "object"}},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for n in names
-    ]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    calls = 'call ("\\n" call)*' if parallel else "call"
-    return _with_think(
-        f"body: {calls}\ncall: {_lark_string('<tool_call>' + chr(10))} call_json "
-        f"{_lark_string(chr(10) + '</tool_call>')}\ncall_json: %json {json.dumps(schema)}\n",
-        think,
-    )
-
-
-def _with_think(rules: str, think: str) -> str:
-    # A lazy rule ends at the first "</think>": the block closes there and the constrained body follows.
-    block = 'think[lazy]: THINK_TEXT "</think>"\nTHINK_TEXT: /(.|\\n)*/\nWS: /[ \\t\\n]*/\n'
-    if think == "open":
-        return "start: think WS body\n" + block + rules
-    if think == "optional":
-        return 'start: ("<think>" think WS)? body\n' + block + rules
-    return "start: body\n" + rules
-
-
-def structured_with_think(spec: dict, think: str) -> dict:
-    """A structured-output spec that lets a thinking model finish its think block first."""
-    if not think:
-        return spec
-    kind, value = next(iter(spec.items()))
-    if kind not in ("json_schema", "json_object"):
-        return spec
-    schema = value if kind == "json_schema" else {"type": "object"}
-    # Compact JSON, as the engine compiles a schema without a think block (runtime/structured.py says why).
-    body = f"body: %json {json.dumps({**schema, 'x-guidance': {'whitespace_flexible': False}})}\n"
-    return {"lark": _with_think(body, think)}
 
 
 def _check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str) -> None:
@@ -454,12 +260,12 @@ def _chat_prompt(body: ChatBody, tokenizer, opts: ServingOptions) -> tuple[list[
     """(prompt ids, output parser config, structured-output spec)."""
     if not isinstance(body.messages, list) or not body.messages:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
-    structured = _structured(body.response_format)
-    tools = _tools(body.tools)
+    structured = structured_spec(body.response_format)
+    tools = validate_tools(body.tools)
     choice = body.tool_choice
     if choice not in (None, "none") and not tools:
         raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
-    forced = _forced_tool_names(tools, choice)
+    forced = forced_tool_names(tools, choice)
     use_tools = bool(tools) and choice != "none"
     if use_tools and not opts.tools:
         raise InvalidRequestError(
@@ -471,14 +277,14 @@ def _chat_prompt(body: ChatBody, tokenizer, opts: ServingOptions) -> tuple[list[
         raise InvalidRequestError(
             "response_format cannot be combined with a tool_choice that forces a call", param="response_format"
         )
-    kwargs = _template_kwargs(opts, body.chat_template_kwargs)
+    kwargs = template_kwargs(opts, body.chat_template_kwargs)
     if (
         opts.reasoning
         and body.reasoning_effort is not None
         and "enable_thinking" not in (body.chat_template_kwargs or {})
     ):
         kwargs["enable_thinking"] = body.reasoning_effort not in ("none", "minimal")
-    text = tokenizer.render_chat(_normalize_messages(body.messages), tools=tools if use_tools else None, **kwargs)
+    text = tokenizer.render_chat(normalize_messages(body.messages), tools=tools if use_tools else None, **kwargs)
     think = ""
     if opts.reasoning:
         tail = text.rstrip()
@@ -510,7 +316,7 @@ def prepare(
     try:
         body = (ChatBody if kind == "chat" else CompletionBody).model_validate(data)
     except ValidationError as exc:
-        raise _validation_error(exc) from None
+        raise validation_error(exc) from None
     opts = options or default_options(tokenizer)
     model = check_model(body.model, served_model)
     n = 1 if body.n is None else body.n
@@ -530,7 +336,7 @@ def prepare(
         prefix = "chatcmpl"
         param = "messages"
     else:
-        structured = _structured(body.response_format)
+        structured = structured_spec(body.response_format)
         max_tokens = body.max_tokens
         logprobs = body.logprobs
         prompt = body.prompt
@@ -582,64 +388,3 @@ def prepare(
         echo,
         parser,
     )
-
-
-class TokenizeBody(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list | None = None
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict | None = None
-    tools: list | None = None
-    return_token_strs: bool = False
-
-
-class DetokenizeBody(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    model: str | None = None
-    tokens: list[int]
-
-
-def _utility_body(model: type[BaseModel], data, served_model: str):
-    """A /tokenize or /detokenize body, validated; its optional model must be the served one."""
-    if not isinstance(data, dict):
-        raise InvalidRequestError("the request body must be a JSON object")
-    try:
-        body = model.model_validate(data)
-    except ValidationError as exc:
-        raise _validation_error(exc) from None
-    if body.model is not None:
-        check_model(body.model, served_model)
-    return body
-
-
-def tokenize_request(data, tokenizer, *, served_model: str, max_model_len: int, options: ServingOptions) -> dict:
-    """POST /tokenize: a prompt, or chat messages rendered by the chat template as a chat request would be."""
-    body = _utility_body(TokenizeBody, data, served_model)
-    if (body.prompt is None) == (body.messages is None):
-        raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
-    if body.prompt is not None:
-        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
-    else:
-        kwargs = _template_kwargs(options, body.chat_template_kwargs)  # reserved names are a 400 here too
-        text = tokenizer.render_chat(
-            _normalize_messages(body.messages), body.add_generation_prompt, tools=_tools(body.tools) or None, **kwargs
-        )
-        ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
-    out = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": None}
-    if body.return_token_strs:
-        out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
-    return out
-
-
-def detokenize_request(data, tokenizer, *, served_model: str) -> dict:
-    """POST /detokenize."""
-    body = _utility_body(DetokenizeBody, data, served_model)
-    vocab = tokenizer.vocab_size
-    if body.tokens and (min(body.tokens) < 0 or max(body.tokens) >= vocab):
-        raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="tokens")
-    return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}

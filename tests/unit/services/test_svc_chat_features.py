@@ -11,12 +11,9 @@ import pytest
 
 from kernellab.runtime.errors import InvalidRequestError
 from kernellab.runtime.tokenizer import TextTokenizer
-from kernellab.services.gateway.requests import (
-    ServingOptions,
-    detokenize_request,
-    prepare,
-    tokenize_request,
-)
+from kernellab.services.gateway.options import ServingOptions
+from kernellab.services.gateway.requests import prepare
+from kernellab.services.gateway.utility import detokenize_request, tokenize_request
 
 MODEL = "smollm2-135m"
 QWEN3_TEMPLATE = (Path(__file__).parents[2] / "fixtures" / "chat_templates" / "qwen3.jinja").read_text()
