@@ -8,6 +8,10 @@ Invariants:
 - ``OutputChunk.seq`` counts the tokens emitted for the choice, including those emitted before a resume.
 - Drain (SIGTERM): stop reading, finish what runs until ``drain_timeout_s``, then hand the rest back to the
   queue as resumable copies after their emitted chunks are written; a live worker continues them.
+
+Over 400 lines on purpose: the loop is one class whose invariants (above) are kept by code spread over its
+methods (take-in, emit, cancel, abort, hand-back); they are checked together, so they are read together. What
+is not the loop lives beside it: Redis I/O threads (io.py), metrics (metrics.py), the step trace (trace.py).
 """
 
 from __future__ import annotations
