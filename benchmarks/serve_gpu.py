@@ -168,7 +168,7 @@ def engine_child(cfg: dict) -> None:
     from kernellab.results import provenance
     from kernellab.runtime.config import EngineConfig
     from kernellab.runtime.engine import LLMEngine
-    from kernellab.runtime.sampling import SamplingParams
+    from kernellab.runtime.request.sampling import SamplingParams
 
     t = time.perf_counter()
     engine = LLMEngine(EngineConfig(**cfg))

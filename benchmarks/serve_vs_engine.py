@@ -128,7 +128,7 @@ def engine_server(model: str, clients: int, max_tokens: int) -> None:
     """Child process: one engine; runs on request (JSON lines on stdin), results as JSON lines on stdout."""
     from kernellab.results import provenance
     from kernellab.runtime.engine import EngineConfig, LLMEngine
-    from kernellab.runtime.sampling import SamplingParams
+    from kernellab.runtime.request.sampling import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=model, **SERVE_CONFIG))
     counter = iter(range(1 << 30))

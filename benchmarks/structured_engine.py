@@ -76,7 +76,7 @@ def structured_for(variant: str, row: int) -> dict | None:
 
 
 def run_variant(engine, variant: str, prompts: list[list[int]], output_tokens: int, tag: str) -> dict:
-    from kernellab.runtime.sampling import SamplingParams
+    from kernellab.runtime.request.sampling import SamplingParams
 
     # 0: the runner's default (multi-step windows with CUDA graphs); the engine reads its config every step
     engine.config = dataclasses.replace(engine.config, num_scheduler_steps=1 if variant == "plain-1step" else 0)
@@ -153,8 +153,8 @@ def _check(engine, variant: str, produced: dict[str, list[int]]) -> dict:
     a JSON row the grammar ended parses as an array."""
     import json
 
-    from kernellab.runtime import structured
-    from kernellab.runtime.errors import InvalidRequestError
+    from kernellab.runtime.request import structured
+    from kernellab.runtime.request.errors import InvalidRequestError
 
     lltok = structured.ll_tokenizer(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids)
     checked = valid = 0

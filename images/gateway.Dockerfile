@@ -67,7 +67,7 @@ RUN --mount=type=secret,id=pip_cert --mount=type=bind,source=images/wheels,targe
     mkdir -p "${KERNELLAB_CACHE_DIR}" \
     && if [ -n "${EMBEDDED_MODEL}" ]; then \
         kl-pip-install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==${TORCH_VERSION}" \
-        && python -c "import sys; from kernellab.runtime.tokenizer import load_tokenizer; load_tokenizer(sys.argv[1])" \
+        && python -c "import sys; from kernellab.runtime.request.tokenizer import load_tokenizer; load_tokenizer(sys.argv[1])" \
             "${EMBEDDED_MODEL}"; \
     fi
 

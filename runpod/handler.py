@@ -27,8 +27,8 @@ from openai_io import ResponseBuilder, error_output, logprob_entries, models_out
 
 import runpod
 from kernellab.runtime.config import EngineConfig
-from kernellab.runtime.detokenizer import IncrementalDetokenizer
-from kernellab.runtime.errors import KernellabError
+from kernellab.runtime.request.detokenizer import IncrementalDetokenizer
+from kernellab.runtime.request.errors import KernellabError
 
 log = logging.getLogger("kernellab.runpod")
 
@@ -77,7 +77,7 @@ def make_handler(loop: EngineLoop, tokenizer, served_model: str, max_model_len: 
         builder = ResponseBuilder(request, tokenizer)
         params = request.params
         # The text side of stop strings: the engine ends the request at one, this holds back and cuts the text
-        # (runtime/detokenizer.py says why both run).
+        # (runtime/request/detokenizer.py says why both run).
         detokenizer = IncrementalDetokenizer(
             tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output
         )

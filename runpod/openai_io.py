@@ -20,8 +20,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, fields
 
-from kernellab.runtime.errors import InvalidRequestError, KernellabError
-from kernellab.runtime.sampling import SamplingParams
+from kernellab.runtime.request.errors import InvalidRequestError, KernellabError
+from kernellab.runtime.request.sampling import SamplingParams
 from kernellab.services.gateway import responses
 from kernellab.services.gateway.output_parsers import ChatOutputParser, finish_delta, with_alias
 from kernellab.services.gateway.requests import Prepared, prepare

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernellab.runtime.errors import ConfigError
+from kernellab.runtime.request.errors import ConfigError
 
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
@@ -118,7 +118,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # While interactive requests are live, background (Batch API) prefill takes at most this many tokens per
-    # step and none in a step that prefills an interactive request (runtime/scheduler.py). None: a sixteenth of
+    # step and none in a step that prefills an interactive request (runtime/request/scheduler.py). None: a sixteenth of
     # max_num_batched_tokens.
     background_prefill_tokens: int | None = None
     backend: str = "auto"  # "auto" (Triton dispatcher on GPU, torch on CPU) | "torch" | "triton"

@@ -7,15 +7,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from kernellab.runtime.block_manager import BlockManager
 from kernellab.runtime.config import EngineConfig, ModelConfig
-from kernellab.runtime.detokenizer import IncrementalDetokenizer
-from kernellab.runtime.errors import ContextLengthError, InvalidRequestError, ModelNotAvailableError
-from kernellab.runtime.outputs import EngineStats, RequestOutput, TokenLogprob
-from kernellab.runtime.registry import ModelSpec, resolve_model
-from kernellab.runtime.sampling import SamplingParams
-from kernellab.runtime.scheduler import Scheduler
-from kernellab.runtime.sequence import Sequence
+from kernellab.runtime.request.block_manager import BlockManager
+from kernellab.runtime.request.detokenizer import IncrementalDetokenizer
+from kernellab.runtime.request.errors import ContextLengthError, InvalidRequestError, ModelNotAvailableError
+from kernellab.runtime.request.outputs import EngineStats, RequestOutput, TokenLogprob
+from kernellab.runtime.request.registry import ModelSpec, resolve_model
+from kernellab.runtime.request.sampling import SamplingParams
+from kernellab.runtime.request.scheduler import Scheduler
+from kernellab.runtime.request.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,8 @@ def _int4_weights(cfg: EngineConfig, path, model_cfg: ModelConfig, device):
     if cfg.weight_quant == "none":
         return None
     from kernellab.runtime import quant
-    from kernellab.runtime.errors import ConfigError
     from kernellab.runtime.loader import gguf_int4_weights
+    from kernellab.runtime.request.errors import ConfigError
 
     if device.type != "cpu" or not quant.available():
         raise ConfigError("weight_quant='int4' runs on the CPU (PyTorch's int4pack matmul); use 'none' here")
@@ -103,7 +103,7 @@ class LLMEngine:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from kernellab.runtime.tokenizer import load_tokenizer
+            from kernellab.runtime.request.tokenizer import load_tokenizer
 
             self._tokenizer = load_tokenizer(self.spec)
         return self._tokenizer
@@ -161,7 +161,7 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def _grammar_state(self, spec: dict, output_token_ids):
-        from kernellab.runtime import structured
+        from kernellab.runtime.request import structured
 
         try:
             tokenizer = self.tokenizer
@@ -226,7 +226,7 @@ class LLMEngine:
         The engine owns ending the generation at a stop string (no compute past it; a resumed request rebuilds
         this check from its emitted tokens in ``add_request``, so it stops at the same token); whoever makes the
         text (gateway, RunPod handler, ``LLM.generate``) runs the same detokenizer again to hold back and cut
-        it. Why both runs stay: runtime/detokenizer.py's docstring. A token that already ended the sequence
+        it. Why both runs stay: runtime/request/detokenizer.py's docstring. A token that already ended the sequence
         (EOS, a stop token) is not fed here."""
         self.generation_tokens += 1
         detok = self._detokenizers.get(seq.request_id)
@@ -244,7 +244,7 @@ class LLMEngine:
         """Feed each sampled token to its sequence's grammar (llguidance's thread pool when there are many); a
         completed grammar ends the sequence with "stop" (also when its last allowed token completed it). A matcher
         error ends that sequence too, never the step. EOS, stop tokens and stop strings were checked first."""
-        from kernellab.runtime import structured
+        from kernellab.runtime.request import structured
 
         accepted = structured.consume_all([(seq.grammar, token) for seq, token in pairs])
         for (seq, token), ok in zip(pairs, accepted, strict=True):

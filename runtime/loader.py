@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from kernellab.runtime.config import ModelConfig
-from kernellab.runtime.errors import ModelNotAvailableError
-from kernellab.runtime.registry import ModelSpec, local_snapshot, wheel_file_path
+from kernellab.runtime.request.errors import ModelNotAvailableError
+from kernellab.runtime.request.registry import ModelSpec, local_snapshot, wheel_file_path
 
 WeightIter = Iterator[tuple[str, torch.Tensor]]
 

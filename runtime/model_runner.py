@@ -13,10 +13,10 @@ from kernellab.runtime.config import EngineConfig, ModelConfig
 from kernellab.runtime.dispatch import graph_safe
 from kernellab.runtime.graphs import GraphRunner
 from kernellab.runtime.model import CausalLM
-from kernellab.runtime.outputs import TokenLogprob
+from kernellab.runtime.request.outputs import TokenLogprob
+from kernellab.runtime.request.scheduler import SchedulerOutput
+from kernellab.runtime.request.sequence import Sequence
 from kernellab.runtime.sampler import Sampler
-from kernellab.runtime.scheduler import SchedulerOutput
-from kernellab.runtime.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

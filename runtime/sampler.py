@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernellab.runtime.outputs import TokenLogprob
-from kernellab.runtime.sequence import Sequence
+from kernellab.runtime.request.outputs import TokenLogprob
+from kernellab.runtime.request.sequence import Sequence
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier to spread (seed, index) pairs
 
@@ -81,7 +81,7 @@ class Sampler:
                 host = torch.empty((rows_cap, words), dtype=torch.int32, pin_memory=self.device.type == "cuda")
                 self._bitmask_host = host
             bitmask = host[: len(mask_rows)]
-            from kernellab.runtime import structured  # here: llguidance is needed only once a grammar is used
+            from kernellab.runtime.request import structured  # here: llguidance is needed only once a grammar is used
 
             structured.fill_bitmasks([seqs[i].grammar for i in mask_rows], bitmask.numpy())
         return Constraints((rows, ids, values) if rows else None, mask_rows, bitmask)

@@ -64,7 +64,7 @@ def batch(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kernellab.runtime.errors import KernellabError
+    from kernellab.runtime.request.errors import KernellabError
     from kernellab.services.batch.offline import run_offline
 
     errors_file = errors_file or output_file.with_name(output_file.name.removesuffix(".jsonl") + ".errors.jsonl")

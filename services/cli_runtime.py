@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kernellab.runtime.errors import KernellabError
+from kernellab.runtime.request.errors import KernellabError
 from kernellab.services.cli import app
 
 err = Console(stderr=True, soft_wrap=True)  # one error = one line, whatever the terminal width
@@ -27,7 +27,7 @@ def fail(exc: Exception) -> None:
 @app.command()
 def models() -> None:
     """The model registry, with what is available on this machine."""
-    from kernellab.runtime.registry import REGISTRY, local_snapshot
+    from kernellab.runtime.request.registry import REGISTRY, local_snapshot
 
     table = Table(title="kernellab models")
     for col in ("name", "architecture", "source", "dtype", "context", "local"):
@@ -86,7 +86,7 @@ def doctor(redis_url: Annotated[str, typer.Option(envvar="KERNELLAB_REDIS_URL")]
 def download(model: str) -> None:
     """Fetch a model's weights into the HF cache (with a progress bar)."""
     from kernellab.runtime.loader import download as fetch
-    from kernellab.runtime.registry import resolve_model
+    from kernellab.runtime.request.registry import resolve_model
 
     try:
         path = fetch(resolve_model(model))
@@ -104,7 +104,7 @@ def preflight(
 ) -> None:
     """Plan memory without weights: parameter bytes, KV bytes per token, how many tokens/sequences fit."""
     from kernellab.runtime.config import ModelConfig
-    from kernellab.runtime.registry import resolve_model
+    from kernellab.runtime.request.registry import resolve_model
 
     try:
         spec = resolve_model(model)
@@ -147,10 +147,10 @@ def generate(
 ) -> None:
     """Stream a completion to stdout (diagnostics go to stderr)."""
     from kernellab.runtime.config import EngineConfig
-    from kernellab.runtime.detokenizer import IncrementalDetokenizer
     from kernellab.runtime.engine import LLMEngine
-    from kernellab.runtime.registry import resolve_model
-    from kernellab.runtime.sampling import SamplingParams
+    from kernellab.runtime.request.detokenizer import IncrementalDetokenizer
+    from kernellab.runtime.request.registry import resolve_model
+    from kernellab.runtime.request.sampling import SamplingParams
 
     try:
         spec = resolve_model(model)

@@ -22,7 +22,7 @@ def _random_prompt(n: int, vocab: int, gen: torch.Generator) -> list[int]:
 
 def engine_ttft(engine, prompt_len: int, reps: int = 10, seed: int = 0) -> list[float]:
     """Seconds from add_request to the first token, fresh random prompts (no prefix-cache hits)."""
-    from kernellab.runtime.sampling import SamplingParams
+    from kernellab.runtime.request.sampling import SamplingParams
 
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size
@@ -44,7 +44,7 @@ def engine_ttft(engine, prompt_len: int, reps: int = 10, seed: int = 0) -> list[
 def engine_itl(engine, context: int, new_tokens: int = 64, seed: int = 1) -> list[float]:
     """Seconds per output token of one sequence whose context starts at ``context`` tokens: each step's
     time divided among the tokens it produced (a multi-step window yields several)."""
-    from kernellab.runtime.sampling import SamplingParams
+    from kernellab.runtime.request.sampling import SamplingParams
 
     gen = torch.Generator().manual_seed(seed)
     prompt = _random_prompt(context, engine.model_config.vocab_size, gen)

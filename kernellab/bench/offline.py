@@ -12,7 +12,7 @@ import torch
 
 from kernellab.bench.workloads import chat_prompts, nanovllm
 from kernellab.results import provenance
-from kernellab.runtime.registry import resolve_model, wheel_file_path
+from kernellab.runtime.request.registry import resolve_model, wheel_file_path
 
 Progress = Callable[[str], None]
 
@@ -27,7 +27,7 @@ def _peak_gib(device: str) -> float | None:
 
 
 def run_engine(engine, prompts, max_tokens: list[int], label: str, dtype: str) -> dict:
-    from kernellab.runtime.sampling import SamplingParams
+    from kernellab.runtime.request.sampling import SamplingParams
 
     device = str(engine.runner.device)
     # Warm-up (allocations, kernel compilation for the prefill shapes, first-call costs) stays out of the timing:

@@ -18,7 +18,7 @@ import json
 import random
 from pathlib import Path
 
-from kernellab.runtime.registry import REGISTRY
+from kernellab.runtime.request.registry import REGISTRY
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (

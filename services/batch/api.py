@@ -26,7 +26,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict
 
-from kernellab.runtime.errors import InvalidRequestError, KernellabError
+from kernellab.runtime.request.errors import InvalidRequestError, KernellabError
 from kernellab.services.batch.files import FileStore, FileTooLarge
 from kernellab.services.batch.lines import ENDPOINTS
 from kernellab.services.batch.settings import BatchSettings, window_seconds

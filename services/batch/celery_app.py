@@ -84,7 +84,7 @@ def _shutting_down() -> bool:
 @lru_cache(maxsize=4)
 def _serving(model: str, max_model_len: int | None) -> tuple:
     """(tokenizer, served model name, max_model_len), loaded once per process, as the gateway loads them."""
-    from kernellab.runtime.registry import resolve_model
+    from kernellab.runtime.request.registry import resolve_model
     from kernellab.services.gateway.tokenizer import load_gateway_tokenizer
 
     spec = resolve_model(model)

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
-from kernellab.runtime.errors import InvalidRequestError
+from kernellab.runtime.request.errors import InvalidRequestError
 from kernellab.services.gateway.errors import PayloadTooLarge
 
 _ID_RE = re.compile(r"^file-[0-9a-f]{24}$")

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernellab.runtime.errors import KernellabError
+from kernellab.runtime.request.errors import KernellabError
 
 # The URLs a line may name (and a batch's ``endpoint`` may be): the API routes a batch can run. Lines of
 # both kinds may share a file, as in vLLM's run-batch; OpenAI would require all to match ``endpoint``.

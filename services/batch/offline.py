@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernellab.runtime.errors import KernellabError
+from kernellab.runtime.request.errors import KernellabError
 from kernellab.services.batch import lines as L
 from kernellab.services.batch.runner import LineRunner, Outcome
 from kernellab.services.gateway.generation import ResultStream, collect

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from kernellab.runtime.errors import InvalidRequestError, KernellabError
+from kernellab.runtime.request.errors import InvalidRequestError, KernellabError
 from kernellab.services.batch import lines as L
 from kernellab.services.gateway.errors import DeadlineExceeded, RateLimited, ServiceUnavailable
 from kernellab.services.gateway.requests import Prepared, prepare

@@ -20,8 +20,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kernellab.runtime.errors import InvalidRequestError, KernellabError
-from kernellab.runtime.registry import resolve_model
+from kernellab.runtime.request.errors import InvalidRequestError, KernellabError
+from kernellab.runtime.request.registry import resolve_model
 from kernellab.services.batch.api import create_batch_router
 from kernellab.services.config import GatewaySettings
 from kernellab.services.gateway import responses as R

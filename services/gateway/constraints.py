@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 
-from kernellab.runtime.errors import InvalidRequestError
+from kernellab.runtime.request.errors import InvalidRequestError
 
 
 def parse_logit_bias(bias: dict, vocab: int) -> dict[int, float]:
@@ -146,6 +146,6 @@ def structured_with_think(spec: dict, think: str) -> dict:
     if kind not in ("json_schema", "json_object"):
         return spec
     schema = value if kind == "json_schema" else {"type": "object"}
-    # Compact JSON, as the engine compiles a schema without a think block (runtime/structured.py says why).
+    # Compact JSON, as the engine compiles a schema without a think block (runtime/request/structured.py says why).
     body = f"body: %json {json.dumps({**schema, 'x-guidance': {'whitespace_flexible': False}})}\n"
     return {"lark": _with_think(body, think)}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kernellab.runtime.errors import KernellabError
+from kernellab.runtime.request.errors import KernellabError
 
 
 class Unauthorized(KernellabError):

@@ -11,7 +11,7 @@ Invariants:
   and cuts at the stop. It also cuts a stop string completed by an EOS / ``stop_token_ids`` token, which the
   engine's check never sees, and, should a worker not stop (another tokenizer, a test's fake engine), still
   cuts and cancels it (reason ``"stop_string"``). With the real engine that cancel never fires. Why the two
-  checks are not merged: runtime/detokenizer.py's docstring.
+  checks are not merged: runtime/request/detokenizer.py's docstring.
 - Whatever way the HTTP request ends (done, error, client gone), its subscription is dropped, the waiting and
   in-flight counts return, and unfinished choices are cancelled on the worker.
 """
@@ -23,7 +23,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from kernellab.runtime.detokenizer import IncrementalDetokenizer
+from kernellab.runtime.request.detokenizer import IncrementalDetokenizer
 from kernellab.services.gateway import responses as R
 from kernellab.services.gateway.errors import DeadlineExceeded, ServiceUnavailable, UpstreamError
 from kernellab.services.gateway.output_parsers import ChatOutputParser, finish_delta, with_alias

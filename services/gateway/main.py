@@ -96,7 +96,7 @@ def supervise(settings: GatewaySettings) -> int:
     import shutil
     import tempfile
 
-    from kernellab.runtime.registry import resolve_model
+    from kernellab.runtime.request.registry import resolve_model
 
     resolve_model(settings.model)  # a configuration error stops here, not N times in the children
     n = settings.gateway_processes

@@ -9,7 +9,7 @@ import logging
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from kernellab.runtime.errors import KernellabError
+from kernellab.runtime.request.errors import KernellabError
 from kernellab.services.gateway.errors import error_headers
 
 log = logging.getLogger("kernellab.gateway")

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, replace
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from kernellab.runtime.errors import ContextLengthError, InvalidRequestError, UnknownModelError
-from kernellab.runtime.registry import resolve_model
-from kernellab.runtime.sampling import MAX_SEED, SamplingParams
+from kernellab.runtime.request.errors import ContextLengthError, InvalidRequestError, UnknownModelError
+from kernellab.runtime.request.registry import resolve_model
+from kernellab.runtime.request.sampling import MAX_SEED, SamplingParams
 from kernellab.services.gateway.constraints import (
     forced_tool_names,
     parse_logit_bias,
@@ -358,7 +358,7 @@ def prepare(
         prefix = "cmpl"
         param = "prompt"
     if structured is not None:
-        from kernellab.runtime.structured import check
+        from kernellab.runtime.request.structured import check
 
         check(structured, tokenizer)  # a schema or grammar the engine cannot use is the client's 400, here
     base = _params(body, max_tokens, logprobs, opts, tokenizer.vocab_size, structured)

@@ -34,7 +34,7 @@ def torch_blocked():
 
 
 def load_gateway_tokenizer(model: str):
-    from kernellab.runtime.tokenizer import load_tokenizer
+    from kernellab.runtime.request.tokenizer import load_tokenizer
 
     try:
         with torch_blocked():
@@ -42,7 +42,7 @@ def load_gateway_tokenizer(model: str):
     except ImportError as exc:
         if not any(b in str(exc) for b in BLOCKED):
             raise
-    code = f"from kernellab.runtime.tokenizer import load_tokenizer; load_tokenizer({model!r})"
+    code = f"from kernellab.runtime.request.tokenizer import load_tokenizer; load_tokenizer({model!r})"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=600)
     with torch_blocked():
         return load_tokenizer(model)

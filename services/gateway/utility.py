@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from kernellab.runtime.errors import InvalidRequestError
+from kernellab.runtime.request.errors import InvalidRequestError
 from kernellab.services.gateway.constraints import validate_tools
 from kernellab.services.gateway.options import ServingOptions
 from kernellab.services.gateway.requests import (

@@ -24,9 +24,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from kernellab.runtime.errors import KernellabError
-from kernellab.runtime.outputs import Engine
-from kernellab.runtime.sampling import SamplingParams
+from kernellab.runtime.request.errors import KernellabError
+from kernellab.runtime.request.outputs import Engine
+from kernellab.runtime.request.sampling import SamplingParams
 from kernellab.services.config import WorkerSettings
 from kernellab.services.queue.broker import Delivery, WorkerQueue, connect
 from kernellab.services.queue.keys import Keys

@@ -32,7 +32,7 @@ def log(msg: str) -> None:
 def hf_model(dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kernellab.runtime.registry import resolve_model
+    from kernellab.runtime.request.registry import resolve_model
 
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(**{"model_type": "qwen3", **resolve_model(MODEL).hf_config})
@@ -62,7 +62,7 @@ def engine(weights, **kw):
 
 def forward_prefill(eng, prompts, collect=None, all_logits=False):
     """Prefill each prompt (one step each, no prefix cache) and return logits (all positions or last)."""
-    from kernellab.runtime.sampling import SamplingParams
+    from kernellab.runtime.request.sampling import SamplingParams
 
     eng.block_manager.enable_prefix_caching = False
     outs = []
@@ -135,7 +135,7 @@ def numerics(hf_bf16, weights, report):
     del hf_fp32
 
     # Greedy CUDA-graph output == eager output of the same runner.
-    from kernellab.runtime.sampling import SamplingParams
+    from kernellab.runtime.request.sampling import SamplingParams
 
     # The same runner twice: graph replays with multi-step windows, then eager single steps.
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
@@ -191,7 +191,7 @@ def offline_sweep(weights, report):
     from torch.profiler import profile as torch_profile
 
     from kernellab.bench.workloads import nanovllm
-    from kernellab.runtime.sampling import SamplingParams
+    from kernellab.runtime.request.sampling import SamplingParams
 
     prompts, outs = nanovllm()
     sweep = []

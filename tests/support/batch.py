@@ -172,7 +172,7 @@ def logprob_values(line: dict) -> list[float]:
 
 def reference_texts(llm, lines: list[dict]) -> list:
     """Greedy outputs of the engine driven directly (tests/integration/conftest.py's offline_llm)."""
-    from kernellab.runtime.sampling import SamplingParams
+    from kernellab.runtime.request.sampling import SamplingParams
 
     prompts = [x["body"]["messages"] if "messages" in x["body"] else x["body"]["prompt"] for x in lines]
     params = [SamplingParams(max_tokens=x["body"]["max_tokens"], temperature=0) for x in lines]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 import time
 
-from kernellab.runtime.errors import ContextLengthError, InvalidRequestError
-from kernellab.runtime.outputs import EngineStats, RequestOutput, TokenLogprob
+from kernellab.runtime.request.errors import ContextLengthError, InvalidRequestError
+from kernellab.runtime.request.outputs import EngineStats, RequestOutput, TokenLogprob
 
 
 class _Seq:

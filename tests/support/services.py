@@ -78,6 +78,6 @@ def prefix(redis_url):
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from kernellab.runtime.tokenizer import load_tokenizer
+    from kernellab.runtime.request.tokenizer import load_tokenizer
 
     return load_tokenizer("smollm2-135m")

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from kernellab.runtime.sampling import SamplingParams
+from kernellab.runtime.request.sampling import SamplingParams
 from tests.support.stack import API_KEY, MODEL, metric, wait_for
 
 pytestmark = pytest.mark.integration

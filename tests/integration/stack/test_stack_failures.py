@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from kernellab.runtime.sampling import SamplingParams
+from kernellab.runtime.request.sampling import SamplingParams
 from tests.support.stack import API_KEY, MODEL, metric, wait_for
 
 pytestmark = pytest.mark.integration

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kernellab.runtime.registry import DEFAULT_CPU_MODEL as MODEL
+from kernellab.runtime.request.registry import DEFAULT_CPU_MODEL as MODEL
 from tests.support.services import prefix, redis_url, tokenizer
 
 __all__ = ["engine_worker", "prefix", "redis_url", "tokenizer"]

@@ -10,7 +10,7 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from kernellab.runtime.registry import DEFAULT_CPU_MODEL as MODEL
+from kernellab.runtime.request.registry import DEFAULT_CPU_MODEL as MODEL
 from kernellab.services.batch.celery_app import TASK_NAME
 from kernellab.services.config import GatewaySettings
 from kernellab.services.gateway.app import create_app

@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from kernellab.runtime.errors import InvalidRequestError
+from kernellab.runtime.request.errors import InvalidRequestError
 from kernellab.services.batch.files import FileStore, FileTooLarge, valid_file_id
 
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import redis
 
-from kernellab.runtime.registry import DEFAULT_CPU_MODEL as MODEL
+from kernellab.runtime.request.registry import DEFAULT_CPU_MODEL as MODEL
 from kernellab.services.batch.client import QueueExecutor
 from kernellab.services.batch.files import FileStore
 from kernellab.services.batch.job import BatchJob

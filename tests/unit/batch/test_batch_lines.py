@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kernellab.runtime.errors import InvalidRequestError
+from kernellab.runtime.request.errors import InvalidRequestError
 from kernellab.services.batch import lines as L
 
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kernellab.runtime.registry import DEFAULT_CPU_MODEL as MODEL
+from kernellab.runtime.request.registry import DEFAULT_CPU_MODEL as MODEL
 from kernellab.services.batch import lines as L
 from kernellab.services.batch.offline import EngineExecutor
 from kernellab.services.batch.runner import LineRunner

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from kernellab.runtime.errors import ContextLengthError, InvalidRequestError, UnknownModelError
+from kernellab.runtime.request.errors import ContextLengthError, InvalidRequestError, UnknownModelError
 from tests.support.deploy import REPO
 
 sys.path.insert(0, str(REPO / "runpod"))  # the handler's modules sit beside handler.py, as in the image
@@ -23,7 +23,7 @@ MAX_LEN = 2048
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from kernellab.runtime.tokenizer import load_tokenizer
+    from kernellab.runtime.request.tokenizer import load_tokenizer
 
     return load_tokenizer("smollm2-135m")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kernellab.runtime.engine import LLM
-from kernellab.runtime.sampling import SamplingParams
+from kernellab.runtime.request.sampling import SamplingParams
 from tests.conftest import SMOL_PROMPTS
 
 pytestmark = pytest.mark.slow

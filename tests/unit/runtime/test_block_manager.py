@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kernellab.runtime.block_manager import BlockManager
-from kernellab.runtime.sampling import SamplingParams
-from kernellab.runtime.sequence import Sequence
+from kernellab.runtime.request.block_manager import BlockManager
+from kernellab.runtime.request.sampling import SamplingParams
+from kernellab.runtime.request.sequence import Sequence
 
 BS = 4
 

@@ -10,7 +10,7 @@ import pytest
 
 from kernellab.runtime.config import EngineConfig
 from kernellab.runtime.engine import LLMEngine
-from kernellab.runtime.sampling import SamplingParams
+from kernellab.runtime.request.sampling import SamplingParams
 
 
 class ScriptedRunner:

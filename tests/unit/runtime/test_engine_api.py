@@ -6,9 +6,9 @@ import pytest
 
 from kernellab.runtime.config import EngineConfig, ModelConfig
 from kernellab.runtime.engine import LLMEngine
-from kernellab.runtime.errors import ConfigError, ContextLengthError, InvalidRequestError, UnknownModelError
-from kernellab.runtime.registry import resolve_model
-from kernellab.runtime.sampling import SamplingParams
+from kernellab.runtime.request.errors import ConfigError, ContextLengthError, InvalidRequestError, UnknownModelError
+from kernellab.runtime.request.registry import resolve_model
+from kernellab.runtime.request.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ def test_unknown_model_is_a_clear_error():
 
 
 def test_stop_string_on_the_last_allowed_token_reports_stop(smol_engine_fp32):
-    from kernellab.runtime.sampling import SamplingParams as SP
+    from kernellab.runtime.request.sampling import SamplingParams as SP
 
     llm = smol_engine_fp32
     prompt = [{"role": "user", "content": "What is the capital of France?"}]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernellab.runtime.engine import LLMEngine
-from kernellab.runtime.sampling import SamplingParams
+from kernellab.runtime.request.sampling import SamplingParams
 
 PROMPT_LENS = (5, 17, 33, 64)
 DECODE_STEPS = 16

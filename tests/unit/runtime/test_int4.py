@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kernellab.runtime import quant
-from kernellab.runtime.errors import ConfigError
-from kernellab.runtime.registry import resolve_model, wheel_file_path
-from kernellab.runtime.sampling import SamplingParams
+from kernellab.runtime.request.errors import ConfigError
+from kernellab.runtime.request.registry import resolve_model, wheel_file_path
+from kernellab.runtime.request.sampling import SamplingParams
 from tests.conftest import SMOL_PROMPTS
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="this torch has no CPU int4pack matmul")

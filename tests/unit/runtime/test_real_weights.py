@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernellab.runtime.registry import resolve_model, wheel_file_path
-from kernellab.runtime.sampling import SamplingParams
+from kernellab.runtime.request.registry import resolve_model, wheel_file_path
+from kernellab.runtime.request.sampling import SamplingParams
 from tests.conftest import SMOL_PROMPTS
 
 pytestmark = pytest.mark.slow

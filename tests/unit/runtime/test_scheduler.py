@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from kernellab.runtime.block_manager import BlockManager
-from kernellab.runtime.sampling import SamplingParams
-from kernellab.runtime.scheduler import Scheduler
-from kernellab.runtime.sequence import Sequence, SequenceStatus
+from kernellab.runtime.request.block_manager import BlockManager
+from kernellab.runtime.request.sampling import SamplingParams
+from kernellab.runtime.request.scheduler import Scheduler
+from kernellab.runtime.request.sequence import Sequence, SequenceStatus
 
 BS = 4
 EOS = 0

@@ -1,4 +1,4 @@
-"""runtime/structured.py on the embedded model's tokenizer: grammars of each kind, validation errors as 400s,
+"""runtime/request/structured.py on the embedded model's tokenizer: grammars of each kind, validation errors as 400s,
 and a matcher rebuilt from emitted tokens (failover) masking exactly like the one that emitted them."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernellab.runtime import structured
-from kernellab.runtime.errors import InvalidRequestError
-from kernellab.runtime.registry import resolve_model
-from kernellab.runtime.tokenizer import load_tokenizer
+from kernellab.runtime.request import structured
+from kernellab.runtime.request.errors import InvalidRequestError
+from kernellab.runtime.request.registry import resolve_model
+from kernellab.runtime.request.tokenizer import load_tokenizer
 
 SCHEMA = {
     "type": "object",

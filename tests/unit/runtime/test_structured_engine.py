@@ -13,11 +13,11 @@ import jsonschema
 import pytest
 
 from kernellab.runtime.engine import LLMEngine
-from kernellab.runtime.errors import InvalidRequestError
 from kernellab.runtime.model_runner import ModelRunner
-from kernellab.runtime.sampling import SamplingParams
-from kernellab.runtime.scheduler import SchedulerOutput
-from kernellab.runtime.sequence import Sequence
+from kernellab.runtime.request.errors import InvalidRequestError
+from kernellab.runtime.request.sampling import SamplingParams
+from kernellab.runtime.request.scheduler import SchedulerOutput
+from kernellab.runtime.request.sequence import Sequence
 
 pytestmark = pytest.mark.slow
 

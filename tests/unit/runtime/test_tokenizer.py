@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kernellab.runtime.detokenizer import IncrementalDetokenizer
-from kernellab.runtime.errors import InvalidRequestError
-from kernellab.runtime.registry import resolve_model, wheel_file_path
-from kernellab.runtime.tokenizer import load_tokenizer
+from kernellab.runtime.request.detokenizer import IncrementalDetokenizer
+from kernellab.runtime.request.errors import InvalidRequestError
+from kernellab.runtime.request.registry import resolve_model, wheel_file_path
+from kernellab.runtime.request.tokenizer import load_tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kernellab.runtime.errors import InvalidRequestError
-from kernellab.runtime.tokenizer import TextTokenizer
+from kernellab.runtime.request.errors import InvalidRequestError
+from kernellab.runtime.request.tokenizer import TextTokenizer
 from kernellab.services.gateway.options import ServingOptions
 from kernellab.services.gateway.requests import prepare
 from kernellab.services.gateway.utility import detokenize_request, tokenize_request
@@ -58,8 +58,8 @@ def qwen3(tokenizer):
 def hf_tokenizer():
     from transformers import AutoTokenizer
 
-    from kernellab.runtime.registry import resolve_model
-    from kernellab.runtime.tokenizer import tokenizer_dir
+    from kernellab.runtime.request.registry import resolve_model
+    from kernellab.runtime.request.tokenizer import tokenizer_dir
 
     return AutoTokenizer.from_pretrained(str(tokenizer_dir(resolve_model(MODEL))))
 
@@ -124,7 +124,7 @@ def test_a_template_without_tools_gets_them_in_a_system_turn(tokenizer):
     [("required", ["get_weather", "get_time"]), ({"type": "function", "function": {"name": "get_time"}}, ["get_time"])],
 )
 def test_forced_tool_choice_is_a_grammar(qwen3, choice, names):
-    from kernellab.runtime.structured import check
+    from kernellab.runtime.request.structured import check
 
     p = chat(qwen3, tools=[WEATHER, CLOCK], tool_choice=choice)
     grammar = p.choices[0].params.structured["lark"]

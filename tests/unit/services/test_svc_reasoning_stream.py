@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 from test_svc_gateway import AUTH, MODEL, gateway_settings, wait_ready, worker  # noqa: F401 (fixture)
 
-from kernellab.runtime.tokenizer import TextTokenizer
+from kernellab.runtime.request.tokenizer import TextTokenizer
 
 QWEN3_TEMPLATE = (Path(__file__).parents[2] / "fixtures" / "chat_templates" / "qwen3.jinja").read_text()
 THOUGHT = "<think>\nThe user greets me. I greet back.\n</think>\n\nHello there!"

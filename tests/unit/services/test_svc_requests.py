@@ -2,7 +2,7 @@
 
 import pytest
 
-from kernellab.runtime.errors import (
+from kernellab.runtime.request.errors import (
     ContextLengthError,
     InvalidRequestError,
     KernellabError,

@@ -19,8 +19,8 @@ from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
-from kernellab.runtime.errors import ConfigError, InvalidRequestError, ModelNotAvailableError
-from kernellab.runtime.registry import ModelSpec, local_snapshot, resolve_model
+from kernellab.runtime.request.errors import ConfigError, InvalidRequestError, ModelNotAvailableError
+from kernellab.runtime.request.registry import ModelSpec, local_snapshot, resolve_model
 
 log = logging.getLogger(__name__)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")

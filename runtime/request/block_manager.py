@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kernellab.runtime.sequence import Sequence
+from kernellab.runtime.request.sequence import Sequence
 
 
 def chain_hash(prev: int | None, tokens: tuple[int, ...]) -> int:

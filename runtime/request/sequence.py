@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from enum import Enum, auto
 
-from kernellab.runtime.sampling import SamplingParams
+from kernellab.runtime.request.sampling import SamplingParams
 
 
 class SequenceStatus(Enum):

@@ -19,8 +19,8 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
-from kernellab.runtime.block_manager import BlockManager
-from kernellab.runtime.sequence import Sequence, SequenceStatus
+from kernellab.runtime.request.block_manager import BlockManager
+from kernellab.runtime.request.sequence import Sequence, SequenceStatus
 
 
 @dataclass

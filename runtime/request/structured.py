@@ -15,7 +15,7 @@ import llguidance
 import llguidance.numpy as llnp
 import numpy as np
 
-from kernellab.runtime.errors import InvalidRequestError
+from kernellab.runtime.request.errors import InvalidRequestError
 
 PARAM = "response_format"  # the OpenAI parameter a structured spec comes from
 PARALLEL_ROWS = 4  # from this many constrained rows a step fills their masks on llguidance's thread pool

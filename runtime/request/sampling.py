@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-from kernellab.runtime.errors import InvalidRequestError
+from kernellab.runtime.request.errors import InvalidRequestError
 
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20
@@ -31,7 +31,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # token id → bias added to its logit before sampling (OpenAI's logit_bias; -100 bans, 100 forces)
     logit_bias: dict[int, float] | None = None
-    # Constrained decoding (runtime/structured.py): exactly one of {"json_schema": {...}}, {"json_object": True},
+    # Constrained decoding (runtime/request/structured.py): exactly one of {"json_schema": {...}}, {"json_object": True},
     # {"regex": "..."}, {"lark": "..."}; every sampled token keeps the output a prefix of the grammar's language.
     structured: dict | None = None
 

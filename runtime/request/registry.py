@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernellab.runtime.errors import ModelNotAvailableError, UnknownModelError
+from kernellab.runtime.request.errors import ModelNotAvailableError, UnknownModelError
 
 
 @dataclass(frozen=True)
