@@ -12,8 +12,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
+
+import torch
 
 from kernellab.runtime import ops as reference
 
@@ -37,6 +40,29 @@ REPLACEABLE = (
 _TORCH_ONLY = ("paged_prefill_attention", "varlen_causal_attention")  # the model's other ops: always the reference
 LEVELS = {"accepted": ("accepted",), "experimental": ("accepted", "experimental"), "none": ()}
 
+Op = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class Ops:
+    """The op table a model calls: the torch reference of every op, or the accepted Triton kernel in its place
+    (each kernel keeps its reference's signature, ``runtime/ops.py``). ``enabled`` names the ops that run as
+    Triton kernels."""
+
+    rms_norm: Op
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    qk_norm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    qk_norm_rope_store_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    store_kv: Callable[..., None]
+    silu_and_mul: Op
+    linear: Op
+    paged_decode_attention: Op
+    argmax: Op
+    paged_prefill_attention: Op
+    varlen_causal_attention: Op
+    enabled: tuple[str, ...] = ()
+
 
 def load_status(path: Path = STATUS_FILE) -> dict[str, dict]:
     if not path.exists():
@@ -48,11 +74,8 @@ def triton_runs_on(device) -> bool:
     return getattr(device, "type", str(device)) == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def build_ops(
-    kernels: str, device, status: dict[str, dict] | None = None, disabled: tuple[str, ...] = ()
-) -> SimpleNamespace:
-    """An ops namespace: the torch reference for every op, with the allowed Triton kernels swapped in.
-    ``ns.enabled`` lists the ops that run as Triton kernels."""
+def build_ops(kernels: str, device, status: dict[str, dict] | None = None, disabled: tuple[str, ...] = ()) -> Ops:
+    """The op table: the torch reference for every op, with the allowed Triton kernels swapped in."""
     if kernels not in LEVELS:
         raise ValueError(f"kernels must be one of {', '.join(LEVELS)}, got {kernels!r}")
     table = {name: getattr(reference, name) for name in (*REPLACEABLE, *_TORCH_ONLY)}
@@ -68,11 +91,10 @@ def build_ops(
             if op in available and op not in disabled and status.get(op, {}).get("status") in LEVELS[kernels]:
                 table[op] = available[op]
                 enabled.append(op)
-    return SimpleNamespace(**table, enabled=tuple(enabled))
+    return Ops(**table, enabled=tuple(enabled))
 
 
-def graph_safe(ops: SimpleNamespace, qk_norm: bool) -> bool:
+def graph_safe(ops: Ops, qk_norm: bool) -> bool:
     """CUDA-graph capture needs the KV write and the decode attention without host syncs (the Triton kernels)."""
-    enabled = getattr(ops, "enabled", ())
     store = "qk_norm_rope_store_kv" if qk_norm else "store_kv"
-    return "paged_decode_attention" in enabled and store in enabled
+    return "paged_decode_attention" in ops.enabled and store in ops.enabled

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kernellab.runtime.config import EngineConfig, ModelConfig
 from kernellab.runtime.request.block_manager import BlockManager
@@ -16,6 +17,11 @@ from kernellab.runtime.request.registry import ModelSpec, resolve_model
 from kernellab.runtime.request.sampling import SamplingParams
 from kernellab.runtime.request.scheduler import Scheduler
 from kernellab.runtime.request.sequence import Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+    from kernellab.runtime.dispatch import Ops
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +304,7 @@ class LLMEngine:
         self.scheduler.check_integrity()
 
 
-def _select_ops(cfg: EngineConfig, device):
+def _select_ops(cfg: EngineConfig, device: torch.device) -> Ops:
     """``backend="auto"``: the acceptance dispatcher on a GPU, the torch references on a CPU (where Triton
     would only run under its interpreter); ``"triton"`` forces the dispatcher (tests under the interpreter)."""
     from kernellab.runtime.dispatch import build_ops

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kernellab.runtime.attention import AttentionMetadata
+from kernellab.runtime.request.block_manager import slot_of
 
 log = logging.getLogger(__name__)
 
@@ -153,9 +154,7 @@ class GraphRunner:
         pos = pos0[None, :] + k  # (steps, n)
         live = k < np.asarray(allowed, dtype=np.int64)[None, :]
         pos = np.where(live, pos, pos0[None, :])
-        slots = (
-            t[np.arange(n)[None, :], pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
-        )
+        slots = slot_of(t, pos, self.block_size, rows=np.arange(n)[None, :])
         plan = self.host_plan.numpy()
         plan[:steps, :, :bs] = 0
         plan[:steps, 0, :n] = pos

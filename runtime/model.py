@@ -8,6 +8,7 @@ from torch import nn
 
 from kernellab.runtime.attention import AttentionMetadata, paged_attention
 from kernellab.runtime.config import ModelConfig
+from kernellab.runtime.dispatch import Ops
 
 # HF checkpoint module → (our fused module, shard index). Shard sizes come from the config.
 PACKED_MODULES = {
@@ -76,7 +77,7 @@ class Backbone(nn.Module):
 class CausalLM(nn.Module):
     """``forward(input_ids (T,), meta, kv_caches) → hidden (T, H)``; ``compute_logits(hidden) → (N, V) fp32``."""
 
-    def __init__(self, cfg: ModelConfig, ops, cos_sin_cache: torch.Tensor):
+    def __init__(self, cfg: ModelConfig, ops: Ops, cos_sin_cache: torch.Tensor):
         super().__init__()
         self.cfg = cfg
         self.ops = ops

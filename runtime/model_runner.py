@@ -10,9 +10,10 @@ import torch
 from kernellab.runtime import ops as torch_ops
 from kernellab.runtime.attention import AttentionMetadata
 from kernellab.runtime.config import EngineConfig, ModelConfig
-from kernellab.runtime.dispatch import graph_safe
+from kernellab.runtime.dispatch import Ops, build_ops, graph_safe
 from kernellab.runtime.graphs import GraphRunner
 from kernellab.runtime.model import CausalLM
+from kernellab.runtime.request.block_manager import slot_of
 from kernellab.runtime.request.outputs import TokenLogprob
 from kernellab.runtime.request.scheduler import SchedulerOutput
 from kernellab.runtime.request.sequence import Sequence
@@ -50,13 +51,14 @@ class ModelRunner:
         dtype: torch.dtype,
         max_model_len: int,
         weights=None,
-        ops=torch_ops,
+        ops: Ops | None = None,
         int4_weights=None,
     ):
         self.cfg, self.model_cfg = cfg, model_cfg
         self.device, self.dtype = device, dtype
         self.block_size = cfg.block_size
         self.max_model_len = max_model_len
+        ops = build_ops("none", device) if ops is None else ops
         torch.manual_seed(cfg.seed)
         if device.type == "cuda":
             # cuDNN's SDPA builds an execution plan for every new (batch, length) shape: seconds over a run whose
@@ -134,8 +136,7 @@ class ModelRunner:
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
             table = seq.block_table
-            for p in range(start, start + n):
-                slots.append(table[p // bs] * bs + p % bs)
+            slots.extend(slot_of(table, p, bs) for p in range(start, start + n))
             positions.extend(range(start, start + n))
             if n == 1:
                 num_decode += 1
@@ -226,7 +227,7 @@ class ModelRunner:
         if all(n == 1 for _, n in sched) and graphs.decode_bucket(len(sched)):
             pos = [s.num_computed_tokens for s, _ in sched]
             ids = [s.token_ids[p] for (s, _), p in zip(sched, pos, strict=True)]
-            slots = [s.block_table[p // bs] * bs + p % bs for (s, _), p in zip(sched, pos, strict=True)]
+            slots = [slot_of(s.block_table, p, bs) for (s, _), p in zip(sched, pos, strict=True)]
             logits = graphs.decode(ids, pos, slots, [p + 1 for p in pos], [s.block_table for s, _ in sched])
             rows = [i for i, (s, n) in enumerate(sched) if out.samples(s, n)]
             if len(rows) != len(sched):
@@ -236,6 +237,6 @@ class ModelRunner:
             seq, n = sched[0]
             if n > 1 and seq.num_computed_tokens == 0 and out.samples(seq, n) and graphs.prefill_bucket(n):
                 table = seq.block_table
-                slots = [table[p // bs] * bs + p % bs for p in range(n)]
+                slots = [slot_of(table, p, bs) for p in range(n)]
                 return graphs.prefill(seq.token_ids[:n], slots), [seq]
         return None

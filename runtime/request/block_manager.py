@@ -19,6 +19,15 @@ def chain_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
     return hash((prev, tokens))
 
 
+def slot_of(block_table, pos, block_size: int, rows=None):
+    """The KV cache slot of token position ``pos``: physical block ``block_table[pos // block_size]`` at offset
+    ``pos % block_size``, flattened as ``block * block_size + offset`` (the row of the ``(num_blocks *
+    block_size, heads, head_dim)`` cache view the kernels write). With a 2-D table (one row per sequence) and
+    an array of positions, ``rows`` gives each position's sequence row (numpy broadcasting)."""
+    block = block_table[pos // block_size] if rows is None else block_table[rows, pos // block_size]
+    return block * block_size + pos % block_size
+
+
 @dataclass
 class Block:
     block_id: int

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kernellab.runtime.request.block_manager import BlockManager
+from kernellab.runtime.request.block_manager import BlockManager, slot_of
 from kernellab.runtime.request.sampling import SamplingParams
 from kernellab.runtime.request.sequence import Sequence
 
@@ -123,3 +123,16 @@ def test_identical_blocks_computed_twice_keep_one_cache_entry():
     bm.free_sequence(a)
     bm.free_sequence(b)
     bm.check_integrity([])
+
+
+def test_slot_of_maps_positions_through_the_block_table():
+    """One formula for the runner's per-token slots and the decode window's vectorized ones."""
+    import numpy as np
+
+    tables = [[7, 2, 9], [4, 0, 5]]
+    bs = 4
+    assert [slot_of(tables[0], p, bs) for p in (0, 3, 4, 9)] == [28, 31, 8, 37]
+    pos = np.array([[1, 6], [2, 9]])  # (steps, rows): row 0's positions 1, 2 and row 1's 6, 9
+    got = slot_of(np.array(tables, dtype=np.int32), pos, bs, rows=np.arange(2)[None, :])
+    want = [[slot_of(tables[r], int(pos[k, r]), bs) for r in range(2)] for k in range(2)]
+    assert got.tolist() == want == [[29, 2], [30, 21]]
