@@ -85,6 +85,8 @@ VARIANTS = {
     "nogather": {"KERNELLAB_GATHER_BURST_GAP_S": "0"},  # no burst gather (before it existed)
     "noflush": {"KERNELLAB_FIRST_TOKEN_FLUSH_S": "0"},  # first tokens not awaited before the next step
     "flush": {"KERNELLAB_FIRST_TOKEN_FLUSH_S": "0.005"},
+    # the gather's target as it was before gather_tokens: the whole first step budget (capped to it)
+    "fullgather": {"KERNELLAB_GATHER_TOKENS": str(1 << 30)},
 }
 GATEWAY_VARIANTS = {"slowpath": {"KERNELLAB_GATEWAY_FAST_PATH": "0"}}  # generation routes through FastAPI
 TARGETS = {"throughput_ratio_min": 0.90, "interactive_added_ttft_p50_ms_max": 5.0, "two_gpu_scaling_min": 1.85}

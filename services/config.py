@@ -114,10 +114,14 @@ class WorkerSettings(StackSettings):
     # steps instead of a small step for its head that the rest then waits behind. The first wait is short
     # (gather_gap_s: what a lone request pays); once a second request has come, the quiet gap that ends the
     # gather is gather_burst_gap_s (a burst reaches a worker in pieces, one per gateway process's Redis flush),
-    # and the whole gather is at most gather_max_s, and ends as soon as the first step's token budget is full.
+    # and the whole gather is at most gather_max_s. It also ends once the first step holds gather_tokens prompt
+    # tokens (None: a quarter of max_num_batched_tokens): enough to keep the device busy while the rest of the
+    # burst arrives, to join the next step. Gathering up to the full step budget left the device idle while the
+    # budget filled (docs/deploy.md, "Where the added TTFT goes").
     gather_gap_s: float = Field(0.001, ge=0)
     gather_burst_gap_s: float = Field(0.004, ge=0)
     gather_max_s: float = Field(0.05, ge=0)
+    gather_tokens: int | None = Field(None, ge=1)
     # After a step that produced first tokens, wait (at most this long) until they are written to Redis.
     first_token_flush_s: float = Field(0.005, ge=0)
     step_trace: str = ""  # KERNELLAB_STEP_TRACE: a file for one JSON line per step and request (worker/trace.py)

@@ -247,10 +247,10 @@ class Worker:
         burst_gap = max(s.gather_gap_s, s.gather_burst_gap_s)
         gap, end = burst_gap if burst else s.gather_gap_s, time.monotonic() + s.gather_max_s
         batch = WriteBatch()
-        # Once the first step's token budget is full, waiting longer only delays it: later arrivals would run in
-        # the second step anyway, and they arrive while the first one runs.
-        budget = s.max_num_batched_tokens
-        while gap > 0 and (left := end - time.monotonic()) > 0 and self._new_prompt_tokens() < budget:
+        # Once the first step has enough work to keep the device busy while the rest arrives, waiting longer only
+        # delays it: later arrivals join the next step (the loop takes them in between steps).
+        target = min(s.gather_tokens or s.max_num_batched_tokens // 4, s.max_num_batched_tokens)
+        while gap > 0 and (left := end - time.monotonic()) > 0 and self._new_prompt_tokens() < target:
             try:
                 self._handle(self.inbox.get(timeout=min(gap, left)), batch)
             except queue.Empty:

@@ -198,11 +198,15 @@ def _delivery(rid, prompt_len):
     )
 
 
-def test_gather_stops_once_the_first_steps_token_budget_is_full(redis_url, prefix):
-    """An idle worker gathers a burst, but a first step that is already full does not wait for the rest: they
-    would run in the second step anyway (the engine has them as soon as the loop drains the inbox again)."""
+@pytest.mark.parametrize(
+    "limits", [{"max_num_batched_tokens": 100}, {"max_num_batched_tokens": 960}, {"gather_tokens": 200}]
+)
+def test_gather_stops_once_the_first_step_has_enough_work(redis_url, prefix, limits):
+    """An idle worker gathers a burst, but once the first step holds its gather target (a quarter of the step
+    budget by default, or gather_tokens) it does not wait for the rest: they join the next step (the engine has
+    them as soon as the loop drains the inbox again), and the device is busy meanwhile."""
     w = Worker(
-        settings(redis_url, prefix, max_num_batched_tokens=100, gather_burst_gap_s=5.0, gather_max_s=5.0),
+        settings(redis_url, prefix, gather_burst_gap_s=5.0, gather_max_s=5.0, **limits),
         engine=FakeEngine(step_s=0),
     )
     for i in range(4):
