@@ -134,9 +134,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if not prompt:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        if any(
-            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in [*prompt, *output_token_ids]
-        ):
+        if not _valid_token_ids([*prompt, *output_token_ids], vocab):
             raise InvalidRequestError(f"token ids must be integers in [0, {vocab})", param="prompt")
         total = len(prompt) + len(output_token_ids)
         if total >= self.max_model_len:
@@ -302,6 +300,13 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+
+def _valid_token_ids(tokens: list[int], vocab: int) -> bool:
+    """Integers (not bools) in ``[0, vocab)``. Checked per distinct type, then with ``min``/``max``: a per-token
+    generator cost ~1.5 ms for 32 prompts of 512 tokens, on the worker's step thread between two steps."""
+    kinds = set(map(type, tokens))
+    return all(issubclass(k, int) and k is not bool for k in kinds) and min(tokens) >= 0 and max(tokens) < vocab
 
 
 def _select_ops(cfg: EngineConfig, device: torch.device) -> Ops:

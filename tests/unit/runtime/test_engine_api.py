@@ -121,8 +121,11 @@ def test_bad_prompts(engine):
     with pytest.raises(ContextLengthError) as exc:
         engine.add_request("mt", [1] * 10, SamplingParams(max_tokens=250))
     assert exc.value.param == "max_tokens"
+    for bad in ([10**6], [1, -1], [1, True], [1, 2.0], [1, "2"], [1, None]):
+        with pytest.raises(InvalidRequestError, match="token ids"):
+            engine.add_request("vocab", bad, SamplingParams())
     with pytest.raises(InvalidRequestError, match="token ids"):
-        engine.add_request("vocab", [10**6], SamplingParams())
+        engine.add_request("resumed", [1, 2], SamplingParams(), output_token_ids=[3, 10**6])
     assert not engine.has_unfinished_requests()
 
 
