@@ -13,7 +13,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -62,6 +62,14 @@ class Ops:
     paged_prefill_attention: Op
     varlen_causal_attention: Op
     enabled: tuple[str, ...] = ()
+    torch_reasons: dict[str, str] = field(default_factory=dict)  # a replaceable op on torch → why
+
+
+def ops_on_path(qk_norm: bool) -> tuple[str, ...]:
+    """The replaceable ops a decoder calls (``runtime/model.py``): Qwen3's QK-norm fuses RoPE and the KV write
+    into one op; the Llama family calls RoPE and the KV write separately."""
+    rope_kv = ("qk_norm_rope_store_kv",) if qk_norm else ("rotary_embedding", "store_kv")
+    return ("rms_norm", "add_rms_norm", *rope_kv, "silu_and_mul", "linear", "paged_decode_attention", "argmax")
 
 
 def load_status(path: Path = STATUS_FILE) -> dict[str, dict]:
@@ -74,13 +82,25 @@ def triton_runs_on(device) -> bool:
     return getattr(device, "type", str(device)) == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def build_ops(kernels: str, device, status: dict[str, dict] | None = None, disabled: tuple[str, ...] = ()) -> Ops:
-    """The op table: the torch reference for every op, with the allowed Triton kernels swapped in."""
+def build_ops(
+    kernels: str,
+    device,
+    status: dict[str, dict] | None = None,
+    disabled: tuple[str, ...] = (),
+    why_none: str | None = None,
+) -> Ops:
+    """The op table: the torch reference for every op, with the allowed Triton kernels swapped in.
+    ``why_none``: the reason reported for ``kernels="none"`` (the default says the setting)."""
     if kernels not in LEVELS:
         raise ValueError(f"kernels must be one of {', '.join(LEVELS)}, got {kernels!r}")
     table = {name: getattr(reference, name) for name in (*REPLACEABLE, *_TORCH_ONLY)}
     enabled: list[str] = []
-    if LEVELS[kernels] and triton_runs_on(device):
+    reasons: dict[str, str] = {}
+    if not LEVELS[kernels]:
+        reasons = dict.fromkeys(REPLACEABLE, why_none or f"kernels={kernels!r}")
+    elif not triton_runs_on(device):
+        reasons = dict.fromkeys(REPLACEABLE, f"no Triton on {getattr(device, 'type', device)}")
+    else:
         from kernellab import kernels as lib
 
         available = lib.KERNELS
@@ -88,13 +108,61 @@ def build_ops(kernels: str, device, status: dict[str, dict] | None = None, disab
             log.warning("Triton is unavailable (%s): torch references everywhere", lib.TRITON_IMPORT_ERROR)
         status = load_status() if status is None else status
         for op in REPLACEABLE:
-            if op in available and op not in disabled and status.get(op, {}).get("status") in LEVELS[kernels]:
+            entry = status.get(op, {})
+            if op not in available:
+                reasons[op] = f"Triton unavailable: {lib.TRITON_IMPORT_ERROR}"
+            elif op in disabled:
+                reasons[op] = "disabled by configuration"
+            elif entry.get("status") not in LEVELS[kernels]:
+                why = entry.get("reason")
+                reasons[op] = f"{entry.get('status', 'no status')} at kernels={kernels!r}" + (
+                    f" ({why})" if why else ""
+                )
+            else:
                 table[op] = available[op]
                 enabled.append(op)
-    return Ops(**table, enabled=tuple(enabled))
+    return Ops(**table, enabled=tuple(enabled), torch_reasons=reasons)
+
+
+def graph_needs(qk_norm: bool) -> tuple[str, ...]:
+    """CUDA-graph capture needs the KV write and the decode attention without host syncs (the Triton kernels)."""
+    return ("qk_norm_rope_store_kv" if qk_norm else "store_kv", "paged_decode_attention")
 
 
 def graph_safe(ops: Ops, qk_norm: bool) -> bool:
-    """CUDA-graph capture needs the KV write and the decode attention without host syncs (the Triton kernels)."""
-    store = "qk_norm_rope_store_kv" if qk_norm else "store_kv"
-    return "paged_decode_attention" in ops.enabled and store in ops.enabled
+    return all(op in ops.enabled for op in graph_needs(qk_norm))
+
+
+def fast_path(ops: Ops, qk_norm: bool, device, cuda_graphs: bool, decode_window: int) -> dict:
+    """What of the fast path a model runs on, and why any part is off (logged at startup, kept by the engine):
+    CUDA graphs (captured decode and prefill buckets), multi-step decode windows, and which of the ops on the
+    model's path run as Triton kernels."""
+    path = ops_on_path(qk_norm)
+    graphs_off = None
+    if getattr(device, "type", str(device)) != "cuda":
+        graphs_off = f"device {getattr(device, 'type', device)}"
+    elif not cuda_graphs:
+        graphs_off = "cuda_graphs=False"
+    elif missing := [op for op in graph_needs(qk_norm) if op not in ops.enabled]:
+        graphs_off = "capture needs the Triton " + ", ".join(
+            f"{op} (on torch: {ops.torch_reasons.get(op, 'not enabled')})" for op in missing
+        )
+    return {
+        "cuda_graphs": graphs_off is None,
+        "cuda_graphs_off": graphs_off,
+        "decode_window": decode_window if graphs_off is None else 1,
+        "triton_ops": [op for op in path if op in ops.enabled],
+        "torch_ops": {op: ops.torch_reasons.get(op, "not enabled") for op in path if op not in ops.enabled},
+    }
+
+
+def describe_fast_path(fp: dict) -> str:
+    graphs = "CUDA graphs on" if fp["cuda_graphs"] else f"CUDA graphs off ({fp['cuda_graphs_off']})"
+    by_reason: dict[str, list[str]] = {}
+    for op, why in fp["torch_ops"].items():
+        by_reason.setdefault(why, []).append(op)
+    torch_ops = "; ".join(f"{', '.join(ops)} ({why})" for why, ops in by_reason.items()) or "none"
+    return (
+        f"{graphs}; decode window {fp['decode_window']}; Triton: {', '.join(fp['triton_ops']) or 'none'}; "
+        f"torch: {torch_ops}"
+    )

@@ -283,6 +283,11 @@ class LLMEngine:
             seq.num_cached_tokens,
         )
 
+    @property
+    def fast_path(self) -> dict:
+        """CUDA graphs, decode window and Triton ops this model runs on, and why any is off (dispatch.fast_path)."""
+        return self.runner.fast_path
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
@@ -315,7 +320,9 @@ def _select_ops(cfg: EngineConfig, device: torch.device) -> Ops:
     from kernellab.runtime.dispatch import build_ops
 
     use_triton = cfg.backend == "triton" or (cfg.backend == "auto" and device.type == "cuda")
-    ops = build_ops(cfg.kernels if use_triton else "none", device, disabled=cfg.disabled_kernels)
+    if not use_triton:
+        return build_ops("none", device, why_none=f"backend={cfg.backend!r} on {device.type}: torch references")
+    ops = build_ops(cfg.kernels, device, disabled=cfg.disabled_kernels)
     log.info("Triton ops enabled: %s", ", ".join(ops.enabled) or "none")
     return ops
 

@@ -11,7 +11,7 @@ import torch
 from kernellab.runtime import ops as torch_ops
 from kernellab.runtime.attention import AttentionMetadata
 from kernellab.runtime.config import EngineConfig, ModelConfig
-from kernellab.runtime.dispatch import Ops, build_ops, graph_safe
+from kernellab.runtime.dispatch import Ops, build_ops, describe_fast_path, fast_path, graph_safe
 from kernellab.runtime.graphs import GraphRunner
 from kernellab.runtime.model import CausalLM
 from kernellab.runtime.request.block_manager import slot_of
@@ -102,6 +102,9 @@ class ModelRunner:
             )
             self.graphs.capture()
             self.use_graphs = True
+        window = min(cfg.num_scheduler_steps or 8, self.graphs.max_steps) if self.graphs is not None else 1
+        self.fast_path = fast_path(ops, model_cfg.qk_norm, device, cfg.cuda_graphs, window)
+        log.info("fast path: %s", describe_fast_path(self.fast_path))
 
     @torch.inference_mode()
     def _init_random(self) -> None:

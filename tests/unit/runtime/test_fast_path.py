@@ -1,0 +1,69 @@
+"""The fast-path report: what of CUDA graphs, decode windows and Triton ops a model runs on, and why any part
+is off. It is how the Llama family's missing CUDA graphs showed: its KV write (``store_kv``) was judged on
+Qwen3's path, where it never runs."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kernellab.runtime.dispatch import build_ops, describe_fast_path, fast_path, ops_on_path
+from kernellab.runtime.engine import LLMEngine
+
+STATUS = {
+    op: {"status": "accepted"}
+    for op in ("add_rms_norm", "qk_norm_rope_store_kv", "silu_and_mul", "linear", "paged_decode_attention", "argmax")
+} | {"store_kv": {"status": "experimental", "reason": "not measured on this path"}}
+
+
+def test_each_family_calls_its_own_rope_and_kv_write():
+    assert "qk_norm_rope_store_kv" in ops_on_path(True) and "store_kv" not in ops_on_path(True)
+    assert {"rotary_embedding", "store_kv"} <= set(ops_on_path(False))
+    assert "qk_norm_rope_store_kv" not in ops_on_path(False)
+
+
+def test_on_a_cpu_everything_is_off_for_one_reason(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter would run the kernels on a CPU
+    fp = fast_path(build_ops("accepted", torch.device("cpu")), False, torch.device("cpu"), True, 8)
+    assert fp["cuda_graphs"] is False and fp["cuda_graphs_off"] == "device cpu"
+    assert fp["decode_window"] == 1 and fp["triton_ops"] == []
+    assert set(fp["torch_ops"]) == set(ops_on_path(False))
+    assert set(fp["torch_ops"].values()) == {"no Triton on cpu"}
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and not __import__("os").environ.get("TRITON_INTERPRET"),
+    reason="the kernels import only with a GPU or Triton's interpreter",
+)
+def test_a_kernel_off_the_graph_path_names_itself_as_the_reason():
+    """The dispatcher's decision (from an explicit status table, device "cuda" without capturing anything):
+    Qwen3 has its fused KV write and gets graphs; a Llama-family model whose ``store_kv`` is not accepted
+    runs eagerly, one token per step, and the report says why."""
+    cuda = torch.device("cuda")
+    ops = build_ops("accepted", cuda, status=STATUS)
+    qwen = fast_path(ops, True, cuda, True, 8)
+    assert qwen["cuda_graphs"] and qwen["decode_window"] == 8
+    assert qwen["torch_ops"] == {"rms_norm": "no status at kernels='accepted'"}
+    llama = fast_path(ops, False, cuda, True, 8)
+    assert not llama["cuda_graphs"] and llama["decode_window"] == 1
+    assert "store_kv" in llama["cuda_graphs_off"] and "not measured on this path" in llama["cuda_graphs_off"]
+    assert llama["torch_ops"]["store_kv"] == "experimental at kernels='accepted' (not measured on this path)"
+    assert "paged_decode_attention" in llama["triton_ops"]
+    off = fast_path(
+        build_ops("accepted", cuda, status=STATUS, disabled=("paged_decode_attention",)), True, cuda, True, 8
+    )
+    assert not off["cuda_graphs"] and off["torch_ops"]["paged_decode_attention"] == "disabled by configuration"
+    assert fast_path(ops, True, cuda, False, 8)["cuda_graphs_off"] == "cuda_graphs=False"
+
+
+def test_the_engine_logs_its_fast_path_at_startup(tiny_checkpoints, caplog):
+    with caplog.at_level(logging.INFO, logger="kernellab.runtime.model_runner"):
+        eng = LLMEngine(
+            model=str(tiny_checkpoints["llama"]), device="cpu", dtype="float32", num_kv_blocks=32, max_model_len=128
+        )
+    assert eng.fast_path["cuda_graphs_off"] == "device cpu"
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("fast path:"))
+    assert line == "fast path: " + describe_fast_path(eng.fast_path)
+    assert "CUDA graphs off (device cpu)" in line and "store_kv" in line
