@@ -31,9 +31,31 @@ def main(artifact: str) -> int:
         print(f"{artifact} has no ablation section", file=sys.stderr)
         return 1
     current = json.loads(STATUS.read_text())["ops"]
+    # Ops off the gate model's path are judged on a model whose path has them (the gate's "paths" section runs
+    # the Llama family's own ablation on the embedded model's shape).
+    path_ablations = {
+        key.removeprefix("ablation_"): rows
+        for key, rows in (data.get("paths") or {}).items()
+        if key.startswith("ablation_") and isinstance(rows, dict)
+    }
     ops = {}
     for op, entry in current.items():
         row = ablation.get(op)
+        judged_on = next((m for m, rows in path_ablations.items() if isinstance(rows.get(op), dict)), None)
+        if op in OFF_PATH.get(data["model"], ()) and judged_on is not None:
+            row, noise = path_ablations[judged_on][op], path_ablations[judged_on].get("__noise_pct__")
+            ops[op] = {
+                "status": row["status"],
+                "numerics": row["numerics"],
+                "e2e": {
+                    "throughput_gain_pct": row["e2e_gain_tok_per_s_pct"],
+                    "itl_gain_pct": row["e2e_gain_itl_pct"],
+                    "noise_band_pct": noise,
+                },
+                "path": f"{judged_on} (not on {data['model']}'s: {OFF_PATH[data['model']][op]})",
+                "artifact": str(Path(artifact).relative_to(ROOT)) if Path(artifact).is_absolute() else artifact,
+            }
+            continue
         if op in OFF_PATH.get(data["model"], ()):
             # Turning off an op the model never calls changes nothing: any "gain" measured is noise.
             ops[op] = {

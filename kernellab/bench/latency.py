@@ -41,6 +41,45 @@ def engine_ttft(engine, prompt_len: int, reps: int = 10, seed: int = 0) -> list[
     return times
 
 
+def engine_decode_step(engine, num_seqs: int, prompt_len: int = 40, new_tokens: int = 256, seed: int = 2) -> dict:
+    """The decode step at a batch of ``num_seqs``: that many greedy requests of ``prompt_len`` random tokens
+    and ``new_tokens`` outputs each (``ignore_eos``), added at once and stepped to the end. ``step_ms`` is the
+    decode phase's wall time per output token of a sequence (a multi-step window of 8 counts as 8 steps), so
+    models compare whatever their window; ``tok_per_s`` counts every output token over the whole run."""
+    from kernellab.runtime.request.sampling import SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for i in range(num_seqs):
+        engine.add_request(f"dec{i}", _random_prompt(prompt_len, vocab, gen), params)
+    _sync(engine.runner.device)
+    t0 = time.perf_counter()
+    first_done = None  # every sequence has its first token: the prefill phase is over
+    produced: dict[str, int] = {}
+    calls = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            produced[o.request_id] = produced.get(o.request_id, 0) + len(o.new_token_ids)
+        calls += 1
+        if first_done is None and len(produced) == num_seqs and all(produced.values()):
+            _sync(engine.runner.device)
+            first_done = (time.perf_counter(), min(produced.values()))
+    _sync(engine.runner.device)
+    end = time.perf_counter()
+    assert first_done is not None and sum(produced.values()) == num_seqs * new_tokens, "lost or extra tokens"
+    decode_tokens = new_tokens - first_done[1]
+    return {
+        "num_seqs": num_seqs,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "step_ms": round((end - first_done[0]) / max(decode_tokens, 1) * 1e3, 3),
+        "tok_per_s": round(num_seqs * new_tokens / (end - t0), 1),
+        "step_calls": calls,
+        "wall_s": round(end - t0, 3),
+    }
+
+
 def engine_itl(engine, context: int, new_tokens: int = 64, seed: int = 1) -> list[float]:
     """Seconds per output token of one sequence whose context starts at ``context`` tokens: each step's
     time divided among the tokens it produced (a multi-step window yields several)."""

@@ -1,18 +1,30 @@
-"""Random inputs at real Qwen3-0.6B shapes for each replaceable op (the acceptance gate's numerics).
+"""Random inputs at real model shapes for each replaceable op (the acceptance gate's numerics): Qwen3-0.6B's
+by default, or a registered model's (``model=``, e.g. the Llama family's head_dim 64 and 9/3 heads).
 
-``make_inputs(op, seed)`` returns ``{"a": args}``: the same arguments feed the kernel and the reference
+``make_inputs(op, seed, model=None)`` returns ``{"a": args}``: the same arguments feed the kernel and the reference
 (ops that write into a cache get fresh copies for each side via ``"k"``)."""
 
 from __future__ import annotations
 
 import torch
 
-H, INTER, HQ, HK, D, V = 1024, 3072, 16, 8, 128, 151936
+QWEN3 = (1024, 3072, 16, 8, 128, 151936)  # hidden, intermediate, query heads, KV heads, head_dim, vocabulary
 T, BATCH, CTX, BS = 512, 64, 1024, 16
 
 
-def make_inputs(op: str, seed: int) -> dict:
+def model_dims(model: str) -> tuple[int, int, int, int, int, int]:
+    """(hidden, intermediate, query heads, KV heads, head_dim, vocabulary) of a registered model."""
+    from kernellab.runtime.config import ModelConfig
+    from kernellab.runtime.request.registry import resolve_model
+
+    c = ModelConfig.from_hf(dict(resolve_model(model).hf_config))
+    return c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size
+
+
+def make_inputs(op: str, seed: int, model: str | None = None) -> dict:
     from kernellab.runtime.ops import rope_cos_sin_cache
+
+    H, INTER, HQ, HK, D, V = model_dims(model) if model else (*QWEN3,)
 
     g = torch.Generator(device="cuda").manual_seed(seed)
 

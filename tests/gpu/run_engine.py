@@ -331,8 +331,9 @@ def profile(weights, report):
     report["profile"] = summary
 
 
-def kernel_numerics(op, kernel, reference) -> dict:
-    """The op against its torch reference at real Qwen3-0.6B shapes, fresh random inputs each seed."""
+def kernel_numerics(op, kernel, reference, model=None) -> dict:
+    """The op against its torch reference at real model shapes (Qwen3-0.6B's by default), fresh random inputs
+    each seed."""
     from tests.gpu.op_inputs import make_inputs
 
     def as_tuple(x):
@@ -340,7 +341,7 @@ def kernel_numerics(op, kernel, reference) -> dict:
 
     errs = []
     for seed in range(3):
-        args = make_inputs(op, seed)
+        args = make_inputs(op, seed, model)
         ref_args, k_args = args["a"], args.get("k", args["a"])
         pairs = list(zip(as_tuple(kernel(*k_args)), as_tuple(reference(*ref_args)), strict=True))
         if op == "store_kv":
@@ -359,7 +360,8 @@ def kernel_numerics(op, kernel, reference) -> dict:
     return {"rel_err_max": worst, "tolerance": tol, "pass": worst <= tol}
 
 
-def ablation(weights, report):
+def ablation(weights, report, model=MODEL, only=None):
+    """Turn each enabled op off in turn (``only``: just these) and measure the complete workload without it."""
     from kernellab import kernels as lib
     from kernellab.bench.latency import engine_itl
     from kernellab.bench.offline import run_engine
@@ -370,7 +372,7 @@ def ablation(weights, report):
     prompts = [torch.randint(0, 10000, (128,), generator=gen).tolist() for _ in range(64)]
 
     def measure(disabled=()):
-        eng = engine(weights, disabled_kernels=tuple(disabled))
+        eng = engine(weights, model=model, disabled_kernels=tuple(disabled))
         thr = run_engine(eng, prompts, [128] * 64, "decode-64x128", "bfloat16")["output_tok_per_s"]
         itl = statistics.median(engine_itl(eng, 128, new_tokens=48)) * 1e3
         enabled = list(eng.runner.model.ops.enabled)
@@ -387,9 +389,9 @@ def ablation(weights, report):
     log(f"ablation all-on: {all_on['tok_per_s']:.0f} tok/s, ITL {all_on['itl_ms']:.3f} ms, noise band {noise:.1f}%")
     rows = {"__all__": all_on, "__none__": measure(REPLACEABLE), "__noise_pct__": noise}
     log(f"ablation torch-only: {rows['__none__']['tok_per_s']:.0f} tok/s, ITL {rows['__none__']['itl_ms']:.3f} ms")
-    for op in all_on["enabled"]:
+    for op in [op for op in all_on["enabled"] if only is None or op in only]:
         off = measure((op,))
-        num = kernel_numerics(op, lib.KERNELS[op], getattr(reference, op))
+        num = kernel_numerics(op, lib.KERNELS[op], getattr(reference, op), None if model == MODEL else model)
         gain_thr = 100 * (all_on["tok_per_s"] / off["tok_per_s"] - 1)
         gain_itl = 100 * (off["itl_ms"] / all_on["itl_ms"] - 1)
         # The kernel-lab rule: keep a kernel only if it is correct AND the complete workload is measurably
@@ -408,14 +410,59 @@ def ablation(weights, report):
             f"({gain_itl:+.1f}%), rel err {num['rel_err_max']:.2e} → {status}"
         )
         Path(report["_path"]).write_text(json.dumps(report, indent=2, default=str))
-    report["ablation"] = rows
+    return rows
+
+
+# The Llama family's shapes (head_dim 64, 9/3 and 32/8 heads): the embedded default model and Llama-3.2-1B.
+PATH_SHAPES = ("qwen3-0.6b", "smollm2-135m", "llama-3.2-1b")
+# The ops on the Llama family's path that Qwen3's ablation cannot judge (its decoder fuses them).
+LLAMA_ONLY_OPS = ("rotary_embedding", "store_kv")
+
+
+def model_paths(report):
+    """Every registered model on the fast path: for each shape (random weights), at the dispatcher's defaults
+    (accepted kernels): what of the fast path it runs on and why any part is off, the decode step at 256
+    sequences (40 → 256 tokens) and a lone short request's TTFT; then the Llama family's own ablation of the
+    ops on its path that Qwen3's gate never runs, on the embedded model's shape."""
+    from kernellab.bench.latency import engine_decode_step, engine_ttft
+
+    rows = {}
+    for shape in PATH_SHAPES:
+        eng = engine(None, model=shape, kernels="accepted", max_num_seqs=256, num_kv_blocks=8192)
+        fp = eng.fast_path
+        step = engine_decode_step(eng, 256, prompt_len=40, new_tokens=256)
+        ttft = engine_ttft(eng, 32, reps=10)
+        rows[shape] = {"fast_path": fp, "decode_256": step, "ttft_32_ms": round(statistics.median(ttft) * 1e3, 3)}
+        log(
+            f"path {shape:14s} graphs {'on ' if fp['cuda_graphs'] else 'off'} window {fp['decode_window']}  "
+            f"decode step @256 {step['step_ms']:.3f} ms  {step['tok_per_s']:.0f} tok/s  "
+            f"TTFT(32) {rows[shape]['ttft_32_ms']:.2f} ms"
+        )
+        if not fp["cuda_graphs"]:
+            log(f"  graphs off: {fp['cuda_graphs_off']}")
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    qwen = rows["qwen3-0.6b"]["decode_256"]["step_ms"]
+    rows["targets"] = {
+        "smollm2_step_vs_qwen3_max": 1.0,
+        "llama_1b_step_vs_qwen3_max": 1.5,
+        "lone_ttft_ms_max": 5.0,
+        "smollm2_step_vs_qwen3": round(rows["smollm2-135m"]["decode_256"]["step_ms"] / qwen, 3),
+        "llama_1b_step_vs_qwen3": round(rows["llama-3.2-1b"]["decode_256"]["step_ms"] / qwen, 3),
+    }
+    report["paths"] = rows
+    rows["ablation_smollm2-135m"] = ablation(None, report, model="smollm2-135m", only=LLAMA_ONLY_OPS)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument(
-        "--skip", action="append", default=[], help="offline_sweep, profile, numerics, offline, latency, ablation, hf"
+        "--skip",
+        action="append",
+        default=[],
+        help="offline_sweep, profile, numerics, offline, latency, ablation, paths, hf",
     )
     ap.add_argument("--only", action="append", default=[], help="run only these sections")
     args = ap.parse_args()
@@ -445,7 +492,8 @@ def main() -> int:
         ("numerics", lambda: numerics(hf, weights, report)),
         ("latency", lambda: latency(weights, report, None if "hf" in args.skip else hf)),
         ("offline", lambda: offline(weights, report, None if "hf" in args.skip else hf)),
-        ("ablation", lambda: ablation(weights, report)),
+        ("ablation", lambda: report.__setitem__("ablation", ablation(weights, report))),
+        ("paths", lambda: model_paths(report)),
     ):
         if name in args.skip or (args.only and name not in args.only):
             continue
