@@ -39,7 +39,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -47,7 +46,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from kernellab.services.stress import free_port
+from kernellab.services.processes import (
+    Processes,
+    ProcessExited,
+    free_port,
+    stop_process,
+    stop_processes,
+    wait_ready,
+)
 
 SCHEMA = "kernellab.bench.serve_gpu/v1"
 PROFILES = {
@@ -278,34 +284,17 @@ class StackProcs:
             self.env["KERNELLAB_NUM_KV_BLOCKS"] = str(profile["num_kv_blocks"])
         if profile["device"] == "cpu":
             self.env["KERNELLAB_NICE"] = "10"  # as `kernellab up` runs a CPU worker
+        self.processes = Processes(workdir)
         self.redis = None
         self.workers: list[subprocess.Popen] = []
         self.gateway = None
 
     def _spawn(self, name: str, cmd: list[str], env: dict) -> subprocess.Popen:
-        out = (self.workdir / f"{name}.log").open("ab")
-        return subprocess.Popen(
-            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir, start_new_session=True
-        )
+        return self.processes.spawn(name, cmd, env, cwd=self.workdir)
 
     def start_redis(self) -> None:
-        self.redis = self._spawn(
-            "redis",
-            [
-                self.args.redis_server,
-                "--port",
-                str(self.redis_port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.workdir),
-            ],
-            self.env,
-        )
+        self.processes.start_redis(self.redis_port, self.args.redis_server, self.env)
+        self.redis = self.processes.procs["redis"]
 
     def start_worker(self, gpu: int, overrides: dict | None = None) -> None:
         port = free_port()
@@ -336,32 +325,22 @@ class StackProcs:
         self.gateway = self._spawn(f"gateway-g{processes}", [sys.executable, "-m", "kernellab.services.gateway"], env)
 
     def stop_workers(self) -> None:
-        for w in self.workers:
-            _stop(w, 60)
+        stop_processes(self.workers, 60)
         self.workers, self.traces = [], {}
         self.metrics_urls = {k: v for k, v in self.metrics_urls.items() if not k.startswith("worker")}
 
     def stop_gateway(self) -> None:
         if self.gateway is not None:
-            _stop(self.gateway, 30)
+            stop_process(self.gateway, 30)
             self.gateway = None
 
     def wait_ready(self, workers: int, timeout: float = 900.0) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for p in [self.redis, *self.workers, self.gateway]:
-                if p is not None and p.poll() is not None:
-                    raise RuntimeError(f"a stack process exited ({p.args}); logs in {self.workdir}")
-            try:
-                r = httpx.get(f"http://{self.host}:{self.port}/ready", timeout=2)
-                if r.status_code == 200 and r.json().get("workers", 0) >= workers:
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the stack did not become ready with {workers} worker(s); logs in {self.workdir}")
+        running = [self.redis, *self.workers, self.gateway]
+        watch = {name: p for name, p in self.processes.procs.items() if p in running}
+        try:
+            wait_ready(f"http://{self.host}:{self.port}", workers, timeout=timeout, watch=watch)
+        except (ProcessExited, TimeoutError) as e:
+            raise RuntimeError(f"{e}; logs in {self.workdir}") from None
 
     def pids(self) -> dict[str, list[int]]:
         import psutil
@@ -373,20 +352,8 @@ class StackProcs:
         return out
 
     def stop(self) -> None:
-        self.stop_gateway()
-        for p in [*self.workers, self.redis]:
-            if p is not None:
-                _stop(p, 30)
-
-
-def _stop(p: subprocess.Popen, grace: float) -> None:
-    if p.poll() is None:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(5)
+        self.processes.stop_all(("gateway", "worker", "redis"), 30)
+        self.gateway = None
 
 
 class CpuMeter:

@@ -34,7 +34,7 @@ from importlib import metadata
 from pathlib import Path
 
 from kernellab.bench.stream_clients import RequestRecord, SSEConnection, post_request
-from kernellab.services.stress import free_port
+from kernellab.services.processes import Processes, ProcessExited, free_port, wait_ready
 
 TOPICS = [
     "the sea",
@@ -220,54 +220,21 @@ class Stack:
             KERNELLAB_MAX_WAITING="1024",
             KERNELLAB_NICE="10",
         )  # as `kernellab up` runs a CPU worker
-        self.procs: list[subprocess.Popen] = []
-
-    def _spawn(self, name: str, cmd: list[str]) -> None:
-        log = (self.workdir / f"{name}.log").open("wb")
-        self.procs.append(subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT))
+        self.processes = Processes(workdir)
 
     def start(self) -> None:
-        import httpx
-
-        self._spawn(
-            "redis",
-            [
-                "redis-server",
-                "--port",
-                str(self.redis_port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.workdir),
-            ],
-        )
+        self.processes.start_redis(self.redis_port, env=self.env)
         kl = [sys.executable, "-m", "kernellab"]
-        self._spawn("worker", [*kl, "worker", "--metrics-port", str(free_port())])
-        self._spawn("gateway", [*kl, "gateway", "--port", str(self.port), "--metrics-port", str(free_port())])
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if any(p.poll() is not None for p in self.procs):
-                raise RuntimeError(f"a stack process exited; logs in {self.workdir}")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("the stack did not become ready")
+        self.processes.spawn("worker", [*kl, "worker", "--metrics-port", str(free_port())], self.env)
+        gateway = [*kl, "gateway", "--port", str(self.port), "--metrics-port", str(free_port())]
+        self.processes.spawn("gateway", gateway, self.env)
+        try:
+            wait_ready(self.url, timeout=600, watch=self.processes.procs)
+        except (ProcessExited, TimeoutError) as e:
+            raise RuntimeError(f"{e}; logs in {self.workdir}") from None
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        self.processes.stop_all(("gateway", "worker", "redis"), 30)
 
 
 def chat_request(host: str, port: int, messages, max_tokens: int) -> bytes:
@@ -330,7 +297,7 @@ class StackClient:
 
 # --------------------------------------------------------------------------------------------- driver
 async def measure(args, engine: EngineChild, stack: Stack) -> dict:
-    pids = [os.getpid(), engine.proc.pid, *(p.pid for p in stack.procs)]
+    pids = [os.getpid(), engine.proc.pid, *(p.pid for p in stack.processes.procs.values())]
     client = StackClient(stack.url, args.clients, args.max_tokens)
     await client.concurrent(-1)  # warm-up of the stack side (the engine child warmed itself)
 

@@ -162,7 +162,7 @@ class _StackUp:
         )
         self.redis_url = redis_url or os.environ.get("KERNELLAB_REDIS_URL") or "redis://127.0.0.1:6379/0"
         self.ready_timeout = ready_timeout
-        self.procs: list[tuple[str, object]] = []  # (name, Popen), in start order
+        self.processes = None  # kernellab.services.processes.Processes, logs in a temporary folder
         self.logs = None
 
     def run(self) -> int:
@@ -172,8 +172,11 @@ class _StackUp:
 
         from rich.console import Console
 
+        from kernellab.services.processes import Processes
+
         self.out = Console(highlight=False)
         self.logs = Path(tempfile.mkdtemp(prefix="kernellab-up-"))
+        self.processes = Processes(self.logs)
         stop = {"signal": None}
 
         def on_signal(signum, _frame):
@@ -187,10 +190,10 @@ class _StackUp:
                 return 1
             self._banner(key)
             while stop["signal"] is None:
-                dead = [(n, p) for n, p in self.procs if p.poll() is not None]
+                dead = self.processes.exited()
                 if dead:
-                    name, p = dead[0]
-                    self.out.print(f"[red]{name} exited with code {p.returncode}[/]; stopping (logs in {self.logs})")
+                    name, code = next(iter(dead.items()))
+                    self.out.print(f"[red]{name} exited with code {code}[/]; stopping (logs in {self.logs})")
                     self._tail(name)
                     return 1
                 import time
@@ -207,39 +210,21 @@ class _StackUp:
         import shutil
         import sys
 
+        from kernellab.services.processes import free_port, redis_answers, share_cores
+
         env = dict(os.environ, KERNELLAB_MODEL=self.model, PYTHONUNBUFFERED="1")
-        # Workers share this machine's cores: more torch threads than cores slows every step down.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.workers)))
+        share_cores(env, self.workers)
         device = env.get("KERNELLAB_DEVICE", "auto")
         on_cpu = device == "cpu" or (device == "auto" and not os.path.exists("/dev/nvidia0"))
         if on_cpu:
             # On a CPU the workers' steps would otherwise delay the gateway's and Redis' short jobs (delivering
             # tokens, taking requests): they run niced, which costs them nothing when they run alone.
             env.setdefault("KERNELLAB_NICE", "10")
-        if not _redis_answers(self.redis_url):
+        if not redis_answers(self.redis_url):
             binary = shutil.which("redis-server")
             if binary is None:
                 raise typer.BadParameter(f"no Redis answers at {self.redis_url} and redis-server is not installed")
-            port = _free_port()
-            self._spawn(
-                "redis",
-                [
-                    binary,
-                    "--port",
-                    str(port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--dir",
-                    str(self.logs),
-                ],
-                env,
-            )
-            self.redis_url = f"redis://127.0.0.1:{port}/0"
-            _wait(lambda: _redis_answers(self.redis_url), 10, "the private redis-server did not start")
+            self.redis_url = self.processes.start_redis(free_port(), binary, env)
             self.out.print(f"started a private redis-server at {self.redis_url}")
         env["KERNELLAB_REDIS_URL"] = self.redis_url
         key = None
@@ -273,32 +258,22 @@ class _StackUp:
         return key
 
     def _spawn(self, name: str, cmd: list[str], env: dict) -> None:
-        import subprocess
-
-        log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the child
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append((name, proc))
+        self.processes.spawn(name, cmd, env)
 
     def _wait_ready(self, stop) -> bool:
-        import time
+        from kernellab.services.processes import ProcessExited, wait_ready
 
-        import httpx
-
-        url = f"http://{_client_host(self.host)}:{self.port}/ready"
-        deadline = time.monotonic() + self.ready_timeout
-        while time.monotonic() < deadline and stop["signal"] is None:
-            for name, p in self.procs:
-                if p.poll() is not None:
-                    self.out.print(f"[red]{name} exited with code {p.returncode} while starting[/]")
-                    self._tail(name)
-                    return False
-            try:
-                if httpx.get(url, timeout=1.0).status_code == 200:
-                    return True
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        if stop["signal"] is None:
+        try:
+            return wait_ready(
+                f"http://{_client_host(self.host)}:{self.port}",
+                timeout=self.ready_timeout,
+                watch=self.processes.procs,
+                cancelled=lambda: stop["signal"] is not None,
+            )
+        except ProcessExited as exited:
+            self.out.print(f"[red]{exited.name} exited with code {exited.returncode} while starting[/]")
+            self._tail(exited.name)
+        except TimeoutError:
             self.out.print(f"[red]not ready after {self.ready_timeout:.0f}s[/] (logs in {self.logs})")
         return False
 
@@ -326,58 +301,13 @@ class _StackUp:
         self.out.print("Ctrl-C stops everything.")
 
     def _tail(self, name: str, lines: int = 20) -> None:
-        path = self.logs / f"{name}.log"
-        if path.exists():
-            for line in path.read_text(errors="replace").splitlines()[-lines:]:
-                self.out.print(f"  {name}| {line}", markup=False)
+        for line in self.processes.log_lines(name, lines):
+            self.out.print(f"  {name}| {line}", markup=False)
 
     def _stop_all(self) -> None:
-        import contextlib
-        import os
-        import signal
-        import subprocess
-
-        for prefix in ("gateway", "worker", "redis"):
-            group = [(n, p) for n, p in self.procs if n.startswith(prefix)]
-            for _name, p in group:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            for name, p in group:
-                try:
-                    p.wait(15)
-                except subprocess.TimeoutExpired:
-                    self.out.print(f"{name} did not stop in 15 s: killing it")
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(p.pid, signal.SIGKILL)  # its own session: a gateway supervisor's children too
-                    p.wait(5)
+        for name in self.processes.stop_all(("gateway", "worker", "redis"), grace=15):
+            self.out.print(f"{name} did not stop in 15 s: killed it (and its process group)")
 
 
 def _client_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _redis_answers(url: str) -> bool:
-    import redis
-
-    try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1).ping())
-    except (redis.RedisError, OSError):
-        return False
-
-
-def _wait(cond, timeout: float, message: str) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise RuntimeError(message)
-        time.sleep(0.1)

@@ -20,7 +20,8 @@ must produce the same text every time: a duplicated, skipped or mixed token show
 
 The package, by concern (the names below are re-exported here):
 
-- ``processes``: ``LocalStack``, ``free_port``, ``wait_for``, ``MODEL``: the processes of the stack.
+- ``processes``: ``LocalStack``, ``MODEL``, ``CPU_STACK_ENV``: the processes of the stack (started and stopped
+  with ``kernellab.services.processes``).
 - ``client``: the request mix (``Plan``, ``make_plans``), one attempt (``Attempt``, ``send``) and the
   closed-loop load (``Result``, ``LoadRun``).
 - ``faults``: the fault injectors (``FAULTS``) and the hostile clients.
@@ -48,11 +49,12 @@ from kernellab.services.stress.faults import (
     fault_worker_kill,
     fault_worker_pause,
 )
-from kernellab.services.stress.processes import MODEL, LocalStack, free_port, wait_for
+from kernellab.services.stress.processes import CPU_STACK_ENV, MODEL, LocalStack
 from kernellab.services.stress.report import SCHEMA, brief, idle_report, summarize, table
 from kernellab.services.stress.scenarios import SCENARIOS, run_scenario
 
 __all__ = [
+    "CPU_STACK_ENV",
     "FAULTS",
     "MODEL",
     "PROMPTS",
@@ -72,12 +74,10 @@ __all__ = [
     "fault_vanishing_client",
     "fault_worker_kill",
     "fault_worker_pause",
-    "free_port",
     "idle_report",
     "make_plans",
     "run_scenario",
     "send",
     "summarize",
     "table",
-    "wait_for",
 ]

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import httpx
 
 from kernellab.services.loadgen.sse import SSEDecoder
+from kernellab.services.processes import wait_for
 from kernellab.services.stress.client import PROMPTS, LoadRun, Plan, send
-from kernellab.services.stress.processes import LocalStack, wait_for
+from kernellab.services.stress.processes import LocalStack
 
 
 @dataclass

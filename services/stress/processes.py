@@ -1,14 +1,11 @@
 """The stack of ``kernellab stress`` as real processes: ``LocalStack`` (a private redis-server, the workers
-and two gateways on 127.0.0.1 free ports), with ``free_port`` and ``wait_for``."""
+and two gateways on 127.0.0.1 free ports), started and stopped with ``kernellab.services.processes``."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import time
 import uuid
@@ -16,25 +13,27 @@ from pathlib import Path
 
 import httpx
 
+from kernellab.services.processes import (
+    Processes,
+    free_port,
+    ready_workers,
+    share_cores,
+    wait_for,
+    wait_ready,
+)
+
 MODEL = "smollm2-135m"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(cond, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(Exception):
-            result = cond()
-            if result:
-                return result
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
+# A small CPU stack that notices a dead worker within seconds (its heartbeats every 0.5 s); the integration
+# tests' stack runs with the same settings.
+CPU_STACK_ENV = {
+    "KERNELLAB_HEARTBEAT_INTERVAL_S": "0.5",
+    "KERNELLAB_WORKER_DEAD_AFTER_S": "2.5",
+    "KERNELLAB_DEVICE": "cpu",
+    "KERNELLAB_DTYPE": "float32",
+    "KERNELLAB_NUM_KV_BLOCKS": "512",
+    "KERNELLAB_MAX_NUM_SEQS": "32",
+    "KERNELLAB_DRAIN_TIMEOUT_S": "20",
+}
 
 
 class LocalStack:
@@ -66,20 +65,15 @@ class LocalStack:
             KERNELLAB_KEY_PREFIX=f"kls-{uuid.uuid4().hex[:8]}:",
             KERNELLAB_API_KEYS=api_key,
             KERNELLAB_API_KEY_FILE="",
-            KERNELLAB_HEARTBEAT_INTERVAL_S="0.5",
-            KERNELLAB_WORKER_DEAD_AFTER_S="2.5",
-            KERNELLAB_DEVICE="cpu",
-            KERNELLAB_DTYPE="float32",
-            KERNELLAB_NUM_KV_BLOCKS="512",
-            KERNELLAB_MAX_NUM_SEQS="32",
-            KERNELLAB_DRAIN_TIMEOUT_S="20",
+            **CPU_STACK_ENV,
             KERNELLAB_MAX_WAITING=str(max_waiting),
             KERNELLAB_FILES_DIR=str(self.workdir / "files"),
         )
-        self.env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+        share_cores(self.env, workers)
         self.env.pop("KERNELLAB_METRICS_HOST", None)  # the default (127.0.0.1), which the security tests check
         self.env.update(env or {})
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.processes = Processes(self.workdir)
+        self.procs = self.processes.procs  # name → process: worker-<i>, gateway, gateway-deadline, redis
         self.redis_binary = shutil.which("redis-server")
         if self.redis_binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
@@ -89,35 +83,13 @@ class LocalStack:
         return float(self.env["KERNELLAB_WORKER_DEAD_AFTER_S"])
 
     def _spawn(self, name: str, cmd: list[str], env: dict | None = None) -> None:
-        log = (self.workdir / f"{name}.log").open("ab")
-        self.procs[name] = subprocess.Popen(
-            cmd, env=env or self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        log.close()
+        self.processes.spawn(name, cmd, env or self.env)
 
     def start_redis(self) -> None:
-        self._spawn(
-            "redis",
-            [
-                self.redis_binary,
-                "--port",
-                str(self.redis_port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.workdir),
-            ],
-        )
-        import redis
-
-        wait_for(lambda: redis.Redis.from_url(self.redis_url, socket_connect_timeout=0.2).ping(), 10, "redis-server")
+        self.processes.start_redis(self.redis_port, self.redis_binary, self.env)
 
     def stop_redis(self) -> None:
-        self._stop("redis", signal.SIGTERM, 10)
+        self.processes.stop("redis", 10)
 
     def start_worker(self, i: int) -> None:
         self._spawn(
@@ -182,18 +154,15 @@ class LocalStack:
         return self
 
     def ready_workers(self, url: str | None = None) -> int:
-        resp = httpx.get(f"{url or self.url}/ready", headers=self.auth, timeout=2)
-        return resp.json().get("workers", 0) if resp.status_code == 200 else 0
+        return ready_workers(url or self.url, self.auth)
 
     def wait_ready(self, workers: int, timeout: float = 120) -> None:
-        def ok():
-            dead = [n for n, p in self.procs.items() if p.poll() is not None and n.startswith("gateway")]
-            if dead:
-                raise RuntimeError(f"{dead} exited")
-            urls = [self.url] + ([self.deadline_url] if self.deadline_s else [])
-            return all(self.ready_workers(u) >= workers for u in urls)
-
-        wait_for(ok, timeout, f"/ready with {workers} worker(s)", interval=0.5)
+        """Both gateways count ``workers`` live workers; a gateway that exits meanwhile fails at once."""
+        gateways = {n: p for n, p in self.procs.items() if n.startswith("gateway")}
+        deadline = time.monotonic() + timeout
+        for url in [self.url] + ([self.deadline_url] if self.deadline_s else []):
+            left = max(0.0, deadline - time.monotonic())
+            wait_ready(url, workers, timeout=left, watch=gateways, headers=self.auth)
 
     @property
     def auth(self) -> dict[str, str]:
@@ -221,7 +190,7 @@ class LocalStack:
 
     def busiest_worker(self) -> int:
         running = {i: self.worker_health(i)["running"] for i in self.live_workers()}
-        return max(running, key=running.get)
+        return max(running, key=running.__getitem__)
 
     def signal_worker(self, i: int, sig: int) -> None:
         self.procs[f"worker-{i}"].send_signal(sig)
@@ -230,37 +199,18 @@ class LocalStack:
 
     def restart_gateway(self) -> float:
         """SIGTERM (drain), wait for the exit, start a new process on the same port; seconds the port was shut."""
-        self._stop("gateway", signal.SIGTERM, 60)
+        self.processes.stop("gateway", 60)
         down = time.monotonic()
         self.start_gateway()
         wait_for(lambda: self.ready_workers() >= 1, 120, "the new gateway's /ready", interval=0.1)
         return time.monotonic() - down
 
-    def _stop(self, name: str, sig: int, timeout: float) -> None:
-        proc = self.procs.get(name)
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGCONT)  # a paused process cannot act on SIGTERM
-            proc.send_signal(sig)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
     def stop(self) -> None:
-        order = [n for n in self.procs if n.startswith("gateway")] + [n for n in self.procs if n.startswith("worker")]
-        for name in [*order, "redis"]:
-            self._stop(name, signal.SIGTERM, 30)
+        """The gateways, then the workers, then Redis: each group SIGTERM'd at once, 30 s before SIGKILL."""
+        self.processes.stop_all(("gateway", "worker", "redis"), 30)
 
     def log_tail(self, lines: int = 25) -> str:
-        out = []
-        for name in self.procs:
-            path = self.workdir / f"{name}.log"
-            if path.exists():
-                out.append(f"--- {name} ---\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:]))
-        return "\n".join(out)
+        return self.processes.log_tail(lines)
 
     def __enter__(self) -> LocalStack:
         return self.start()

@@ -8,9 +8,10 @@ import time
 from collections import Counter
 
 from kernellab.services.loadgen.stats import distribution
+from kernellab.services.processes import wait_for
 from kernellab.services.stress.client import LoadRun, Result
 from kernellab.services.stress.faults import FaultEvent
-from kernellab.services.stress.processes import LocalStack, wait_for
+from kernellab.services.stress.processes import LocalStack
 
 SCHEMA = "kernellab.reliability/v1"
 

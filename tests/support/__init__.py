@@ -4,7 +4,9 @@
 - ``fake_engine``: a deterministic stand-in for ``LLMEngine`` (services and batch unit tests; workers started
   as processes load it with ``KERNELLAB_ENGINE=tests.support.fake_engine:FakeEngine``).
 - ``services``: the real-Redis, key-prefix and tokenizer fixtures of the services and batch unit tests.
-- ``stack``: a private redis-server and the stack (gateway + workers) as real processes, metrics, waits.
+- ``stack``: a private redis-server and the stack (gateway + workers) as real processes, metrics, waits (the
+  processes themselves through ``kernellab.services.processes``, as ``kernellab up`` and the benchmarks).
+- ``benchmarks``: a benchmark script run small on this CPU, its artifact validated.
 - ``batch``: the Batch API stack (the stack plus a Celery batch worker) and its request helpers.
 - ``reliability``: the reliability tests' API keys and OpenAI-error checks.
 - ``gateway_openapi``: the gateway's OpenAPI document completed for fuzzing.

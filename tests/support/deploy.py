@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from kernellab.services.processes import free_port, stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 GRAFANA = REPO / "grafana"
@@ -32,12 +33,6 @@ def require_binary(name: str) -> str:
     if found is None:
         pytest.fail(f"`{name}` is not installed: {INSTALL_HINT}")
     return found
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def http_json(url: str, data: dict | None = None, timeout: float = 10.0, headers: dict | None = None):
@@ -62,17 +57,6 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.25,
             last_error = error
         time.sleep(interval_s)
     pytest.fail(f"{what}: not ready after {timeout_s:.0f} s (last error: {last_error})")
-
-
-def stop_process(process: subprocess.Popen, timeout_s: float = 15.0) -> None:
-    """SIGTERM, then SIGKILL if it does not leave in time; only the process we started."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout_s)
 
 
 class Prometheus:
@@ -102,7 +86,7 @@ class Prometheus:
 
     def stop(self) -> None:
         if self.process is not None:
-            stop_process(self.process)
+            stop_process(self.process, 15)
 
     def api(self, path: str, **params) -> dict:
         query = urllib.parse.urlencode(params)

@@ -5,64 +5,31 @@ embedded model's tokenizer."""
 from __future__ import annotations
 
 import shutil
-import socket
-import subprocess
-import time
 import uuid
 
 import pytest
 import redis
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _answers(url: str) -> bool:
-    try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=0.5).ping())
-    except redis.RedisError:
-        return False
+from kernellab.services.processes import Processes, free_port, redis_answers
 
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     url = "redis://127.0.0.1:6379/0"
-    if _answers(url):
+    if redis_answers(url, 0.5):
         yield url
         return
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.fail("no Redis at 127.0.0.1:6379 and no redis-server binary to start one")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(tmp_path_factory.mktemp("redis")),
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 10
-    while not _answers(url):
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("redis-server did not start")
-        time.sleep(0.05)
+    processes = Processes(tmp_path_factory.mktemp("redis"))
+    try:
+        url = processes.start_redis(free_port(), binary)
+    except TimeoutError:
+        processes.stop_all(grace=10)
+        pytest.fail(f"redis-server did not start:\n{processes.log_tail()}")
     yield url
-    proc.terminate()
-    proc.wait(10)
+    processes.stop_all(grace=10)
 
 
 @pytest.fixture

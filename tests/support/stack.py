@@ -6,7 +6,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -14,16 +13,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kernellab.services import stress
-from kernellab.services.stress import free_port
+from kernellab.services import processes
+from kernellab.services.processes import Processes, free_port, ready_workers, share_cores, wait_ready
+from kernellab.services.stress import CPU_STACK_ENV
 
 API_KEY = "sk-integration"
 MODEL = "smollm2-135m"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def wait_for(cond, timeout: float, what: str, interval: float = 0.1):
-    """The stress tool's wait, polling twice as often (tests wait on short events)."""
-    return stress.wait_for(cond, timeout, what, interval)
+    """``kernellab.services.processes.wait_for``, polling twice as often (tests wait on short events)."""
+    return processes.wait_for(cond, timeout, what, interval)
 
 
 class RedisServer:
@@ -34,31 +35,11 @@ class RedisServer:
         if self.binary is None:
             pytest.fail("redis-server is not installed (apt-get install redis-server)")
         self.port = port or free_port()
-        self.workdir = workdir
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
+        self.processes = Processes(workdir)
 
     def start(self) -> RedisServer:
-        self.proc = subprocess.Popen(
-            [
-                self.binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.workdir),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        import redis
-
-        wait_for(lambda: redis.Redis.from_url(self.url, socket_connect_timeout=0.2).ping(), 10, "redis-server")
+        self.processes.start_redis(self.port, self.binary)
         return self
 
     def restart(self) -> RedisServer:
@@ -67,13 +48,7 @@ class RedisServer:
         return self.start()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        self.processes.stop("redis", 10)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -116,28 +91,15 @@ class Stack:
             KERNELLAB_KEY_PREFIX=self.prefix,
             KERNELLAB_API_KEYS=API_KEY,
             KERNELLAB_METRICS_HOST="127.0.0.1",
-            KERNELLAB_HEARTBEAT_INTERVAL_S="0.5",
-            KERNELLAB_WORKER_DEAD_AFTER_S="2.5",
-            KERNELLAB_DEVICE="cpu",
-            KERNELLAB_DTYPE="float32",
-            KERNELLAB_NUM_KV_BLOCKS="512",
-            KERNELLAB_MAX_NUM_SEQS="32",
-            KERNELLAB_DRAIN_TIMEOUT_S="20",
+            **CPU_STACK_ENV,  # what `kernellab stress` runs: a dead worker is noticed within seconds
         )
-        # N workers share the cores: more torch threads than cores makes every step slower.
-        self.env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+        share_cores(self.env, workers)
         self.env.update(env)
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.processes = Processes(workdir)
+        self.procs = self.processes.procs  # name → process: worker-<i>, gateway (and what callers add)
 
     def _spawn(self, name: str, args: list[str], env: dict) -> None:
-        log = (self.workdir / f"{name}.log").open("wb")
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "kernellab", *args],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        self.processes.spawn(name, [sys.executable, "-m", "kernellab", *args], env)
 
     def start(self, timeout: float = 300) -> Stack:
         for i, port in enumerate(self.worker_ports):
@@ -146,26 +108,20 @@ class Stack:
             "gateway", ["gateway", "--port", str(self.port), "--metrics-port", str(self.gateway_metrics_port)], self.env
         )
         try:
-            wait_for(
-                lambda: self._alive() and self.ready(len(self.worker_ports)),
-                timeout,
-                "the stack's /ready",
-                interval=0.5,
+            wait_ready(
+                self.url,
+                len(self.worker_ports),
+                timeout=timeout,
+                watch={"gateway": self.procs["gateway"]},
+                headers=AUTH,
             )
         except Exception:
             self.stop()
             raise RuntimeError(f"stack did not start:\n{self.log_tail()}") from None
         return self
 
-    def _alive(self) -> bool:
-        dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None and n.startswith("gateway")}
-        if dead:
-            raise RuntimeError(f"exited: {dead}")
-        return True
-
     def ready(self, workers: int = 1) -> bool:
-        resp = httpx.get(f"{self.url}/ready", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=2)
-        return resp.status_code == 200 and resp.json()["workers"] >= workers
+        return ready_workers(self.url, AUTH) >= workers
 
     def worker_metrics(self, i: int) -> dict[str, float]:
         return parse_metrics(httpx.get(f"http://127.0.0.1:{self.worker_ports[i]}/metrics", timeout=5).text)
@@ -188,23 +144,8 @@ class Stack:
         return OpenAI(base_url=f"{self.url}/v1", **kw)
 
     def stop(self) -> None:
-        order = [n for n in self.procs if n == "gateway"] + [n for n in self.procs if n != "gateway"]
-        for name in order:
-            proc = self.procs[name]
-            if proc.poll() is None:
-                proc.terminate()
-        for name in order:
-            try:
-                self.procs[name].wait(30)
-            except subprocess.TimeoutExpired:
-                self.procs[name].kill()
-                self.procs[name].wait(5)
+        """The gateway first (no new work), then everything else at once; 30 s each before SIGKILL."""
+        self.processes.stop_all(("gateway",), 30)
 
     def log_tail(self, lines: int = 30) -> str:
-        out = []
-        for name in self.procs:
-            path = self.workdir / f"{name}.log"
-            if path.exists():
-                text = path.read_text(errors="replace").splitlines()[-lines:]
-                out.append(f"--- {name} ---\n" + "\n".join(text))
-        return "\n".join(out)
+        return self.processes.log_tail(lines)

@@ -9,49 +9,23 @@ in flight (eight lines of eight tokens, ~0.6 s here) would be over 4× the idle 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from kernellab.results import validate
+from tests.support.benchmarks import run_benchmark
 from tests.support.stack import API_KEY, MODEL
 
 pytestmark = pytest.mark.integration
 
-SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "batch_ttft.py"
-
 
 def test_interactive_ttft_under_a_batch_is_within_twice_idle(batch_stack, tmp_path, record_property):
-    output = tmp_path / "batch_interactive_ttft.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--url",
-            batch_stack.url,
-            "--api-key",
-            API_KEY,
-            "--model",
-            MODEL,
-            "--requests",
-            "25",
-            "--batch-lines",
-            "400",
-            "--output",
-            str(output),
-            "--notes",
-            "integration test: 1 engine worker, 2 CPU cores",
-        ],
-        capture_output=True,
-        text=True,
+    result, _ = run_benchmark(
+        "batch_ttft.py",
+        *("--url", batch_stack.url, "--api-key", API_KEY, "--model", MODEL, "--requests", "25"),
+        *("--batch-lines", "400", "--notes", "integration test: 1 engine worker, 2 CPU cores"),
+        output=tmp_path / "batch_interactive_ttft.json",
+        schema="kernellab.bench.batch_ttft/v1",
         timeout=400,
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    result = json.loads(output.read_text())
-    assert validate(result) == "kernellab.bench.batch_ttft/v1"
     idle, busy = result["idle"], result["under_batch"]
     assert idle["n"] == busy["n"] == 25 and result["batch"]["lines_completed_during_busy_phase"] > 0
     for key in ("idle", "under_batch"):

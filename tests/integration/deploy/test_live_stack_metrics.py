@@ -22,16 +22,15 @@ import yaml
 
 from kernellab.bench.serve import run_bench_serve
 from kernellab.services.loadgen.headless import run_locust_headless
+from kernellab.services.processes import free_port, stop_process
 from tests.support.deploy import (
     GRAFANA,
     expand_variables,
-    free_port,
     iter_panels,
     load_dashboards,
     metric_names,
     requires_gpu,
     running_prometheus,
-    stop_process,
     wait_until,
 )
 
@@ -88,7 +87,7 @@ class LocalStack:
 
     def stop(self) -> None:
         if self.process is not None:
-            stop_process(self.process, timeout_s=30)
+            stop_process(self.process, 30)
 
     def log_tail(self) -> str:
         return self.log_path.read_text()[-3000:] if self.log_path.exists() else ""

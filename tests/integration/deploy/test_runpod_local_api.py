@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kernellab.services.loadgen.sse import StreamResult, iter_sse_data
-from tests.support.deploy import REPO, free_port, http_json, stop_process, wait_until
+from kernellab.services.processes import free_port, stop_process
+from tests.support.deploy import REPO, http_json, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -38,7 +39,7 @@ def handler_api(tmp_path_factory):
                    f"the handler's local API (log: {log_path})", interval_s=1.0, process=process)  # fmt: skip
         yield url
     finally:
-        stop_process(process)
+        stop_process(process, 15)
     assert process.returncode is not None
 
 

@@ -6,45 +6,20 @@ duplicated or cut tokens."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from kernellab.results import validate
+from tests.support.benchmarks import run_benchmark
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[3]
-
 
 def test_serve_gpu_benchmark_runs_end_to_end_on_the_cpu(tmp_path):
-    out = tmp_path / "serve_ci.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "serve_gpu.py"),
-            "--profile",
-            "ci",
-            "--gpus",
-            "2",
-            "--phases",
-            "g1-nogather-slowpath,g2",
-            "--interactive-repeats",
-            "1",
-            "--output",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
+    art, proc = run_benchmark(
+        "serve_gpu.py",
+        *("--profile", "ci", "--gpus", "2", "--phases", "g1-nogather-slowpath,g2", "--interactive-repeats", "1"),
+        output=tmp_path / "serve_ci.json",
+        schema="kernellab.bench.serve_gpu/v1",
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    art = json.loads(out.read_text())
-    assert validate(art) == "kernellab.bench.serve_gpu/v1"
     phases = {r["phase"] for r in art["runs"]}
     assert phases == {"engine", "stack-g1-nogather-slowpath", "stack-g2", "stack-2gpu-g2"}
     for r in art["runs"]:
@@ -70,27 +45,11 @@ def test_serve_gpu_benchmark_runs_end_to_end_on_the_cpu(tmp_path):
 def test_structured_stack_benchmark_gpu_path_runs_on_the_cpu(tmp_path):
     """``benchmarks/structured_overhead.py`` as its GPU profile runs it (a synthetic checkpoint, plain HTTP), small:
     the tiny shape on this CPU, one pair of phases; the artifact validates."""
-    out = tmp_path / "structured_tiny.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "structured_overhead.py"),
-            "--profile",
-            "tiny",
-            "--concurrency",
-            "4",
-            "--max-tokens",
-            "16",
-            "--output",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
+    art, _ = run_benchmark(
+        "structured_overhead.py",
+        *("--profile", "tiny", "--concurrency", "4", "--max-tokens", "16"),
+        output=tmp_path / "structured_tiny.json",
+        schema="kernellab.bench.structured/v1",
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    art = json.loads(out.read_text())
-    assert validate(art) == "kernellab.bench.structured/v1"
     assert [p["kind"] for p in art["phases"]] == ["plain", "json_schema"]
     assert all(p["requests"] == 4 and p["completion_tokens"] > 0 for p in art["phases"])
