@@ -26,10 +26,11 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor | None  # (Bp,) int32
     logits_indices: torch.Tensor  # rows whose next-token logits are needed
     max_decode_context: int = 0
-    # Host copies so the prefill path can slice without a device sync. ``prefill_fresh``: no prefill chunk has
-    # cached context before it, so attention can use the step's own K/V instead of gathering from the cache.
+    # Host copies so the prefill path can slice without a device sync. ``prefill_num_fresh``: the first this
+    # many prefill chunks have no cached context before them (fresh prompts, ordered before the chunks that
+    # continue one), so their attention uses the step's own K/V instead of gathering from the cache.
     prefill_cu_seqlens_host: list[int] | None = None
-    prefill_fresh: bool = False
+    prefill_num_fresh: int = 0
 
 
 def paged_attention(
@@ -48,18 +49,27 @@ def paged_attention(
         return ops.paged_decode_attention(
             q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
         )
-    if meta.prefill_fresh:
-        prefill = ops.varlen_causal_attention(q[nd:], k[nd:], v[nd:], meta.prefill_cu_seqlens_host, scale)
-    else:
-        prefill = ops.paged_prefill_attention(
-            q[nd:],
-            k_cache,
-            v_cache,
-            meta.prefill_block_tables,
-            meta.prefill_cu_seqlens_q,
-            meta.prefill_context_lens,
-            scale,
+    cu = meta.prefill_cu_seqlens_host
+    assert cu is not None  # a step with prefill rows has them
+    f, r = meta.prefill_num_fresh, cu[meta.prefill_num_fresh]  # fresh chunks and their rows
+    parts = []
+    if f:  # fresh prompts: one padded SDPA over the step's own K/V
+        parts.append(ops.varlen_causal_attention(q[nd : nd + r], k[nd : nd + r], v[nd : nd + r], cu[: f + 1], scale))
+    if f < len(cu) - 1:  # chunks that continue a cached context (chunked prefill, prefix hits): from the cache
+        assert meta.prefill_block_tables is not None and meta.prefill_cu_seqlens_q is not None
+        assert meta.prefill_context_lens is not None
+        parts.append(
+            ops.paged_prefill_attention(
+                q[nd + r :],
+                k_cache,
+                v_cache,
+                meta.prefill_block_tables[f:],
+                meta.prefill_cu_seqlens_q[f:] - r,
+                meta.prefill_context_lens[f:],
+                scale,
+            )
         )
+    prefill = parts[0] if len(parts) == 1 else torch.cat(parts)
     if nd == 0:
         return prefill
     decode = ops.paged_decode_attention(

@@ -88,7 +88,7 @@ class GraphRunner:
             prefill_context_lens=None,
             logits_indices=self.inputs[3, :1],
             prefill_cu_seqlens_host=[0, n],
-            prefill_fresh=True,
+            prefill_num_fresh=1,
         )
 
     def _capture(self, key: tuple[str, int], meta: AttentionMetadata) -> None:

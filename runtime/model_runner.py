@@ -133,7 +133,16 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata, list[int], list[Sequence]]:
         """Decode rows (one query token) first, then prefill chunks. Returns the inputs, metadata, the
         position of each scheduled entry in that order, and the sequences that sample, in logits order."""
-        order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i][1] != 1)
+        # Decode rows, then fresh prompts, then chunks that continue a cached context: attention takes the fresh
+        # ones in one batched call and only the others from the cache (a step mixing them once sent every chunk
+        # of the step through the per-sequence cache path: 157 ms for 12k tokens on the H200, where 16k fresh take ~70).
+        order = sorted(
+            range(len(out.scheduled)),
+            key=lambda i: (
+                out.scheduled[i][1] != 1,
+                out.scheduled[i][1] != 1 and out.scheduled[i][0].num_computed_tokens > 0,
+            ),
+        )
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -142,7 +151,7 @@ class ModelRunner:
         sampling: list[Sequence] = []
         dec_tables, dec_lens, pre_tables, pre_lens, cu = [], [], [], [], [0]
         num_decode = 0
-        fresh = True
+        num_fresh = 0
         for i in order:
             seq, n = out.scheduled[i]
             start = seq.num_computed_tokens
@@ -158,7 +167,7 @@ class ModelRunner:
                 pre_tables.append(table)
                 pre_lens.append(start + n)
                 cu.append(cu[-1] + n)
-                fresh = fresh and start == 0
+                num_fresh += start == 0
             if out.samples(seq, n):
                 logits_rows.append(len(ids) - 1)
                 sampling.append(seq)
@@ -183,7 +192,7 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
             max_decode_context=max(dec_lens, default=0),
             prefill_cu_seqlens_host=cu,
-            prefill_fresh=fresh,
+            prefill_num_fresh=num_fresh,
         )
         return torch.tensor(ids, dtype=torch.long, device=dev), meta, order, sampling
 

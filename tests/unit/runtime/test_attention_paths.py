@@ -1,0 +1,73 @@
+"""A step that mixes decode rows, fresh prompts and chunks continuing a cached context: the fresh prompts take
+the batched path over the step's own K/V, only the continuing chunks read the cache, and every row equals
+what the all-from-cache reference gives."""
+
+from __future__ import annotations
+
+import torch
+
+from kernellab.runtime import ops
+from kernellab.runtime.attention import AttentionMetadata, paged_attention
+from kernellab.runtime.dispatch import build_ops
+from kernellab.runtime.request.block_manager import slot_of
+
+HQ, HK, D, BS = 4, 2, 16, 4
+
+
+def test_mixed_step_equals_the_all_from_cache_reference():
+    gen = torch.Generator().manual_seed(0)
+    # (cached context before this step, new tokens in this step): 2 decode rows, 2 fresh prompts, 2 continuing
+    rows = [(9, 1), (3, 1), (0, 7), (0, 5), (6, 4), (12, 9)]
+    k_cache = torch.zeros(64, BS, HK, D)
+    v_cache = torch.zeros(64, BS, HK, D)
+    tables, next_block = [], 0
+    for cached, new in rows:
+        n = -(-(cached + new) // BS)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    # the cached context of every row is already in the cache
+    for (cached, _), table in zip(rows, tables, strict=True):
+        slots = torch.tensor([slot_of(table, p, BS) for p in range(cached)], dtype=torch.long)
+        ops.store_kv(
+            torch.randn(cached, HK, D, generator=gen),
+            torch.randn(cached, HK, D, generator=gen),
+            k_cache,
+            v_cache,
+            slots,
+        )
+    total = sum(new for _, new in rows)
+    q, k, v = (torch.randn(total, h, D, generator=gen) for h in (HQ, HK, HK))
+    slots = torch.tensor(
+        [slot_of(t, p, BS) for (c, n), t in zip(rows, tables, strict=True) for p in range(c, c + n)], dtype=torch.long
+    )
+    ops.store_kv(k, v, k_cache, v_cache, slots)
+
+    def meta(num_fresh: int) -> AttentionMetadata:
+        pre = rows[2:]
+        cu = [0]
+        for _, n in pre:
+            cu.append(cu[-1] + n)
+        width = max(len(t) for t in tables)
+        pad = [t + [-1] * (width - len(t)) for t in tables]
+        return AttentionMetadata(
+            positions=torch.zeros(total, dtype=torch.long),
+            slot_mapping=slots,
+            num_decode_tokens=2,
+            decode_block_tables=torch.tensor(pad[:2], dtype=torch.int32),
+            decode_context_lens=torch.tensor([c + n for c, n in rows[:2]], dtype=torch.int32),
+            prefill_block_tables=torch.tensor(pad[2:], dtype=torch.int32),
+            prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+            prefill_context_lens=torch.tensor([c + n for c, n in pre], dtype=torch.int32),
+            logits_indices=torch.zeros(1, dtype=torch.long),
+            prefill_cu_seqlens_host=cu,
+            prefill_num_fresh=num_fresh,
+        )
+
+    torch_ops = build_ops("none", torch.device("cpu"))
+    reference = paged_attention(torch_ops, q, k, v, k_cache, v_cache, meta(0), D**-0.5)  # every chunk from the cache
+    mixed = paged_attention(torch_ops, q, k, v, k_cache, v_cache, meta(2), D**-0.5)
+    torch.testing.assert_close(mixed, reference, atol=1e-5, rtol=1e-5)
+    # and the fresh rows alone, as a step of only fresh prompts computes them
+    fresh_rows = slice(2, 2 + 7 + 5)
+    alone = ops.varlen_causal_attention(q[fresh_rows], k[fresh_rows], v[fresh_rows], [0, 7, 12], D**-0.5)
+    torch.testing.assert_close(mixed[fresh_rows], alone)
