@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from kernellab.runtime.dispatch import Ops
+    from kernellab.runtime.request.structured import GrammarState
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +201,7 @@ class LLMEngine:
         self.prompt_tokens += sum(n for s, n in out.scheduled if s.num_computed_tokens < s.num_prompt_tokens)
         sampled, logprobs = self.runner.execute(out)
         emitted: list[list[int]] = []
-        constrained = []  # (seq, token) whose grammar takes the token: consumed together, in parallel
+        constrained: list[tuple[Sequence, GrammarState, int]] = []  # grammars take their tokens together, in parallel
         for (seq, n), tokens in zip(out.scheduled, sampled, strict=True):
             kept: list[int] = []
             if not tokens:  # a prefill chunk that does not reach the prompt's end
@@ -214,7 +215,7 @@ class LLMEngine:
                     break
             emitted.append(kept)
             if kept and seq.grammar is not None and not (seq.is_finished and seq.finish_reason != "length"):
-                constrained.append((seq, kept[-1]))  # a grammar row decodes one token per step
+                constrained.append((seq, seq.grammar, kept[-1]))  # a grammar row decodes one token per step
         if constrained:
             self._advance_grammars(constrained)
         for (seq, _), kept in zip(out.scheduled, emitted, strict=True):
@@ -237,22 +238,22 @@ class LLMEngine:
         if detok is None or (seq.is_finished and seq.finish_reason != "length"):
             return
         detok.push([token])
-        if not detok.stopped:
+        stop = detok.stop_reason  # set (with detok.stopped) once a stop string is complete
+        if stop is None:
             return
         if seq.is_finished:
-            seq.finish_reason, seq.stop_reason = "stop", detok.stop_reason
+            seq.finish_reason, seq.stop_reason = "stop", stop
         else:
-            self.scheduler.finish_by_stop_string(seq, detok.stop_reason)
+            self.scheduler.finish_by_stop_string(seq, stop)
 
-    def _advance_grammars(self, pairs: list[tuple[Sequence, int]]) -> None:
+    def _advance_grammars(self, rows: list[tuple[Sequence, GrammarState, int]]) -> None:
         """Feed each sampled token to its sequence's grammar (llguidance's thread pool when there are many); a
         completed grammar ends the sequence with "stop" (also when its last allowed token completed it). A matcher
         error ends that sequence too, never the step. EOS, stop tokens and stop strings were checked first."""
         from kernellab.runtime.request import structured
 
-        accepted = structured.consume_all([(seq.grammar, token) for seq, token in pairs])
-        for (seq, token), ok in zip(pairs, accepted, strict=True):
-            grammar = seq.grammar
+        accepted = structured.consume_all([(grammar, token) for _, grammar, token in rows])
+        for (seq, grammar, token), ok in zip(rows, accepted, strict=True):
             if ok and not grammar.is_stopped:
                 continue
             if grammar.is_error:

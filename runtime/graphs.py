@@ -59,7 +59,7 @@ class GraphRunner:
         self.logits: dict[tuple[str, int], torch.Tensor] = {}
         # A graph records addresses only: every tensor it reads (the metadata's too) must outlive it.
         self.metas: dict[tuple[str, int], AttentionMetadata] = {}
-        self.pool = None
+        self.pool: torch.cuda._POOL_HANDLE | None = None  # the memory pool all graphs share
 
     # ------------------------------------------------------------------ capture
     def _decode_meta(self, bs: int) -> AttentionMetadata:
@@ -125,6 +125,7 @@ class GraphRunner:
     def decode(self, ids, positions, slots, context_lens, tables) -> torch.Tensor:
         n = len(ids)
         bs = self.decode_bucket(n)
+        assert bs is not None  # the runner replays only a captured size (it asked decode_bucket)
         host = self.host.numpy()
         host[0, :n], host[1, :n], host[2, :n], host[3, :n] = ids, positions, slots, context_lens
         host[:, n:bs] = 0
@@ -145,6 +146,7 @@ class GraphRunner:
         (slot -1) and their tokens are discarded by the caller. Returns tokens[step][row]."""
         n = len(ids)
         bs = self.decode_bucket(n)
+        assert bs is not None  # the runner replays only a captured size (it asked decode_bucket)
         t = self.host_tables.numpy()
         for i, row in enumerate(tables):
             t[i, : len(row)] = row
@@ -180,6 +182,7 @@ class GraphRunner:
     def prefill(self, ids, slots) -> torch.Tensor:
         n = len(ids)
         bucket = self.prefill_bucket(n)
+        assert bucket is not None  # the runner replays only a captured size (it asked prefill_bucket)
         host = self.host.numpy()
         host[0, :n] = ids
         host[1, :bucket] = np.arange(bucket)

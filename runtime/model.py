@@ -3,12 +3,18 @@ the ops backend (``runtime/ops.py`` or the Triton kernels) and weight fusion is 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, cast
+
 import torch
 from torch import nn
 
 from kernellab.runtime.attention import AttentionMetadata, paged_attention
 from kernellab.runtime.config import ModelConfig
 from kernellab.runtime.dispatch import Ops
+
+if TYPE_CHECKING:
+    from kernellab.runtime.quant import Int4Pair, Int4Weight
 
 # HF checkpoint module → (our fused module, shard index). Shard sizes come from the config.
 PACKED_MODULES = {
@@ -27,8 +33,9 @@ def _param(*shape: int) -> nn.Parameter:
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
-        self.weight = _param(out_features, in_features)
-        self.int4 = None  # an Int4Weight (runtime/quant.py) beside the dense weight, for steps with few rows
+        self.weight: torch.Tensor = _param(out_features, in_features)  # or a tied embedding's Parameter
+        # an int4 form (runtime/quant.py) beside the dense weight, for steps with few rows
+        self.int4: Int4Weight | Int4Pair | None = None
 
 
 class Norm(nn.Module):
@@ -103,7 +110,8 @@ class CausalLM(nn.Module):
         eps = cfg.rms_norm_eps
         hidden = self.model.embed_tokens(input_ids)
         residual = None
-        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
+        layers = cast("Iterable[DecoderLayer]", self.model.layers)  # nn.ModuleList is not generic
+        for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
             if residual is None:
                 residual = hidden
                 x = ops.rms_norm(hidden, layer.input_layernorm.weight, eps)
@@ -167,6 +175,7 @@ class CausalLM(nn.Module):
         count = 0
         for module_name, got in shards.items():
             lin = self.get_submodule(module_name)
+            assert isinstance(lin, Linear)  # the fused projections and lm_head
             parts = [got[i] for i in sorted(got)]
             kinds = {p[0] for p in parts}
             if (
@@ -197,6 +206,7 @@ class CausalLM(nn.Module):
                 if f".{short}." in name:
                     target = name.replace(f".{short}.", f".{packed}.")
                     owner = self.get_submodule(target.rsplit(".", 2)[0])
+                    assert isinstance(owner, Attention | MLP)  # the modules PACKED_MODULES fuses into
                     sizes = owner.shard_sizes[packed]
                     offset, size = sum(sizes[:shard]), sizes[shard]
                     break

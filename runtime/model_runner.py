@@ -94,7 +94,7 @@ class ModelRunner:
             for _ in range(model_cfg.num_layers)
         ]
         self.sampler = Sampler(device, argmax=ops.argmax)
-        self.graphs = None
+        self.graphs: GraphRunner | None = None
         self.use_graphs = False  # False replays nothing: the same runner, eager (graph == eager checks)
         if device.type == "cuda" and cfg.cuda_graphs and graph_safe(ops, model_cfg.qk_norm):
             self.graphs = GraphRunner(
@@ -202,13 +202,14 @@ class ModelRunner:
         Only for an all-decode batch of a captured bucket whose rows take the raw argmax: no logprobs,
         penalties, logit_bias or grammars. The scheduler then reserves the window's KV slots."""
         steps = self.cfg.num_scheduler_steps or (8 if self.graphs is not None else 1)
-        if steps <= 1 or not self.use_graphs or not self.graphs.decode_bucket(len(out.scheduled)):
+        graphs = self.graphs if self.use_graphs else None
+        if steps <= 1 or graphs is None or not graphs.decode_bucket(len(out.scheduled)):
             return 1
         for seq, n in out.scheduled:
             p = seq.params
             if n != 1 or not out.samples(seq, n) or not p.greedy or p.has_logits_processors or p.logprobs is not None:
                 return 1
-        return min(steps, self.graphs.max_steps)
+        return min(steps, graphs.max_steps)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[list[int]], dict[str, TokenLogprob]]:
@@ -216,6 +217,7 @@ class ModelRunner:
         ``out.scheduled`` order ([] for a non-final prefill chunk, one token, or up to ``out.allowed[i]`` in a
         window), and logprobs by request id where asked for (single steps only)."""
         if out.window > 1:
+            assert self.graphs is not None  # decode_window gives a window only with captured graphs
             seqs = [s for s, _ in out.scheduled]
             pos = [s.num_computed_tokens for s in seqs]
             ids = [s.token_ids[p] for s, p in zip(seqs, pos, strict=True)]
@@ -223,7 +225,8 @@ class ModelRunner:
                 ids, pos, [s.block_table for s in seqs], out.allowed, out.window, self.sampler.argmax
             )
             return [[steps[k][i] for k in range(a)] for i, a in enumerate(out.allowed)], {}
-        logits_and_seqs = self._execute_graph(out) if self.use_graphs else None
+        graphs = self.graphs if self.use_graphs else None
+        logits_and_seqs = self._execute_graph(out, graphs) if graphs is not None else None
         if logits_and_seqs is None:
             input_ids, meta, _, sampling = self.prepare(out)
             hidden = self.model(input_ids, meta, self.kv_caches)
@@ -233,6 +236,7 @@ class ModelRunner:
         tokens: list[int] = []
         logprobs: list[TokenLogprob] | None = None
         if sampling:
+            assert logits is not None  # computed whenever a row samples
             # The sampler's host work (grammar masks) runs before it touches the logits: on a GPU, while the forward
             # launched above still runs.
             tokens, logprobs = self.sampler(logits, sampling)
@@ -241,10 +245,10 @@ class ModelRunner:
         lp = {s.request_id: lp for s, lp in zip(sampling, logprobs, strict=True)} if logprobs else {}
         return sampled, lp
 
-    def _execute_graph(self, out: SchedulerOutput):
+    def _execute_graph(self, out: SchedulerOutput, graphs: GraphRunner):
         """Replay a captured graph when the step has a captured shape: all decodes within a batch bucket, or
         one fresh prompt within a prefill bucket. Returns (logits of the sampling rows, their sequences)."""
-        sched, bs, graphs = out.scheduled, self.block_size, self.graphs
+        sched, bs = out.scheduled, self.block_size
         if all(n == 1 for _, n in sched) and graphs.decode_bucket(len(sched)):
             pos = [s.num_computed_tokens for s, _ in sched]
             ids = [s.token_ids[p] for (s, _), p in zip(sched, pos, strict=True)]

@@ -83,7 +83,7 @@ class Sampler:
             bitmask = host[: len(mask_rows)]
             from kernellab.runtime.request import structured  # here: llguidance is needed only once a grammar is used
 
-            structured.fill_bitmasks([seqs[i].grammar for i in mask_rows], bitmask.numpy())
+            structured.fill_bitmasks([s.grammar for s in seqs if s.grammar is not None], bitmask.numpy())
         return Constraints((rows, ids, values) if rows else None, mask_rows, bitmask)
 
     def _apply_constraints(self, logits: torch.Tensor, c: Constraints) -> None:
@@ -101,8 +101,8 @@ class Sampler:
             if len(c.mask_rows) == logits.shape[0]:
                 logits.masked_fill_(~allowed, float("-inf"))
             else:
-                rows = torch.tensor(c.mask_rows, device=dev)
-                logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+                mask_rows = torch.tensor(c.mask_rows, device=dev)
+                logits[mask_rows] = logits[mask_rows].masked_fill(~allowed, float("-inf"))
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         self._apply_penalties(logits, seqs)
@@ -168,10 +168,14 @@ class Sampler:
         logp = torch.log_softmax(raw.float(), dim=-1)
         k = max((s.params.logprobs or 0) for s in seqs)
         chosen = logp.gather(1, torch.tensor(tokens, device=raw.device).unsqueeze(1)).squeeze(1).tolist()
-        top_vals, top_ids = logp.topk(k, dim=-1) if k else (None, None)
+        best = logp.topk(k, dim=-1) if k else None
         out = []
         for i, seq in enumerate(seqs):
             n = seq.params.logprobs or 0
-            top = list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist(), strict=True)) if n else []
+            top = (
+                list(zip(best.indices[i, :n].tolist(), best.values[i, :n].tolist(), strict=True))
+                if best is not None and n
+                else []
+            )
             out.append(TokenLogprob(tokens[i], chosen[i], top))
         return out

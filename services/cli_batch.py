@@ -7,7 +7,7 @@ Flags override ``KERNELLAB_*`` environment variables; heavy imports (Celery, tor
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -35,7 +35,7 @@ def batch_worker(
     from kernellab.services.batch.celery_app import serve
     from kernellab.services.batch.settings import BatchSettings
 
-    flags = {
+    flags: dict[str, Any] = {  # pydantic checks each value against its field
         "model": model,
         "redis_url": redis_url,
         "celery_broker_url": broker_url,

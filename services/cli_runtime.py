@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -19,7 +19,7 @@ bench_app = typer.Typer(help="Benchmarks that write JSON artifacts with provenan
 app.add_typer(bench_app, name="bench")
 
 
-def fail(exc: Exception) -> None:
+def fail(exc: Exception) -> NoReturn:
     err.print(f"[bold red]error:[/] {exc}")
     raise typer.Exit(2)
 

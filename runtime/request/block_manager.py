@@ -85,7 +85,9 @@ class BlockManager:
         return hits
 
     # ------------------------------------------------------------------ allocation
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | tuple[int, ...] = ()
+    ) -> bool:
         """Make the block table cover ``num_computed + cached + num_new`` tokens, first taking the cached
         prefix blocks of a fresh sequence (which advances ``num_computed_tokens``).
         All-or-nothing: on False nothing changed."""

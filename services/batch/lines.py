@@ -52,8 +52,8 @@ class LineError:
 class InputLine:
     index: int  # position among the file's non-blank lines: the order of the output
     lineno: int  # 1-based line number in the file, for messages
-    custom_id: str | None
-    kind: str | None = None  # "chat" | "completion"
+    custom_id: str | None  # None only on a line with an error
+    kind: str | None = None  # "chat" | "completion"; None only on a line with an error
     body: object = None
     error: LineError | None = None
 
@@ -146,7 +146,7 @@ def request_id() -> str:
     return f"req_{uuid.uuid4().hex}"
 
 
-def success_line(custom_id: str, req_id: str, body: dict) -> dict:
+def success_line(custom_id: str | None, req_id: str, body: dict) -> dict:
     return {
         "id": _line_id(),
         "custom_id": custom_id,
@@ -155,7 +155,7 @@ def success_line(custom_id: str, req_id: str, body: dict) -> dict:
     }
 
 
-def http_error_line(custom_id: str, req_id: str, exc: KernellabError) -> dict:
+def http_error_line(custom_id: str | None, req_id: str, exc: KernellabError) -> dict:
     """A request refused as the API would refuse it: its status and OpenAI error object."""
     return {
         "id": _line_id(),

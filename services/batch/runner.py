@@ -57,6 +57,7 @@ Record = Callable[[Outcome], Awaitable[None]]
 
 def _prepare(line: L.InputLine, executor: Executor, max_n: int) -> Prepared:
     body = line.body
+    assert line.kind is not None  # parse_line sets it on every line without an error, the only ones prepared
     if isinstance(body, dict) and body.get("stream"):
         raise InvalidRequestError("stream is not supported in a batch request", param="stream")
     p = prepare(

@@ -18,11 +18,16 @@ Invariants:
 
 from __future__ import annotations
 
+import builtins
 import json
 import time
 import uuid
+from typing import TYPE_CHECKING, cast
 
 import redis.asyncio as aioredis
+
+if TYPE_CHECKING:
+    from redis.typing import EncodableT, FieldT
 
 STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled")
 TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
@@ -150,7 +155,7 @@ class BatchStore:
         owner: str = "",
     ) -> dict:
         now = int(time.time())
-        fields = {
+        fields: dict[FieldT, EncodableT] = {
             "id": batch_id,
             "endpoint": endpoint,
             "input_file_id": input_file_id,
@@ -191,6 +196,7 @@ class BatchStore:
         value = await self.r.hget(self.key(batch_id), "status")
         return _s(value) if value is not None else None
 
+    # Below this method, ``list`` in an annotation of the class body is this method: they say ``builtins.list``.
     async def list(self, after: str | None, limit: int, owner: str | None = None) -> tuple[list[dict], bool]:
         """Newest first, ``limit`` batches after the one with id ``after`` (only ``owner``'s when given); and
         whether more follow."""
@@ -199,7 +205,7 @@ class BatchStore:
             rank = await self.r.zrevrank(self.index_key, after)
             if rank is None:
                 return [], False
-            start = rank + 1
+            start = cast(int, rank) + 1  # an int: a list only with withscore=True
         out: list[dict] = []
         while True:
             ids = await self.r.zrange(self.index_key, start, start + 4 * limit, desc=True)
@@ -215,7 +221,13 @@ class BatchStore:
                 out.append(to_openai(fields))
 
     async def transition(
-        self, batch_id: str, allowed: tuple[str, ...] | list[str], new: str, *, delete_progress: bool = False, **fields
+        self,
+        batch_id: str,
+        allowed: tuple[str, ...] | builtins.list[str],
+        new: str,
+        *,
+        delete_progress: bool = False,
+        **fields,
     ) -> tuple[bool, str]:
         """Set ``status=new`` (and ``fields``) if the status is one of ``allowed``: (done, previous status)."""
         keys = [self.key(batch_id)]
@@ -227,8 +239,9 @@ class BatchStore:
         done, previous = await self._transition(keys=keys, args=args)
         return bool(done), _s(previous)
 
-    async def set_fields(self, batch_id: str, **fields) -> None:
-        await self.r.hset(self.key(batch_id), mapping=fields)
+    async def set_fields(self, batch_id: str, **fields: EncodableT) -> None:
+        # str keys are FieldT's, but redis-py's Mapping[FieldT, ...] is invariant in its key type
+        await self.r.hset(self.key(batch_id), mapping=cast("dict[FieldT, EncodableT]", fields))
 
     # ----------------------------------------------------------------- progress
     async def record(self, batch_id: str, index: int, line: str, ok: bool, request_id: str = "") -> int:
@@ -243,7 +256,7 @@ class BatchStore:
     async def recorded_indices(self, batch_id: str) -> set[int]:
         return {int(k) for k in await self.r.hkeys(self.results_key(batch_id))}
 
-    async def results(self, batch_id: str, indices: list[int]) -> list[tuple[bool, str] | None]:
+    async def results(self, batch_id: str, indices: builtins.list[int]) -> builtins.list[tuple[bool, str] | None]:
         """Recorded lines of ``indices`` as (ok, JSON line), None where none is recorded."""
         if not indices:
             return []
@@ -253,7 +266,7 @@ class BatchStore:
     async def mark_inflight(self, batch_id: str, request_id: str, index: int) -> None:
         await self.r.hset(self.inflight_key(batch_id), request_id, index)
 
-    async def take_inflight(self, batch_id: str) -> list[str]:
+    async def take_inflight(self, batch_id: str) -> builtins.list[str]:
         """Queue request ids an earlier owner submitted and never recorded (to cancel them), now forgotten."""
         pipe = self.r.pipeline(transaction=True)
         pipe.hkeys(self.inflight_key(batch_id))

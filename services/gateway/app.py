@@ -326,7 +326,9 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
 
     async def stream_body(p, rs, first, done: dict):
         """The SSE body; ``done["ok"]`` tells the closer that the client got everything (no disconnect)."""
-        created, sent, offsets = int(time.time()), set(), {}
+        created = int(time.time())
+        sent: set[int] = set()  # choice indices that got their first chunk
+        offsets: dict[int, int] = {}  # choice index → characters of text sent (completion logprobs' text_offset)
         update = first
         try:
             while update is not None:

@@ -85,13 +85,13 @@ class ResultStream:
         self.deadline = deadline + DEADLINE_GRACE_S
         self.started = started
         tok = gateway.tokenizer
-        parse = p.parser is not None and (p.parser.reasoning or p.parser.tools)
+        parser = p.parser if p.parser is not None and (p.parser.reasoning or p.parser.tools) else None
         self.choices = {
             c.index: ChoiceState(
                 IncrementalDetokenizer(
                     tok, p.prompts[c.prompt_index], c.params.stop, c.params.include_stop_str_in_output
                 ),
-                parser=ChatOutputParser(p.parser) if parse else None,
+                parser=ChatOutputParser(parser) if parser is not None else None,
             )
             for c in p.choices
         }

@@ -108,7 +108,9 @@ class ChatOutputParser:
             self.reasoning_tokens += round(n * share)
 
     def _run(self, buf: str, final: bool) -> dict:
-        reasoning, content, calls = [], [], []
+        reasoning: list[str] = []
+        content: list[str] = []
+        calls: list[dict] = []
         while True:
             if self.state == "start":
                 stripped = buf.lstrip()

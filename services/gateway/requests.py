@@ -228,7 +228,7 @@ def _check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, 
 # OpenAI parameters that would change the answer and that this server does not honour: a request that sets one
 # gets a 400 naming it, never a 200 that silently ignored it. Each maps to the values that ask for nothing (an
 # empty or "off" value is accepted). The legacy functions/function_call have their successor in tools/tool_choice.
-_UNSUPPORTED = {
+_UNSUPPORTED: dict[str, dict[str, tuple]] = {
     "chat": {
         "functions": ([], None),
         "function_call": ("none", None),
@@ -326,7 +326,7 @@ def prepare(
         raise InvalidRequestError(f"seed must be in [0, {MAX_SEED - max_n}]", param="seed")
     echo: list[str] = []
     parser = None
-    if kind == "chat":
+    if isinstance(body, ChatBody):  # kind == "chat"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=true", param="top_logprobs")
@@ -339,9 +339,8 @@ def prepare(
         structured = structured_spec(body.response_format)
         max_tokens = body.max_tokens
         logprobs = body.logprobs
-        prompt = body.prompt
-        if isinstance(prompt, str):
-            prompt = [prompt]
+        # the body model made it one str, or a list of all str, all int or all list[int]
+        prompt: list = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if not prompt:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         if isinstance(prompt[0], int):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from kernellab.services.gateway.requests import Prepared
 
@@ -19,7 +20,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 class TokenText:
     """The text of single tokens for logprobs (cached: a vocabulary is small next to a long serving life)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer) -> None:
         self._tok = tokenizer
         self._cache: dict[int, str] = {}
 
@@ -135,7 +136,7 @@ def final_response(p: Prepared, created: int, choices: list[dict], u: dict) -> d
 def chat_choice(index: int, text: str, logprobs, finish_reason, parsed=None) -> dict:
     """``parsed``: the output parser's ParsedMessage (reasoning / content / tool calls), or None: all content."""
     if parsed is None:
-        message = {"role": "assistant", "content": text, "refusal": None}
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
     else:
         message = {"role": "assistant", "content": parsed.content, "refusal": None}
         if parsed.reasoning is not None:

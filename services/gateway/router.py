@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import TYPE_CHECKING, Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -23,9 +24,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from kernellab.services.queue.aio import finish, raise_if_cancelling
 from kernellab.services.queue.protocol import ProtocolError, from_entry
 
+if TYPE_CHECKING:
+    from redis.typing import KeyT, StreamIdT
+
 log = logging.getLogger("kernellab.gateway")
 
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
+REDIS_DOWN: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 class RouterFailure(Exception):
@@ -46,7 +50,7 @@ class OutputRouter:
         self.wake_key = wake_key
         self.block_ms = block_ms
         self._subs: dict[str, Subscription] = {}
-        self._last: dict[str, str | bytes] = {}
+        self._last: dict[KeyT, StreamIdT] = {}  # stream key → the last entry id read
         self._wake_last: str | bytes = "0-0"
         self.healthy = True
         self._task: asyncio.Task | None = None
@@ -81,10 +85,10 @@ class OutputRouter:
         mid-command (see ``queue.aio``)."""
         self._closing = True
         if self._task is not None:
-            with contextlib.suppress(REDIS_DOWN):
+            with contextlib.suppress(*REDIS_DOWN):
                 await self.r.xadd(self.wake_key, {b"w": b"stop"}, maxlen=64, approximate=True)
             await finish([self._task], timeout=self.block_ms / 1000 + 1.0, what="output router")
-        with contextlib.suppress(REDIS_DOWN):
+        with contextlib.suppress(*REDIS_DOWN):
             await self.r.delete(self.wake_key)
 
     def _fail_all(self, why: str) -> None:
@@ -97,7 +101,7 @@ class OutputRouter:
     async def _run(self) -> None:
         backoff = 0.05
         while not self._closing:
-            streams = {self.wake_key: self._wake_last, **self._last}
+            streams: dict[KeyT, StreamIdT] = {self.wake_key: self._wake_last, **self._last}
             try:
                 reply = await self.r.xread(streams, block=self.block_ms)
             except REDIS_DOWN as exc:
@@ -120,7 +124,8 @@ class OutputRouter:
                 await asyncio.sleep(0.1)
                 continue
             self.healthy, backoff = True, 0.05
-            for key, entries in reply or []:
+            # RESP2 (the client's protocol): [[stream, [(entry id, fields), ...]], ...]
+            for key, entries in cast("list[list[Any]]", reply or []):
                 key = key.decode() if isinstance(key, bytes) else key
                 if key == self.wake_key:
                     self._wake_last = entries[-1][0]

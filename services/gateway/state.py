@@ -125,7 +125,7 @@ class Gateway:
                 blobs = await self.redis.mget([self.keys.heartbeat(w.decode()) for w in ids])
                 for blob in blobs:
                     try:
-                        hb = decode(blob, Heartbeat) if blob else None
+                        hb = decode(blob, Heartbeat) if isinstance(blob, bytes) and blob else None
                     except ProtocolError:
                         hb = None
                     if hb is not None and not hb.draining:
@@ -207,7 +207,7 @@ class Gateway:
         self.metrics.in_flight.set(self.in_flight)
         return ResultStream(self, p, sub, deadline, started)
 
-    async def _enqueue(self, entries: list, meta: tuple[str, int]) -> None:
+    async def _enqueue(self, entries: list, meta: tuple[str, str]) -> None:
         """Requests submitted in the same event-loop turn share one pipeline, so a burst of clients reaches
         the workers in one read, and so in one engine step, instead of trickling in one round trip apart."""
         future = asyncio.get_running_loop().create_future()
@@ -252,6 +252,7 @@ class Gateway:
     def first_token(self, rs: ResultStream) -> None:
         self.waiting -= 1
         self.metrics.queue_depth.set(self.waiting)
+        assert rs.first_token_at is not None  # the stream sets it before calling this
         self.metrics.ttft.observe(rs.first_token_at - rs.started)
 
     def release(self, rs: ResultStream) -> None:

@@ -3,6 +3,8 @@ chat template exactly as a chat request would be) and ``POST /detokenize``."""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kernellab.runtime.request.errors import InvalidRequestError
@@ -36,7 +38,10 @@ class DetokenizeBody(BaseModel):
     tokens: list[int]
 
 
-def _utility_body(model: type[BaseModel], data, served_model: str):
+Body = TypeVar("Body", TokenizeBody, DetokenizeBody)
+
+
+def _utility_body(model: type[Body], data, served_model: str) -> Body:
     """A /tokenize or /detokenize body, validated; its optional model must be the served one."""
     if not isinstance(data, dict):
         raise InvalidRequestError("the request body must be a JSON object")
@@ -57,6 +62,7 @@ def tokenize_request(data, tokenizer, *, served_model: str, max_model_len: int, 
     if body.prompt is not None:
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
     else:
+        assert body.messages is not None  # exactly one of the two, checked above
         kwargs = template_kwargs(options, body.chat_template_kwargs)  # reserved names are a 400 here too
         text = tokenizer.render_chat(
             normalize_messages(body.messages),

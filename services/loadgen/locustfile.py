@@ -163,6 +163,7 @@ class OpenAIStreamingUser(HttpUser):
             if options.max_requests and RUN.issued >= options.max_requests:
                 raise StopUser()
             RUN.issued += 1
+            assert RUN.workload is not None  # test start built it (parse_mix refuses an empty mix)
             spec = RUN.workload.next()
         body = {
             "model": RUN.model,
@@ -201,6 +202,7 @@ class OpenAIStreamingUser(HttpUser):
                     result.error = f"{type(error).__name__}: {error}"
                 result.finish()
             # Locust timed only the headers (stream=True); the entry should cover the whole stream.
+            assert result.e2e is not None  # finish() set the end
             response.request_meta["response_time"] = result.e2e * 1000
             if result.error:
                 response.failure(result.error)

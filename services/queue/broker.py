@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, cast
 
 import redis
 
@@ -31,6 +32,9 @@ from kernellab.services.queue.protocol import (
     entry,
     from_entry,
 )
+
+if TYPE_CHECKING:
+    from redis.typing import EncodableT, KeyT, StreamIdT
 
 log = logging.getLogger("kernellab.queue")
 
@@ -136,7 +140,7 @@ class WorkerQueue:
 
     def read(self, priorities: tuple[str, ...] | list[str], count: int, block_ms: int | None) -> list[Delivery]:
         """New entries: up to ``count`` from each of the ``priorities``' streams (one XREADGROUP)."""
-        streams = {self.keys.requests(p): ">" for p in PRIORITIES if p in priorities}
+        streams: dict[KeyT, StreamIdT] = {self.keys.requests(p): ">" for p in PRIORITIES if p in priorities}
         if not streams or count <= 0:
             return []
         try:
@@ -147,7 +151,8 @@ class WorkerQueue:
             self.ensure_groups()  # Redis lost its data (restart without persistence)
             return []
         out = []
-        for stream, entries in reply or []:
+        # RESP2 (the client's protocol): [[stream, [(entry id, fields), ...]], ...]
+        for stream, entries in cast("list[list[Any]]", reply or []):
             for entry_id, fields in entries:
                 out.extend(self._deliveries(_sid(stream), [(entry_id, fields)], {}))
         return self._resolve_resumes(out)
@@ -170,10 +175,10 @@ class WorkerQueue:
             claimed = [(eid, f) for eid, f in claimed if f]  # entries trimmed away come back without fields
             if not claimed:
                 continue
-            counts = {}
+            counts: dict[str, int] = {}
             for eid, _f in claimed:
                 info = self.r.xpending_range(stream, GROUP, min=eid, max=eid, count=1)
-                counts[_sid(eid)] = info[0]["times_delivered"] if info else 1
+                counts[_sid(eid)] = int(info[0]["times_delivered"]) if info else 1
             for d in self._deliveries(stream, claimed, counts):
                 d.message = replace(d.message, resume=True)
                 if d.deliveries + d.message.attempt > self.max_deliveries:
@@ -213,7 +218,7 @@ class WorkerQueue:
         """The tokens already in a choice's output stream (deduplicated by seq), and whether it is finished."""
         tokens: list[int] = []
         finished = False
-        for _eid, fields in self.r.xrange(self.keys.output(engine_id)):
+        for _eid, fields in self.r.xrange(self.keys.output(engine_id)) or []:
             try:
                 msg = from_entry(fields)
             except ProtocolError:
@@ -274,7 +279,7 @@ class WorkerQueue:
         if not outputs and not acks:
             return [], 0
         keys = [k for k, _, _ in outputs] + [d.stream for _, _, d in outputs] + [d.stream for d in acks]
-        args = [
+        args: list[EncodableT] = [
             GROUP,
             self.consumer,
             ttl_ms,
@@ -314,7 +319,7 @@ class WorkerQueue:
     def recent_cancels(self, since_s: float) -> tuple[list, str]:
         """Cancel messages of the last ``since_s`` seconds (a new worker must know about them), and the last id."""
         start = f"{int((time.time() - since_s) * 1000)}-0"
-        entries = self.r.xrange(self.keys.cancel, min=start)
+        entries = self.r.xrange(self.keys.cancel, min=start) or []
         last = _sid(entries[-1][0]) if entries else start
         return [decode_cancel(f) for _e, f in entries], last
 

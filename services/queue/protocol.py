@@ -17,9 +17,12 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar, overload
 
 import msgpack
+
+if TYPE_CHECKING:
+    from redis.typing import EncodableT, FieldT
 
 PROTOCOL_VERSION = 1
 FIELD = b"m"  # the single field of a stream entry that holds the encoded message
@@ -110,7 +113,8 @@ class Heartbeat:
 
 
 Message = RequestMessage | OutputChunk | ErrorMessage | CancelMessage | Heartbeat
-_KINDS: dict[str, type] = {
+M = TypeVar("M", RequestMessage, OutputChunk, ErrorMessage, CancelMessage, Heartbeat)
+_KINDS: dict[str, type[Message]] = {
     cls.kind: cls for cls in (RequestMessage, OutputChunk, ErrorMessage, CancelMessage, Heartbeat)
 }
 _FIELDS: dict[type, tuple] = {cls: tuple(f for f in fields(cls)) for cls in _KINDS.values()}
@@ -127,6 +131,10 @@ def encode(message: Message) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
+@overload
+def decode(data: bytes, expect: type[M]) -> M: ...
+@overload
+def decode(data: bytes, expect: tuple[type, ...] | None = None) -> Message: ...
 def decode(data: bytes, expect: type | tuple[type, ...] | None = None) -> Message:
     """Decode one message; ``expect`` restricts the kinds accepted on this hop."""
     try:
@@ -138,7 +146,8 @@ def decode(data: bytes, expect: type | tuple[type, ...] | None = None) -> Messag
     version = body.get("v")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})")
-    cls = _KINDS.get(body.get("k"))
+    kind = body.get("k")
+    cls = _KINDS.get(kind) if isinstance(kind, str) else None  # an unhashable kind is unknown, not a TypeError
     if cls is None:
         raise ProtocolError(f"unknown message kind {body.get('k')!r}")
     if expect is not None and not issubclass(cls, expect):
@@ -153,12 +162,19 @@ def decode(data: bytes, expect: type | tuple[type, ...] | None = None) -> Messag
         raise ProtocolError(f"malformed {cls.kind} message: {exc}") from None
 
 
-def entry(message: Message) -> dict[bytes, bytes]:
+def entry(message: Message) -> dict[FieldT, EncodableT]:
     """The field map of a stream entry holding ``message``."""
     return {FIELD: encode(message)}
 
 
-def from_entry(fields_: dict, expect: type | tuple[type, ...] | None = None) -> Message:
+@overload
+def from_entry(fields_: dict | None, expect: type[M]) -> M: ...
+@overload
+def from_entry(fields_: dict | None, expect: tuple[type, ...] | None = None) -> Message: ...
+def from_entry(fields_: dict | None, expect: type | tuple[type, ...] | None = None) -> Message:
+    """Decode a stream entry's field map; redis-py gives ``None`` for an entry trimmed away after delivery."""
+    if fields_ is None:
+        raise ProtocolError("stream entry without a message field")
     data = fields_.get(FIELD)
     if data is None:
         data = fields_.get(FIELD.decode())

@@ -10,6 +10,7 @@ import signal
 import socket
 import struct
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -208,7 +209,7 @@ async def fault_vanishing_client(stack: LocalStack, run: LoadRun, events: list, 
     )
 
 
-FAULTS = {
+FAULTS: dict[str, Callable[..., Awaitable[None]]] = {
     "worker-kill": fault_worker_kill,
     "worker-pause": fault_worker_pause,
     "redis-restart": fault_redis_restart,

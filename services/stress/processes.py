@@ -74,9 +74,10 @@ class LocalStack:
         self.env.update(env or {})
         self.processes = Processes(self.workdir)
         self.procs = self.processes.procs  # name → process: worker-<i>, gateway, gateway-deadline, redis
-        self.redis_binary = shutil.which("redis-server")
-        if self.redis_binary is None:
+        redis_binary = shutil.which("redis-server")
+        if redis_binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+        self.redis_binary = redis_binary
 
     @property
     def dead_after_s(self) -> float:

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 import redis
 
@@ -26,9 +27,12 @@ from kernellab.services.queue.broker import Delivery, WorkerQueue, connect, deco
 from kernellab.services.queue.keys import Keys
 from kernellab.services.queue.protocol import CancelMessage, ErrorMessage, Heartbeat, OutputChunk, encode
 
+if TYPE_CHECKING:
+    from redis.typing import StreamIdT
+
 log = logging.getLogger("kernellab.worker")
 
-_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
+_REDIS_DOWN: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
 @dataclass
@@ -64,7 +68,7 @@ class WriteBatch:
 class Holdings:
     """Entries this worker holds (read, not yet XACKed), by engine id. Thread-safe; wakes the reader on release."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Condition()
         self._held: dict[str, Delivery] = {}
 
@@ -198,7 +202,7 @@ class RedisIO:
         self.stopping.set()
         for t in self._threads:
             t.join(timeout)
-        with contextlib.suppress(_REDIS_DOWN):
+        with contextlib.suppress(*_REDIS_DOWN):
             self._queue().leave(self.keys.heartbeat(self.worker_id))
 
     def _down(self, where: str, exc: Exception) -> None:
@@ -240,7 +244,8 @@ class RedisIO:
                 self.stopping.wait(0.5)
 
     def _read_cancels(self) -> None:
-        q, last = None, None
+        q: WorkerQueue | None = None
+        last: StreamIdT = "0-0"  # replaced by recent_cancels' last id before the first read
         while not self.stopping.is_set():
             try:
                 if q is None:
@@ -250,7 +255,8 @@ class RedisIO:
                         if c is not None:
                             self.cancels.add(c)
                 reply = q.r.xread({self.keys.cancel: last}, count=512, block=1000)
-                for _stream, entries in reply or []:
+                # RESP2 (the client's protocol): [[stream, [(entry id, fields), ...]]]
+                for _stream, entries in cast("list[list[Any]]", reply or []):
                     for eid, fields in entries:
                         last = eid
                         c = decode_cancel(fields)
@@ -287,8 +293,6 @@ class RedisIO:
                 self.holdings.release(pending.acks + pending.requeue)
                 for event in pending.written:
                     event.set()
-                pending, failing_since, aborted = None, None, False
-                self.redis_ok.set()
             except _REDIS_DOWN as exc:
                 self._down("write", exc)
                 q = None
@@ -300,6 +304,9 @@ class RedisIO:
                     log.error("dropping %d unwritten messages at exit: redis unavailable", len(pending.messages))
                     return
                 time.sleep(0.2)
+            else:
+                pending, failing_since, aborted = None, None, False
+                self.redis_ok.set()
 
     def _execute(self, q: WorkerQueue, batch: WriteBatch) -> None:
         outputs = [

@@ -16,6 +16,7 @@ is not the loop lives beside it: Redis I/O threads (io.py), metrics (metrics.py)
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -419,7 +420,7 @@ class Worker:
             if out.finished:
                 m.e2e.observe(now - a.arrival)
                 # Counted once the XACK is ours: a stalled worker's finish of a reclaimed request is not one.
-                batch.ack(a.delivery, lambda reason=out.finish_reason: m.finish(reason))
+                batch.ack(a.delivery, functools.partial(m.finish, out.finish_reason))
                 del self.active[out.request_id]
         if batch.messages or batch.acks:
             written = threading.Event()
