@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml scripts/install-python-deps.sh 2>/dev/null | sha1sum | cut -c1-12)
 
-.PHONY: install up generate test test-unit test-integration lint format bench-cpu stress gpu clean compose-smoke
+.PHONY: install up generate test test-unit test-integration lint typecheck format bench-cpu stress gpu clean compose-smoke
 
 $(STAMP): pyproject.toml scripts/install-python-deps.sh
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -26,12 +26,16 @@ test: install  ## everything CI runs: unit (CPU, Triton interpreter) + integrati
 test-unit: install
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/unit
 
-lint: install  ## what CI checks before the tests: lint rules and formatting (ruff format, line length 120)
+lint: install  ## what CI checks before the tests: lint rules and formatting (ruff format, line length 120), types
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	rm -rf .import-check && $(BIN)/pip install -q --no-deps --no-build-isolation --target .import-check . \
 		&& cd /tmp && PYTHONPATH=$(CURDIR)/.import-check $(abspath $(BIN))/lint-imports $(CURDIR)/pyproject.toml; \
 		rc=$$?; rm -rf $(CURDIR)/.import-check; exit $$rc
+	VENV=$(VENV) bash scripts/typecheck.sh
+
+typecheck: install  ## mypy over runtime/ and services/ ([tool.mypy] in pyproject.toml; incremental in .mypy_cache)
+	VENV=$(VENV) bash scripts/typecheck.sh
 
 format: install
 	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
@@ -48,4 +52,4 @@ compose-smoke: install  ## as root: build the images, run the compose cpu profil
 	$(BIN)/python scripts/compose_smoke.py $(SMOKE_ARGS)
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .mypy_cache .typecheck
