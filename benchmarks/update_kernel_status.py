@@ -24,6 +24,20 @@ OFF_PATH = {
 }
 
 
+def evidence(row: dict, noise_pct: float | None, artifact: str) -> dict:
+    """An op's status with what decided it: numerics at real shapes and the end-to-end effect of turning it off."""
+    return {
+        "status": row["status"],
+        "numerics": row["numerics"],
+        "e2e": {
+            "throughput_gain_pct": row["e2e_gain_tok_per_s_pct"],
+            "itl_gain_pct": row["e2e_gain_itl_pct"],
+            "noise_band_pct": noise_pct,
+        },
+        "artifact": str(Path(artifact).relative_to(ROOT)) if Path(artifact).is_absolute() else artifact,
+    }
+
+
 def main(artifact: str) -> int:
     data = json.loads(Path(artifact).read_text())
     ablation = data.get("ablation") or {}
@@ -43,17 +57,10 @@ def main(artifact: str) -> int:
         row = ablation.get(op)
         judged_on = next((m for m, rows in path_ablations.items() if isinstance(rows.get(op), dict)), None)
         if op in OFF_PATH.get(data["model"], ()) and judged_on is not None:
-            row, noise = path_ablations[judged_on][op], path_ablations[judged_on].get("__noise_pct__")
+            rows = path_ablations[judged_on]
             ops[op] = {
-                "status": row["status"],
-                "numerics": row["numerics"],
-                "e2e": {
-                    "throughput_gain_pct": row["e2e_gain_tok_per_s_pct"],
-                    "itl_gain_pct": row["e2e_gain_itl_pct"],
-                    "noise_band_pct": noise,
-                },
+                **evidence(rows[op], rows.get("__noise_pct__"), artifact),
                 "path": f"{judged_on} (not on {data['model']}'s: {OFF_PATH[data['model']][op]})",
-                "artifact": str(Path(artifact).relative_to(ROOT)) if Path(artifact).is_absolute() else artifact,
             }
             continue
         if op in OFF_PATH.get(data["model"], ()):
@@ -71,16 +78,7 @@ def main(artifact: str) -> int:
         if not isinstance(row, dict) or "status" not in row:
             ops[op] = {"status": "experimental", "reason": entry.get("reason", "not measured")}
             continue
-        ops[op] = {
-            "status": row["status"],
-            "numerics": row["numerics"],
-            "e2e": {
-                "throughput_gain_pct": row["e2e_gain_tok_per_s_pct"],
-                "itl_gain_pct": row["e2e_gain_itl_pct"],
-                "noise_band_pct": ablation.get("__noise_pct__"),
-            },
-            "artifact": str(Path(artifact).relative_to(ROOT)) if Path(artifact).is_absolute() else artifact,
-        }
+        ops[op] = evidence(row, ablation.get("__noise_pct__"), artifact)
     out = {
         "schema": "kernellab.acceptance/v1",
         "source": {
