@@ -124,6 +124,16 @@ def build_ops(
     return Ops(**table, enabled=tuple(enabled), torch_reasons=reasons)
 
 
+def ops_for_engine(cfg, device) -> Ops:
+    """An engine's op table. ``backend="auto"``: the acceptance dispatcher on a GPU, the torch references on a
+    CPU (where Triton would only run under its interpreter); ``"triton"`` forces the dispatcher (tests under the
+    interpreter). ``cfg`` is the engine's ``EngineConfig``."""
+    use_triton = cfg.backend == "triton" or (cfg.backend == "auto" and device.type == "cuda")
+    if not use_triton:
+        return build_ops("none", device, why_none=f"backend={cfg.backend!r} on {device.type}: torch references")
+    return build_ops(cfg.kernels, device, disabled=cfg.disabled_kernels)
+
+
 def graph_needs(qk_norm: bool) -> tuple[str, ...]:
     """CUDA-graph capture needs the KV write and the decode attention without host syncs (the Triton kernels)."""
     return ("qk_norm_rope_store_kv" if qk_norm else "store_kv", "paged_decode_attention")

@@ -19,9 +19,6 @@ from kernellab.runtime.request.scheduler import Scheduler
 from kernellab.runtime.request.sequence import Sequence
 
 if TYPE_CHECKING:
-    import torch
-
-    from kernellab.runtime.dispatch import Ops
     from kernellab.runtime.request.structured import GrammarState
 
 log = logging.getLogger(__name__)
@@ -60,6 +57,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, weights=None, **kwargs):
         """``weights``: optional HF-named ``(name, tensor)`` pairs that replace the checkpoint's (for
         comparisons against a peer holding the same random weights)."""
+        from kernellab.runtime.dispatch import ops_for_engine
         from kernellab.runtime.model_runner import ModelRunner, resolve_device, resolve_dtype
 
         self.config = cfg = config or EngineConfig(**kwargs)
@@ -74,7 +72,7 @@ class LLMEngine:
         self.max_model_len = min(limit, model_cfg.max_position_embeddings)
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device, self.spec.dtype)
-        ops = _select_ops(cfg, device)
+        ops = ops_for_engine(cfg, device)
         int4 = _int4_weights(cfg, path, model_cfg, device)
         self.runner = ModelRunner(model_cfg, cfg, device, dtype, self.max_model_len, weights, ops, int4_weights=int4)
         self._tokenizer = None
@@ -313,19 +311,6 @@ def _valid_token_ids(tokens: list[int], vocab: int) -> bool:
     generator cost ~1.5 ms for 32 prompts of 512 tokens, on the worker's step thread between two steps."""
     kinds = set(map(type, tokens))
     return all(issubclass(k, int) and k is not bool for k in kinds) and min(tokens) >= 0 and max(tokens) < vocab
-
-
-def _select_ops(cfg: EngineConfig, device: torch.device) -> Ops:
-    """``backend="auto"``: the acceptance dispatcher on a GPU, the torch references on a CPU (where Triton
-    would only run under its interpreter); ``"triton"`` forces the dispatcher (tests under the interpreter)."""
-    from kernellab.runtime.dispatch import build_ops
-
-    use_triton = cfg.backend == "triton" or (cfg.backend == "auto" and device.type == "cuda")
-    if not use_triton:
-        return build_ops("none", device, why_none=f"backend={cfg.backend!r} on {device.type}: torch references")
-    ops = build_ops(cfg.kernels, device, disabled=cfg.disabled_kernels)
-    log.info("Triton ops enabled: %s", ", ".join(ops.enabled) or "none")
-    return ops
 
 
 @dataclass
