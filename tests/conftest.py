@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kernellab.bench.workloads import CHAT_QUESTIONS
+
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
@@ -57,24 +59,8 @@ def tiny_checkpoints(tmp_path_factory):
     return out
 
 
-SMOL_PROMPTS = [
-    "What is the capital of France?",
-    "Explain what a hash table is.",
-    "Write a haiku about the ocean.",
-    "List three uses of copper.",
-    "Why is the sky blue?",
-    "Give me a tip for learning to cook.",
-    "What does a CPU do?",
-    "Describe a cat in one sentence.",
-    "How do vaccines work?",
-    "What is 12 times 12?",
-    "Suggest a name for a bakery.",
-    "What is photosynthesis?",
-    "Translate 'good morning' into Spanish.",
-    "How many legs does a spider have?",
-    "What is the boiling point of water at sea level?",
-    "Tell me a fun fact about octopuses.",
-]
+# The benchmarks' chat questions: short prompts of different lengths for the embedded model.
+SMOL_PROMPTS = CHAT_QUESTIONS[:16]
 
 
 @pytest.fixture(scope="session")
