@@ -102,8 +102,9 @@ class ModelRunner:
             )
             self.graphs.capture()
             self.use_graphs = True
-        window = min(cfg.num_scheduler_steps or 8, self.graphs.max_steps) if self.graphs is not None else 1
-        self.fast_path = fast_path(ops, model_cfg.qk_norm, device, cfg.cuda_graphs, window)
+        # The widest decode window: num_scheduler_steps (0 = 8) replays on captured graphs, else single steps.
+        self.max_window = min(cfg.num_scheduler_steps or 8, self.graphs.max_steps) if self.graphs is not None else 1
+        self.fast_path = fast_path(ops, model_cfg.qk_norm, device, cfg.cuda_graphs, self.max_window)
         log.info("fast path: %s", describe_fast_path(self.fast_path))
 
     @torch.inference_mode()
@@ -201,15 +202,14 @@ class ModelRunner:
         (vLLM's multi-step scheduling; ``EngineConfig.num_scheduler_steps``, 0 = 8 on captured graphs, else 1).
         Only for an all-decode batch of a captured bucket whose rows take the raw argmax: no logprobs,
         penalties, logit_bias or grammars. The scheduler then reserves the window's KV slots."""
-        steps = self.cfg.num_scheduler_steps or (8 if self.graphs is not None else 1)
         graphs = self.graphs if self.use_graphs else None
-        if steps <= 1 or graphs is None or not graphs.decode_bucket(len(out.scheduled)):
+        if self.max_window <= 1 or graphs is None or not graphs.decode_bucket(len(out.scheduled)):
             return 1
         for seq, n in out.scheduled:
             p = seq.params
             if n != 1 or not out.samples(seq, n) or not p.greedy or p.has_logits_processors or p.logprobs is not None:
                 return 1
-        return min(steps, graphs.max_steps)
+        return self.max_window
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[list[int]], dict[str, TokenLogprob]]:

@@ -5,6 +5,7 @@ Qwen3's path, where it never runs."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ def test_on_a_cpu_everything_is_off_for_one_reason(monkeypatch):
 
 
 @pytest.mark.skipif(
-    not torch.cuda.is_available() and not __import__("os").environ.get("TRITON_INTERPRET"),
+    not torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET"),
     reason="the kernels import only with a GPU or Triton's interpreter",
 )
 def test_a_kernel_off_the_graph_path_names_itself_as_the_reason():

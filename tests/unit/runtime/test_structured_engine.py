@@ -170,7 +170,7 @@ def test_a_failing_matcher_stops_the_sequence_not_the_step(llm, prompt, caplog):
 
 def test_multi_step_decode_falls_back_to_one_step_for_biased_or_constrained_rows():
     graphs = SimpleNamespace(decode_bucket=lambda n: 8, max_steps=16)
-    runner = SimpleNamespace(graphs=graphs, use_graphs=True, cfg=SimpleNamespace(num_scheduler_steps=8))
+    runner = SimpleNamespace(graphs=graphs, use_graphs=True, max_window=8)  # num_scheduler_steps=8, max_steps=16
 
     def width(**extra) -> int:
         seqs = [
