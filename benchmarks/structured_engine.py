@@ -22,7 +22,6 @@ warm up and then ``--repeats`` times, interleaved; the figures are medians.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import random
 import statistics
 import sys
@@ -75,11 +74,13 @@ def structured_for(variant: str, row: int) -> dict | None:
     return None
 
 
-def run_variant(engine, variant: str, prompts: list[list[int]], output_tokens: int, tag: str) -> dict:
+def run_variant(engine, variant: str, prompts: list[list[int]], output_tokens: int, tag: str, window: int) -> dict:
     from kernellab.runtime.request.sampling import SamplingParams
 
-    # 0: the runner's default (multi-step windows with CUDA graphs); the engine reads its config every step
-    engine.config = dataclasses.replace(engine.config, num_scheduler_steps=1 if variant == "plain-1step" else 0)
+    # The runner owns the decode window's width (ModelRunner.max_window, set at start-up from the config; the
+    # engine's config is not read again): plain-1step narrows it to one step per engine step, every other
+    # variant runs at the start-up width ``window``.
+    engine.runner.max_window = 1 if variant == "plain-1step" else window
     for i, p in enumerate(prompts):
         params = SamplingParams(
             temperature=0.0, max_tokens=output_tokens, ignore_eos=True, structured=structured_for(variant, i)
@@ -216,10 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     n, plen, olen = profile["num_seqs"], profile["prompt_tokens"], profile["output_tokens"]
     runs = []
+    window = engine.runner.max_window
     for rep in range(args.repeats + 1):  # repeat 0 warms every variant up (graphs, grammar caches)
         for k, variant in enumerate(VARIANTS if rep % 2 == 0 else reversed(VARIANTS)):
             prompts = [[rng.randint(0, 10000) for _ in range(plen)] for _ in range(n)]  # fresh: no prefix hits
-            r = run_variant(engine, variant, prompts, olen, f"r{rep}-{k}")
+            r = run_variant(engine, variant, prompts, olen, f"r{rep}-{k}", window)
             r["repeat"] = rep
             runs.append(r)
             print(
