@@ -16,7 +16,12 @@ Coalescing
     both sides are whole-line accesses. Bytes: read ``2·T·Hk·D``, write the same.
 
 Precision
-    A copy: bit exact (the cache dtype must equal the activation dtype; no conversion happens here).
+    A bf16/fp32 cache: a copy, bit exact (the cache dtype must equal the activation dtype). An FP8 cache
+    (``float8_e4m3fn``, with ``k_scales, v_scales: (num_blocks, block_size, Hk)`` fp32): each (token, head)
+    row is stored as ``fp8(x · (448 / amax))`` and its scale ``amax / 448``, both quotients correctly rounded
+    (``div_rn``) and the conversion round-to-nearest-even, so the bits equal ``ops.quantize_kv``'s. Each value
+    keeps 3 mantissa bits (relative error ≤ 2⁻⁴) against a per-row scale, so one outlier costs only its own
+    row's precision; the scale adds 4 bytes per row (3 % of a 128-value row), half the cache bytes remain.
 
 Trade-offs tried
     Copying through ``index_copy_``/advanced indexing in PyTorch launches a nonzero/gather for the mask and
@@ -31,7 +36,32 @@ import triton.language as tl
 
 from ._common import next_pow2, require
 
-__all__ = ["store_kv"]
+__all__ = ["FP8_DTYPE", "check_scales", "fp8_row_scales", "quantize_rows", "store_kv", "to_fp8"]
+
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+@triton.jit
+def fp8_row_scales(amax):
+    """Per-row ``(inv, scale)`` from the rows' absolute max: values are stored as ``fp8(x · inv)``, read as
+    ``fp8 · scale``; ``inv = 448 / amax`` and ``scale = amax / 448``, both correctly rounded (amax ≥ 1e-12)."""
+    amax = tl.maximum(amax, 1e-12)
+    top = tl.full(amax.shape, 448.0, tl.float32)
+    return tl.math.div_rn(top, amax), tl.math.div_rn(amax, top)
+
+
+@triton.jit
+def to_fp8(x, inv):
+    """``fp8(x · inv)`` per row of ``x: [R, C]`` fp32, clamped to the finite e4m3 range, nearest-even."""
+    return tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0).to(tl.float8e4nv)
+
+
+@triton.jit
+def quantize_rows(x, mask):
+    """``x: [R, C]`` fp32 → ``(fp8 values [R, C], scales [R])`` over the lanes in ``mask`` (reference
+    ``ops.quantize_kv``)."""
+    inv, scale = fp8_row_scales(tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1))
+    return to_fp8(x, inv), scale
 
 
 @triton.jit
@@ -41,6 +71,8 @@ def _store_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_size,
     n_kv_heads,
     head_dim,
@@ -51,42 +83,86 @@ def _store_kv_kernel(
     stride_cb,
     stride_co,
     stride_ch,
+    stride_sb,
+    stride_so,
     H_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         h = tl.arange(0, H_PAD)
         d = tl.arange(0, D_PAD)
-        mask = (h < n_kv_heads)[:, None] & (d < head_dim)[None, :]
+        h_mask = h < n_kv_heads
+        mask = h_mask[:, None] & (d < head_dim)[None, :]
         row = (slot // block_size) * stride_cb + (slot % block_size) * stride_co
         dst = row + h[:, None] * stride_ch + d[None, :]
-        k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-        v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-        tl.store(k_cache_ptr + dst, k, mask=mask)
-        tl.store(v_cache_ptr + dst, v, mask=mask)
+        k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0)
+        v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
+        if FP8:
+            k8, ks = quantize_rows(k.to(tl.float32), mask)
+            v8, vs = quantize_rows(v.to(tl.float32), mask)
+            srow = (slot // block_size) * stride_sb + (slot % block_size) * stride_so + h
+            tl.store(k_cache_ptr + dst, k8, mask=mask)
+            tl.store(v_cache_ptr + dst, v8, mask=mask)
+            tl.store(k_scale_ptr + srow, ks, mask=h_mask)
+            tl.store(v_scale_ptr + srow, vs, mask=h_mask)
+        else:
+            tl.store(k_cache_ptr + dst, k, mask=mask)
+            tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+def check_scales(
+    k_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Validate an FP8 cache's scale tensors (``(num_blocks, block_size, Hk)`` fp32, dense); None for a cache in
+    the activation dtype, which takes none."""
+    if k_cache.dtype != FP8_DTYPE:
+        require(k_scales is None and v_scales is None, "only an FP8 cache takes scales")
+        return None
+    require(k_scales is not None and v_scales is not None, "an FP8 cache needs k_scales and v_scales")
+    assert k_scales is not None and v_scales is not None
+    shape = tuple(k_cache.shape[:3])
+    for s in (k_scales, v_scales):
+        require(tuple(s.shape) == shape and s.dtype == torch.float32, "scales must be (N, bs, Hk) float32")
+        require(s.stride() == k_scales.stride() and s.stride(2) == 1, "scales must share a dense layout")
+    return k_scales, v_scales
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
-    """Write ``k, v: (T, Hk, D)`` into the paged caches at ``slot_mapping: (T,)``; slots < 0 are skipped."""
+    """Write ``k, v: (T, Hk, D)`` into the paged caches at ``slot_mapping: (T,)``; slots < 0 are skipped.
+
+    An FP8 cache quantizes each (token, head) row and writes its scale to ``k_scales`` / ``v_scales``."""
     T, Hk, D = k.shape
     require(v.shape == k.shape, "k and v must have the same shape")
     require(k.stride(2) == 1 and v.stride(2) == 1, "k and v need a unit stride along head_dim")
     require(k_cache.shape == v_cache.shape and k_cache.shape[2:] == (Hk, D), "caches must be (N, bs, Hk, D)")
     require(k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "caches must share a dense layout")
-    require(k_cache.dtype == k.dtype == v.dtype, "cache and k/v dtypes must match")
+    require(k_cache.dtype == v_cache.dtype, "k and v caches must share a dtype")
+    require(k.dtype == v.dtype and k_cache.dtype in (k.dtype, FP8_DTYPE), "cache and k/v dtypes must match")
     require(slot_mapping.shape == (T,), "slot_mapping must be (T,)")
+    scales = check_scales(k_cache, k_scales, v_scales)
     if T == 0:
         return
+    ks, vs = scales if scales is not None else (k_cache, v_cache)  # unused when FP8=False
     _store_kv_kernel[(T,)](
         k,
         v,
         k_cache,
         v_cache,
         slot_mapping,
+        ks,
+        vs,
         k_cache.shape[1],
         Hk,
         D,
@@ -95,7 +171,9 @@ def store_kv(
         v.stride(0),
         v.stride(1),
         *k_cache.stride()[:3],
+        *(ks.stride()[:2] if scales is not None else (0, 0)),
         H_PAD=next_pow2(Hk),
         D_PAD=next_pow2(D),
+        FP8=scales is not None,
         num_warps=4,
     )

@@ -34,7 +34,12 @@ Coalescing
 Precision
     ``Q·Kᵀ`` with bf16 operands and fp32 accumulation; softmax statistics and ``acc`` in fp32; ``P`` rounded
     to the cache dtype for the ``P·V`` dot (as FlashAttention/vLLM do); one rounding of the output. The
-    reference does the whole thing in fp32, so bf16 outputs agree to ~1e-2 absolute.
+    reference does the whole thing in fp32, so bf16 outputs agree to ~1e-2 absolute. An FP8 cache
+    (``float8_e4m3fn`` values, one fp32 scale per token and KV head, written by ``kv_cache.store_kv``) is
+    read without a dequantize pass: the tile widens exactly to q's dtype for the same tensor-core dots, the
+    K scales multiply the score columns and the V scales the probability columns before ``P`` is rounded
+    (reference: the same attention over ``fp8 · scale`` in fp32). Bytes per token and head fall from
+    ``2·D·2`` to ``2·(D + 4)``.
 
 Trade-offs tried
     (H200 sweeps in ``benchmarks/kernels/bench_attention.py``, figures in docs/kernels.md.) At batch 64 × 1,024
@@ -59,6 +64,7 @@ import triton
 import triton.language as tl
 
 from ._common import cached_empty, cached_zeros, cdiv, next_pow2, num_sms, require
+from .kv_cache import FP8_DTYPE, check_scales
 
 __all__ = ["num_splits", "paged_decode_attention"]
 
@@ -76,6 +82,8 @@ def _paged_decode_kernel(
     acc_ws_ptr,
     ml_ws_ptr,
     cnt_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     qk_scale,
     block_size,
     tokens_per_split,
@@ -88,6 +96,8 @@ def _paged_decode_kernel(
     stride_cb,
     stride_co,
     stride_ch,
+    stride_sb,
+    stride_so,
     stride_bt,
     stride_ob,
     stride_oh,
@@ -98,6 +108,7 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,
     S_PAD: tl.constexpr,
     IEEE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -130,19 +141,32 @@ def _paged_decode_kernel(
         # K and V are both issued before any arithmetic: their latencies overlap instead of adding up
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            # FP8 rows widen exactly to q's dtype; their per-token scales multiply the scores' columns (K) and
+            # the probabilities' columns (V) instead of a dequantized copy of the tile
+            srow = block * stride_sb + (t % block_size) * stride_so + hk
+            ks = tl.load(k_scale_ptr + srow, mask=t_mask, other=0.0)
+            vs = tl.load(v_scale_ptr + srow, mask=t_mask, other=0.0)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         else:
             s = tl.dot(q, tl.trans(k)) * qk_scale
+        if FP8:
+            s = s * ks[None, :]
         s = tl.where(t_mask[None, :], s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        pv = p
+        if FP8:
+            pv = p * vs[None, :]
         if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v)
         m_i = m_new
 
     out_mask = g_mask[:, None] & d_mask[None, :]
@@ -206,10 +230,13 @@ def paged_decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q: (B, Hq, D)`` over the paged caches; returns ``(B, Hq, D)`` in q's dtype.
 
-    ``max_context_len`` (a host int, optional) only sizes the split; it must be ≥ every context length.
+    ``max_context_len`` (a host int, optional) only sizes the split; it must be ≥ every context length. An FP8
+    cache (``float8_e4m3fn``) comes with ``k_scales, v_scales: (num_blocks, block_size, Hk)`` fp32.
     """
     B, Hq, D = q.shape
     _, block_size, Hk, Dc = k_cache.shape
@@ -217,7 +244,9 @@ def paged_decode_attention(
     require(Hq % Hk == 0, "Hq must be a multiple of Hk")
     require(k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "caches must share a dense layout")
     require(q.stride(2) == 1, "q needs a unit stride along head_dim")
-    require(k_cache.dtype == q.dtype, "cache dtype must match q")
+    require(k_cache.dtype == v_cache.dtype, "k and v caches must share a dtype")
+    require(k_cache.dtype in (q.dtype, FP8_DTYPE), "cache dtype must match q (or be FP8)")
+    scales = check_scales(k_cache, k_scales, v_scales)
     require(block_tables.dim() == 2 and block_tables.shape[0] == B, "block_tables must be (B, max_blocks)")
     require(block_tables.stride(1) == 1, "block_tables rows must be contiguous")
     require(context_lens.shape == (B,), "context_lens must be (B,)")
@@ -249,6 +278,7 @@ def paged_decode_attention(
         acc_ws,
         ml_ws,
         counters,
+        *(scales if scales is not None else (out, out)),  # unused when FP8=False
         scale * _LOG2E,
         block_size,
         tokens_per_split,
@@ -259,6 +289,7 @@ def paged_decode_attention(
         q.stride(0),
         q.stride(1),
         *k_cache.stride()[:3],
+        *(scales[0].stride()[:2] if scales is not None else (0, 0)),
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -269,6 +300,7 @@ def paged_decode_attention(
         SPLIT=n_split > 1,
         S_PAD=next_pow2(n_split),
         IEEE=q.dtype == torch.float32,
+        FP8=scales is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

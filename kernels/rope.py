@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from ._common import next_pow2, require
+from .kv_cache import FP8_DTYPE, check_scales, fp8_row_scales, to_fp8
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_store_kv", "rotary_embedding"]
 
@@ -94,6 +95,19 @@ def _norm_rope_heads(
 
 
 @triton.jit
+def _store_fp8_halves(x1, x2, cache, scales, mask, h_mask, HALF: tl.constexpr):
+    """Quantize one token's heads held as two halves with one scale per head (the larger half's amax)."""
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    a1 = tl.max(tl.where(mask, tl.abs(x1f), 0.0), axis=1)
+    a2 = tl.max(tl.where(mask, tl.abs(x2f), 0.0), axis=1)
+    inv, scale = fp8_row_scales(tl.maximum(a1, a2))
+    tl.store(cache, to_fp8(x1f, inv), mask=mask)
+    tl.store(cache + HALF, to_fp8(x2f, inv), mask=mask)
+    tl.store(scales, scale, mask=h_mask)
+
+
+@triton.jit
 def _qk_rope_kernel(
     pos_ptr,
     cs_ptr,
@@ -107,6 +121,8 @@ def _qk_rope_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     eps,
     block_size,
     n_q_heads,
@@ -124,6 +140,8 @@ def _qk_rope_kernel(
     stride_cb,
     stride_co,
     stride_ch,
+    stride_sb,
+    stride_so,
     stride_cs,
     HQ_PAD: tl.constexpr,
     HK_PAD: tl.constexpr,
@@ -131,6 +149,7 @@ def _qk_rope_kernel(
     HALF_PAD: tl.constexpr,
     NORM: tl.constexpr,
     STORE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -160,12 +179,21 @@ def _qk_rope_kernel(
         if slot >= 0:
             row = (slot // block_size) * stride_cb + (slot % block_size) * stride_co
             kc = k_cache_ptr + row + hk[:, None] * stride_ch + d[None, :]
-            tl.store(kc, k1, mask=kmask)
-            tl.store(kc + HALF, k2, mask=kmask)
             vp = v_ptr + t * stride_vt + hk[:, None] * stride_vh + d[None, :]
             vc = v_cache_ptr + row + hk[:, None] * stride_ch + d[None, :]
-            tl.store(vc, tl.load(vp, mask=kmask), mask=kmask)
-            tl.store(vc + HALF, tl.load(vp + HALF, mask=kmask), mask=kmask)
+            v1 = tl.load(vp, mask=kmask, other=0.0)
+            v2 = tl.load(vp + HALF, mask=kmask, other=0.0)
+            if FP8:
+                # one scale per (token, head) over both halves: the row's amax is the larger half's
+                srow = (slot // block_size) * stride_sb + (slot % block_size) * stride_so + hk
+                h_mask = hk < n_kv_heads
+                _store_fp8_halves(k1, k2, kc, k_scale_ptr + srow, kmask, h_mask, HALF)
+                _store_fp8_halves(v1, v2, vc, v_scale_ptr + srow, kmask, h_mask, HALF)
+            else:
+                tl.store(kc, k1, mask=kmask)
+                tl.store(kc + HALF, k2, mask=kmask)
+                tl.store(vc, v1, mask=kmask)
+                tl.store(vc + HALF, v2, mask=kmask)
 
 
 def _check_heads(name: str, t: torch.Tensor, T: int, D: int) -> None:
@@ -173,7 +201,9 @@ def _check_heads(name: str, t: torch.Tensor, T: int, D: int) -> None:
     require(t.stride(2) == 1, f"{name} needs a unit stride along head_dim")
 
 
-def _launch(positions, q, k, v, q_w, k_w, eps, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out, k_out):
+def _launch(
+    positions, q, k, v, q_w, k_w, eps, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out, k_out, k_scales, v_scales
+):
     T, Hq, D = q.shape
     Hk = k.shape[1]
     require(D % 2 == 0, "head_dim must be even")
@@ -197,13 +227,17 @@ def _launch(positions, q, k, v, q_w, k_w, eps, cos_sin_cache, k_cache, v_cache, 
         _check_heads("v", v, T, D)
         require(k_cache.shape == v_cache.shape and k_cache.shape[2:] == (Hk, D), "caches must be (N, bs, Hk, D)")
         require(k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "caches must share a dense layout")
-        require(k_cache.dtype == q.dtype, "cache dtype must match the activations")
+        require(k_cache.dtype == v_cache.dtype, "k and v caches must share a dtype")
+        require(k_cache.dtype in (q.dtype, FP8_DTYPE), "cache dtype must match the activations (or be FP8)")
         require(slot_mapping.shape == (T,), "slot_mapping must be (T,)")
+        scales = check_scales(k_cache, k_scales, v_scales)
         cache_strides = k_cache.stride()[:3]
         block_size = k_cache.shape[1]
     else:
         v, k_cache, v_cache, slot_mapping = k, k, k, positions  # unused (STORE=False)
-        cache_strides, block_size = (0, 0, 0), 1
+        cache_strides, block_size, scales = (0, 0, 0), 1, None
+    k_scales, v_scales = scales if scales is not None else (k, k)  # unused when FP8=False
+    scale_strides = k_scales.stride()[:2] if scales is not None else (0, 0)
     if T == 0:
         return q_out, k_out
     half = D // 2
@@ -220,6 +254,8 @@ def _launch(positions, q, k, v, q_w, k_w, eps, cos_sin_cache, k_cache, v_cache, 
         k_cache,
         v_cache,
         slot_mapping,
+        k_scales,
+        v_scales,
         eps,
         block_size,
         Hq,
@@ -235,6 +271,7 @@ def _launch(positions, q, k, v, q_w, k_w, eps, cos_sin_cache, k_cache, v_cache, 
         k_out.stride(0),
         k_out.stride(1),
         *cache_strides,
+        *scale_strides,
         cos_sin_cache.stride(0),
         HQ_PAD=next_pow2(Hq),
         HK_PAD=next_pow2(Hk),
@@ -242,6 +279,7 @@ def _launch(positions, q, k, v, q_w, k_w, eps, cos_sin_cache, k_cache, v_cache, 
         HALF_PAD=next_pow2(half),
         NORM=norm,
         STORE=store,
+        FP8=scales is not None,
         num_warps=4,
         enable_fp_fusion=False,  # keep every bf16 rounding of the reference (see Precision)
     )
@@ -261,7 +299,7 @@ def rotary_embedding(
 
     ``q_out=q, k_out=k`` rotates in place (each element is read before it is written by the same program).
     """
-    return _launch(positions, q, k, None, None, None, 0.0, cos_sin_cache, None, None, None, q_out, k_out)
+    return _launch(positions, q, k, None, None, None, 0.0, cos_sin_cache, None, None, None, q_out, k_out, None, None)
 
 
 def qk_norm_rope(
@@ -278,7 +316,21 @@ def qk_norm_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3: per-head RMSNorm of q and k over D, then RoPE, in one pass."""
     return _launch(
-        positions, q, k, None, q_norm_weight, k_norm_weight, eps, cos_sin_cache, None, None, None, q_out, k_out
+        positions,
+        q,
+        k,
+        None,
+        q_norm_weight,
+        k_norm_weight,
+        eps,
+        cos_sin_cache,
+        None,
+        None,
+        None,
+        q_out,
+        k_out,
+        None,
+        None,
     )
 
 
@@ -297,10 +349,13 @@ def qk_norm_rope_store_kv(
     *,
     q_out: torch.Tensor | None = None,
     k_out: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``qk_norm_rope`` and then ``store_kv(k_rot, v, k_cache, v_cache, slot_mapping)``, in one pass.
 
-    Slots < 0 are skipped (padding tokens). Returns ``(q_rot, k_rot)``.
+    Slots < 0 are skipped (padding tokens). An FP8 cache gets each (token, head) row quantized as
+    ``kv_cache.store_kv`` does, its scale in ``k_scales`` / ``v_scales``. Returns ``(q_rot, k_rot)``.
     """
     return _launch(
         positions,
@@ -316,4 +371,6 @@ def qk_norm_rope_store_kv(
         slot_mapping,
         q_out,
         k_out,
+        k_scales,
+        v_scales,
     )

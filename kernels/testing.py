@@ -13,7 +13,7 @@ _patched = False
 
 
 def patch_interpreter() -> None:
-    """Work around two Triton 3.6 interpreter bugs so CPU runs test what the GPU computes.
+    """Work around three Triton 3.6 interpreter bugs so CPU runs test what the GPU computes.
 
     Call before running kernels under ``TRITON_INTERPRET=1`` (the CPU tests' conftest and the CPU smoke run of
     the benchmarks do). Idempotent; patches only the interpreter, never compiled kernels.
@@ -26,6 +26,7 @@ def patch_interpreter() -> None:
 
     _patch_scalar_index(interp)
     _patch_bf16_dot(interp, tl.bfloat16, tl.float32)
+    _patch_fp8_downcast(interp, tl)
     _patched = True
 
 
@@ -70,3 +71,34 @@ def _patch_bf16_dot(interp, bf16, fp32) -> None:
         return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
     builder_cls.create_dot = create_dot
+
+
+def _patch_fp8_downcast(interp, tl) -> None:
+    """Round to float8 e4m3 (``tl.float8e4nv``) to nearest-even, as the GPU's ``cvt.rn.satfinite`` does.
+
+    The interpreter's float downcast adds the first cut-off bit to the kept mantissa without carrying into the
+    exponent and without ties-to-even, and truncates subnormals: on a sweep of [-448, 448] plus normal
+    samples at three scales, 6,013 of 32,768 values came out wrong, some by half (127.9 → 64 instead of 128).
+    Convert through torch's ``float8_e4m3fn`` (round to nearest even) after clamping to the finite range (the
+    GPU instruction saturates; torch would give NaN past it). Other conversions keep the interpreter's code.
+    """
+    import torch
+
+    builder_cls = type(interp.interpreter_builder)
+    original = builder_cls.create_fp_to_fp
+    fp8, fp32, bf16, fp16 = tl.float8e4nv, tl.float32, tl.bfloat16, tl.float16
+    rtz = interp._ir.ROUNDING_MODE.RTZ
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        src_ty = src.dtype.scalar
+        if dst_type.scalar != fp8 or src_ty not in (fp32, bf16, fp16) or rounding_mode == rtz:
+            return original(self, src, dst_type, rounding_mode)
+        if src_ty == bf16:
+            wide = interp._convert_float(src.data, bf16, fp32, None).view(np.float32)
+        else:
+            wide = src.data.astype(np.float32)
+        x = torch.from_numpy(np.clip(wide, -448.0, 448.0).reshape(src.data.shape))
+        bits = x.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return interp.TensorHandle(bits, dst_type.scalar)
+
+    builder_cls.create_fp_to_fp = create_fp_to_fp

@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+
+class LayerKV(NamedTuple):
+    """One layer's paged KV cache: ``k, v: (num_blocks, block_size, Hk, D)`` in the model's dtype, or in
+    ``float8_e4m3fn`` with ``k_scales, v_scales: (num_blocks, block_size, Hk)`` fp32 (one scale per token and
+    KV head; ``runtime/ops.py`` ``quantize_kv``)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scales: torch.Tensor | None = None
+    v_scales: torch.Tensor | None = None
 
 
 @dataclass
@@ -42,12 +54,19 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``q: (T, Hq, D)`` → ``(T, Hq, D)``; the step's K/V (``k, v``) must already be stored in the caches."""
+    """``q: (T, Hq, D)`` → ``(T, Hq, D)``; the step's K/V (``k, v``) must already be stored in the caches.
+
+    Fresh prompts attend their own (unquantized) ``k, v``; decode rows and continuing chunks read the cache,
+    FP8 included (``k_scales``, ``v_scales``)."""
     nd = meta.num_decode_tokens
+    scales = {"k_scales": k_scales, "v_scales": v_scales}
     if nd == q.shape[0]:
         return ops.paged_decode_attention(
-            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, **scales
         )
     cu = meta.prefill_cu_seqlens_host
     assert cu is not None  # a step with prefill rows has them
@@ -67,12 +86,13 @@ def paged_attention(
                 meta.prefill_cu_seqlens_q[f:] - r,
                 meta.prefill_context_lens[f:],
                 scale,
+                **scales,
             )
         )
     prefill = parts[0] if len(parts) == 1 else torch.cat(parts)
     if nd == 0:
         return prefill
     decode = ops.paged_decode_attention(
-        q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+        q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, **scales
     )
     return torch.cat([decode, prefill])

@@ -57,8 +57,10 @@ class ModelConfig:
             per_layer += 2 * self.head_dim
         return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + h
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.kv_size * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
+        """K and V bytes one token takes over all layers; ``scale_bytes`` per (token, KV head) row for an FP8
+        cache's scales."""
+        return 2 * self.num_layers * (self.kv_size * dtype_bytes + self.num_kv_heads * scale_bytes)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
@@ -101,6 +103,9 @@ def _rope_scaling(cfg: dict) -> dict | None:
     return dict(scaling)
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How to run one model. "auto" values are resolved once by the engine."""
@@ -115,6 +120,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gib (CPU) or free memory (GPU)
     kv_cache_memory_gib: float | None = None
     gpu_memory_utilization: float = 0.85
+    # "auto": the cache in the model's dtype. "fp8" (alias "fp8_e4m3"): float8 e4m3 values with one fp32 scale
+    # per token and KV head, written when K/V are stored and read directly by the decode attention: ~half the
+    # cache bytes per token, so twice the tokens in the same memory and half the bytes a decode step reads.
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # While interactive requests are live, background (Batch API) prefill takes at most this many tokens per
@@ -144,6 +153,10 @@ class EngineConfig:
             raise ConfigError("background_prefill_tokens must be positive")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"unknown dtype {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.weight_quant not in ("none", "int4"):
             raise ConfigError(f"weight_quant must be none or int4, got {self.weight_quant!r}")
         if self.backend not in ("auto", "torch", "triton"):

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from kernellab.runtime.attention import AttentionMetadata, paged_attention
+from kernellab.runtime.attention import AttentionMetadata, LayerKV, paged_attention
 from kernellab.runtime.config import ModelConfig
 from kernellab.runtime.dispatch import Ops
 
@@ -103,7 +103,11 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list, collect: list | None = None
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[LayerKV],
+        collect: list | None = None,
     ) -> torch.Tensor:
         """``collect``, when given, receives the residual stream after each layer (numerics checks)."""
         cfg, ops = self.cfg, self.ops
@@ -111,7 +115,9 @@ class CausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)
         residual = None
         layers = cast("Iterable[DecoderLayer]", self.model.layers)  # nn.ModuleList is not generic
-        for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+        for layer, kv in zip(layers, kv_caches, strict=True):
+            k_cache, v_cache = kv.k, kv.v
+            scales = {"k_scales": kv.k_scales, "v_scales": kv.v_scales}
             if residual is None:
                 residual = hidden
                 x = ops.rms_norm(hidden, layer.input_layernorm.weight, eps)
@@ -136,11 +142,12 @@ class CausalLM(nn.Module):
                     k_cache,
                     v_cache,
                     meta.slot_mapping,
+                    **scales,
                 )
             else:
                 q, k = ops.rotary_embedding(meta.positions, q, k, self.cos_sin_cache)
-                ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            o = paged_attention(ops, q, k, v, k_cache, v_cache, meta, self.scale)
+                ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
+            o = paged_attention(ops, q, k, v, k_cache, v_cache, meta, self.scale, **scales)
             hidden = self._linear(o.reshape(-1, cfg.q_size), attn.o_proj)
             x, residual = ops.add_rms_norm(hidden, residual, layer.post_attention_layernorm.weight, eps)
             hidden = self._linear(ops.silu_and_mul(self._linear(x, layer.mlp.gate_up_proj)), layer.mlp.down_proj)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from kernellab.runtime import ops as torch_ops
-from kernellab.runtime.attention import AttentionMetadata
+from kernellab.runtime.attention import AttentionMetadata, LayerKV
 from kernellab.runtime.config import EngineConfig, ModelConfig
 from kernellab.runtime.dispatch import Ops, build_ops, describe_fast_path, fast_path, graph_safe
 from kernellab.runtime.graphs import GraphRunner
@@ -87,12 +87,18 @@ class ModelRunner:
         if int4_weights is not None:
             n = self.model.attach_int4(int4_weights, dtype, cfg.int4_max_rows)
             log.info("int4 weights for %d linears (steps of at most %d rows)", n, cfg.int4_max_rows)
+        self.kv_dtype = torch_ops.FP8_DTYPE if cfg.kv_cache_dtype.startswith("fp8") else dtype
         self.num_blocks = self._num_kv_blocks()
-        shape = (self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(model_cfg.num_layers)
-        ]
+        self.kv_caches = [self._layer_cache() for _ in range(model_cfg.num_layers)]
+        kv_bytes = sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv if t is not None)
+        log.info(
+            "KV cache: %d blocks of %d tokens, %s%s, %.2f GiB",
+            self.num_blocks,
+            self.block_size,
+            str(self.kv_dtype).removeprefix("torch."),
+            " with per-token scales" if self.kv_dtype == torch_ops.FP8_DTYPE else "",
+            kv_bytes / 2**30,
+        )
         self.sampler = Sampler(device, argmax=ops.argmax)
         self.graphs: GraphRunner | None = None
         self.use_graphs = False  # False replays nothing: the same runner, eager (graph == eager checks)
@@ -115,10 +121,28 @@ class ModelRunner:
             else:
                 p.normal_(0.0, 0.02)
 
+    def _layer_cache(self) -> LayerKV:
+        shape = (self.num_blocks, self.block_size, self.model_cfg.num_kv_heads, self.model_cfg.head_dim)
+
+        def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+        if self.kv_dtype != torch_ops.FP8_DTYPE:
+            return LayerKV(zeros(shape, self.kv_dtype), zeros(shape, self.kv_dtype))
+        # scales start at 0, so a slot never written reads as zeros, as in the other dtypes
+        return LayerKV(
+            zeros(shape, self.kv_dtype),
+            zeros(shape, self.kv_dtype),
+            zeros(shape[:3], torch.float32),
+            zeros(shape[:3], torch.float32),
+        )
+
     def _num_kv_blocks(self) -> int:
         if self.cfg.num_kv_blocks:
             return self.cfg.num_kv_blocks
-        block_bytes = self.block_size * self.model_cfg.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        fp8 = self.kv_dtype == torch_ops.FP8_DTYPE
+        value_bytes = torch.finfo(self.kv_dtype).bits // 8
+        block_bytes = self.block_size * self.model_cfg.kv_bytes_per_token(value_bytes, 4 if fp8 else 0)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - total * (1 - self.cfg.gpu_memory_utilization) - 2 * 2**30  # activations, graphs

@@ -6,6 +6,9 @@ H = hidden size, I = intermediate size.
 
 KV cache layout (per layer): ``k_cache, v_cache: (num_blocks, block_size, Hk, D)``; a token's slot is
 ``block_id * block_size + offset`` and ``block_tables[b, i]`` is the i-th block of sequence b (-1 past the end).
+An FP8 cache (``torch.float8_e4m3fn``) adds ``k_scales, v_scales: (num_blocks, block_size, Hk)`` fp32: each
+(token, KV head) row of D values is stored as ``fp8(x · 448 / amax)`` with scale ``amax / 448``
+(``quantize_kv``), and read back as ``fp8 · scale``.
 """
 
 from __future__ import annotations
@@ -122,20 +125,68 @@ def qk_norm_rope(
     return rotary_embedding(positions, rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps), cos_sin_cache)
 
 
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3 value
+FP8_MIN_AMAX = 1e-12  # an all-zero row still gets a finite reciprocal (its values quantize to 0)
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x: (..., D)`` → ``(fp8 (..., D), scales (...) fp32)``: one scale per row of D values (per token and KV
+    head in the cache), ``amax / 448``. The values are ``x · (448 / amax)`` rounded to nearest even: a
+    multiply by the correctly rounded reciprocal, so a kernel doing the same two IEEE operations stores the
+    same bits."""
+    xf = x.float()
+    amax = xf.abs().amax(-1).clamp(min=FP8_MIN_AMAX)
+    # a tensor divide: ``448.0 / amax`` would be computed as ``amax.reciprocal() * 448`` (two roundings)
+    inv = torch.full_like(amax, FP8_MAX) / amax
+    q = (xf * inv[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, amax / FP8_MAX
+
+
+def dequantize_kv(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 values an FP8 cache row stands for: ``fp8 · scale``."""
+    return q.float() * scales[..., None]
+
+
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
-    """Write ``k, v: (T, Hk, D)`` into the paged caches at ``slot_mapping: (T,)``; slots < 0 are skipped."""
+    """Write ``k, v: (T, Hk, D)`` into the paged caches at ``slot_mapping: (T,)``; slots < 0 are skipped.
+
+    An FP8 cache quantizes each (token, head) row (``quantize_kv``) and writes its scale to ``k_scales`` /
+    ``v_scales``."""
     num_blocks, block_size = k_cache.shape[:2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slots] = k[valid]
-    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slots] = v[valid]
+    rows = num_blocks * block_size
+    for x, cache, scales in ((k, k_cache, k_scales), (v, v_cache, v_scales)):
+        if cache.dtype == FP8_DTYPE:
+            assert scales is not None, "an FP8 cache needs its scales"
+            q, s = quantize_kv(x[valid])
+            # scattered as bytes: indexing kernels do not cover float8 on every device
+            cache.view(torch.uint8).view(rows, *cache.shape[2:])[slots] = q.view(torch.uint8)
+            scales.view(rows, scales.shape[2])[slots] = s
+        else:
+            cache.view(rows, *cache.shape[2:])[slots] = x[valid]
 
 
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+def _gather_context(
+    cache: torch.Tensor, block_table: torch.Tensor, context_len: int, scales: torch.Tensor | None = None
+) -> torch.Tensor:
     n = -(-context_len // cache.shape[1])
-    return cache[block_table[:n].long()].flatten(0, 1)[:context_len]
+    blocks = block_table[:n].long()
+    if cache.dtype == FP8_DTYPE:
+        assert scales is not None, "an FP8 cache needs its scales"
+        rows = cache.view(torch.uint8)[blocks].view(FP8_DTYPE).flatten(0, 1)[:context_len]
+        return dequantize_kv(rows, scales[blocks].flatten(0, 1)[:context_len])
+    return cache[blocks].flatten(0, 1)[:context_len]
 
 
 def paged_decode_attention(
@@ -145,24 +196,37 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its paged context (GQA).
 
     ``q: (B, Hq, D)``, ``block_tables: (B, max_blocks)`` int32, ``context_lens: (B,)`` int32 (≥ 1, including
     the current token, whose K/V is already in the cache). Returns ``(B, Hq, D)`` in q's dtype; softmax in fp32.
+    An FP8 cache is read as ``fp8 · scale`` and attended in fp32.
     """
     B, Hq, D = q.shape
     Hk = k_cache.shape[2]
     max_len = int(context_lens.max())
     n_blocks = -(-max_len // k_cache.shape[1])
     table = block_tables[:, :n_blocks].clamp(min=0).long()
-    k = k_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)  # (B, Hk, L, D)
-    v = v_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
+
+    def gather(cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        if cache.dtype == FP8_DTYPE:  # gathered as bytes: indexing kernels do not cover float8 everywhere
+            assert scales is not None, "an FP8 cache needs its scales"
+            rows = cache.view(torch.uint8)[table].view(FP8_DTYPE).flatten(1, 2)[:, :max_len]
+            rows = dequantize_kv(rows, scales[table].flatten(1, 2)[:, :max_len])
+        else:
+            rows = cache[table].flatten(1, 2)[:, :max_len]
+        return rows.transpose(1, 2)  # (B, Hk, L, D)
+
+    k, v = gather(k_cache, k_scales), gather(v_cache, v_scales)
     # GQA without repeating K/V: the group's query heads play the role of SDPA's query length.
-    qg = q.view(B, Hk, Hq // Hk, D)
+    qg = q.view(B, Hk, Hq // Hk, D).to(k.dtype)
     valid = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None].to(q.device)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=scale)
-    return out.reshape(B, Hq, D)
+    return out.reshape(B, Hq, D).to(q.dtype)
 
 
 def paged_prefill_attention(
@@ -173,12 +237,16 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed query chunks over paged contexts (chunked prefill, prefix caching).
 
     ``q: (T, Hq, D)`` packs each sequence's new tokens; sequence b's queries are rows
     ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and sit at the last positions of its ``context_lens[b]`` tokens, all of
-    whose K/V are already in the cache. Returns ``(T, Hq, D)``.
+    whose K/V are already in the cache. Returns ``(T, Hq, D)``. An FP8 cache's context is dequantized to q's
+    dtype.
     """
     out = torch.empty_like(q)
     Hq, Hk = q.shape[1], k_cache.shape[2]
@@ -188,8 +256,8 @@ def paged_prefill_attention(
         s, e, ctx = cu[b], cu[b + 1], lens[b]
         if e == s:
             continue
-        k = _gather_context(k_cache, block_tables[b], ctx)
-        v = _gather_context(v_cache, block_tables[b], ctx)
+        k = _gather_context(k_cache, block_tables[b], ctx, k_scales).to(q.dtype)
+        v = _gather_context(v_cache, block_tables[b], ctx, v_scales).to(q.dtype)
         out[s:e] = causal_attention(q[s:e], k, v, scale, Hq // Hk)
     return out
 
@@ -222,10 +290,13 @@ def qk_norm_rope_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3's attention prologue in one op: ``qk_norm_rope`` then ``store_kv`` of the rotated k and v."""
     q, k = qk_norm_rope(positions, q, k, q_norm_weight, k_norm_weight, eps, cos_sin_cache)
-    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    store_kv(k, v, k_cache, v_cache, slot_mapping, k_scales=k_scales, v_scales=v_scales)
     return q, k
 
 

@@ -101,6 +101,7 @@ def preflight(
     memory_gib: Annotated[float, typer.Option(help="GPU/CPU memory to plan for")] = 80.0,
     dtype: str = "bfloat16",
     block_size: int = 16,
+    kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="auto | fp8")] = "auto",
 ) -> None:
     """Plan memory without weights: parameter bytes, KV bytes per token, how many tokens/sequences fit."""
     from kernellab.runtime.config import ModelConfig
@@ -116,10 +117,14 @@ def preflight(
     width = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
     params = cfg.num_parameters
     weight_bytes = params * width
-    kv_token = cfg.kv_bytes_per_token(width)
+    if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+        fail(KernellabError(f"--kv-cache-dtype must be auto or fp8, got {kv_cache_dtype!r}"))
+    fp8 = kv_cache_dtype != "auto"
+    kv_token = cfg.kv_bytes_per_token(1, 4) if fp8 else cfg.kv_bytes_per_token(width)
     free = memory_gib * 2**30 - weight_bytes - 2 * 2**30
     tokens = max(0, int(free // kv_token) // block_size * block_size)
-    table = Table(title=f"preflight: {spec.name} in {memory_gib:g} GiB ({dtype})", show_header=False)
+    kv_label = ", fp8 KV cache" if fp8 else ""
+    table = Table(title=f"preflight: {spec.name} in {memory_gib:g} GiB ({dtype}{kv_label})", show_header=False)
     table.add_row("parameters", f"{params:,}")
     table.add_row("weights", f"{weight_bytes / 2**30:.2f} GiB")
     table.add_row("KV cache per token", f"{kv_token:,} bytes")
@@ -187,6 +192,9 @@ def bench_offline_cmd(
     weight_quant: Annotated[list[str], typer.Option("--weight-quant", help="repeat to compare (none, int4)")] = [  # noqa: B006
         "none"
     ],
+    kv_cache_dtype: Annotated[
+        str, typer.Option("--kv-cache-dtype", help="auto | fp8 (e4m3, per-token scales)")
+    ] = "auto",
     output: Annotated[Path | None, typer.Option()] = None,
 ) -> None:
     """Offline throughput of the engine and its peers, same prompts, same run; a JSON artifact."""
@@ -203,7 +211,7 @@ def bench_offline_cmd(
             workload,
             tuple(peer),
             random_weights,
-            {"backend": backend},
+            {"backend": backend, "kv_cache_dtype": kv_cache_dtype},
             progress=lambda m: err.print(f"[dim]… {m}[/]"),
             weight_quants=tuple(weight_quant),
         )

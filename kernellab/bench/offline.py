@@ -69,6 +69,7 @@ def run_engine(engine, prompts, max_tokens: list[int], label: str, dtype: str) -
             "backend": engine.config.backend,
             "max_num_batched_tokens": engine.config.max_num_batched_tokens,
             "kv_blocks": engine.runner.num_blocks,
+            "kv_cache_dtype": engine.config.kv_cache_dtype,
             "cuda_graphs": engine.config.cuda_graphs,
             "int4_max_rows": engine.config.int4_max_rows if quant != "none" else None,
         },

@@ -74,6 +74,7 @@ class Worker:
                     num_kv_blocks=s.num_kv_blocks,
                     block_size=s.block_size,
                     weight_quant=s.weight_quant,
+                    kv_cache_dtype=s.kv_cache_dtype,
                 )
             )
         self.engine: Engine = engine

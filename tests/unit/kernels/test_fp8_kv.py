@@ -1,0 +1,136 @@
+"""The FP8 (e4m3) KV cache: quantization on every write path and the paged decode attention reading it.
+
+The Triton writes must store the bits ``ops.quantize_kv`` computes (kernellab.kernels.testing makes the
+interpreter round to nearest even as the GPU does); the decode attention must match the reference attention
+over ``fp8 · scale``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernellab.kernels.kv_cache import store_kv
+from kernellab.kernels.paged_attention import paged_decode_attention
+from kernellab.kernels.rope import qk_norm_rope_store_kv
+from kernellab.runtime import ops
+from tests.support.kernels import assert_close, poisoned
+from tests.unit.kernels.test_attention import _paged_case
+
+FP8 = torch.float8_e4m3fn
+NAN8 = 0x7F  # an e4m3fn NaN: what an unwritten FP8 slot holds in these tests
+
+
+def _fp8_caches(num_blocks, block_size, Hk, D):
+    caches = [torch.full((num_blocks, block_size, Hk, D), NAN8, dtype=torch.uint8).view(FP8) for _ in range(2)]
+    scales = [poisoned((num_blocks, block_size, Hk), torch.float32, "cpu") for _ in range(2)]
+    return caches, scales
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def test_quantize_kv_error_is_bounded_per_row(gen):
+    x = torch.randn(64, 4, 128, generator=gen) * torch.logspace(-3, 3, 64)[:, None, None]
+    x[3, 1] = 0.0  # an all-zero row stays zero with a finite scale
+    x[5, 2, 7] = 1e4  # an outlier costs only its own row's precision
+    q, s = ops.quantize_kv(x)
+    assert q.dtype == FP8 and s.shape == (64, 4) and torch.isfinite(s).all()
+    back = ops.dequantize_kv(q, s)
+    assert torch.equal(back[3, 1], torch.zeros(128))
+    # e4m3: 3 mantissa bits (half an ulp = 2^-4 relative) for normals; subnormals step by 2^-9 of the scale unit
+    bound = torch.maximum(x.abs() * 2**-4, s[..., None] * 2**-10) * (1 + 1e-6)
+    assert ((back - x).abs() <= bound).all()
+    assert (back[5, 1] - x[5, 1]).abs().max() <= x[5, 1].abs().max() * 2**-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size, Hk, D", [(16, 2, 32), (32, 1, 64), (3, 3, 24)])
+def test_store_kv_fp8_stores_the_reference_bits(block_size, Hk, D, dtype, gen):
+    T, num_blocks = 7, 5
+    k = (torch.randn(T, Hk, D, generator=gen) * 4).to(dtype)
+    v = torch.randn(T, Hk, D, generator=gen).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:T]
+    slots[3] = -1
+    (kc, vc), (ks, vs) = _fp8_caches(num_blocks, block_size, Hk, D)
+    (kr, vr), (ksr, vsr) = _fp8_caches(num_blocks, block_size, Hk, D)
+    store_kv(k, v, kc, vc, slots.to(torch.int32), k_scales=ks, v_scales=vs)
+    ops.store_kv(k, v, kr, vr, slots, k_scales=ksr, v_scales=vsr)
+    assert torch.equal(_bits(kc), _bits(kr)) and torch.equal(_bits(vc), _bits(vr))
+    assert torch.equal(ks.nan_to_num(7.0), ksr.nan_to_num(7.0)) and torch.equal(vs.nan_to_num(7.0), vsr.nan_to_num(7.0))
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    assert not torch.isnan(ks.view(-1, Hk)[written]).any()
+    assert torch.isnan(ks.view(-1, Hk)[~written]).all()  # padding slots (-1) write nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_rope_store_kv_fp8(dtype, gen):
+    """The fused Qwen3 prologue stores exactly ``quantize_kv`` of the k it rotated and of v; its rotated q/k
+    are the bf16 path's (checked against the reference in test_rope)."""
+    T, Hq, Hk, D, num_blocks, block_size = 9, 4, 2, 64, 4, 16
+    qkv = (torch.randn(T, (Hq + 2 * Hk) * D, generator=gen) * 2).to(dtype)
+    q, k, v = (t.view(T, -1, D) for t in qkv.split([Hq * D, Hk * D, Hk * D], -1))
+    pos = torch.randint(0, 64, (T,), generator=gen)
+    cos_sin = ops.rope_cos_sin_cache(D, 64, 1e6)
+    qw = (1 + 0.2 * torch.randn(D, generator=gen)).to(dtype)
+    kw = (1 + 0.2 * torch.randn(D, generator=gen)).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:T]
+    slots[2] = -1
+    (kc, vc), (ks, vs) = _fp8_caches(num_blocks, block_size, Hk, D)
+    qr, kr = qk_norm_rope_store_kv(pos, q, k, v, qw, kw, 1e-6, cos_sin, kc, vc, slots, k_scales=ks, v_scales=vs)
+    valid = slots >= 0
+    for cache, scales, x in ((kc, ks, kr), (vc, vs, v)):
+        want_q, want_s = ops.quantize_kv(x[valid])
+        assert torch.equal(_bits(cache.view(-1, Hk, D)[slots[valid]]), _bits(want_q))
+        assert torch.equal(scales.view(-1, Hk)[slots[valid]], want_s)
+    q_ref, k_ref = ops.qk_norm_rope(pos, q, k, qw, kw, 1e-6, cos_sin)
+    tol = 1e-5 if dtype == torch.float32 else 3.2e-2
+    assert_close(kr, k_ref, tol, tol, "k")
+    assert_close(qr, q_ref, tol, tol, "q")
+
+
+# The kernel rounds the scaled probabilities to the activation dtype for the P·V dot; the reference attends in
+# fp32 over the dequantized cache.
+FP8_ATTN = [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 2e-2, 2e-2)]
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", FP8_ATTN)
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("Hq, Hk, D", [(4, 2, 32), (9, 3, 64)])
+def test_paged_decode_attention_fp8(Hq, Hk, D, block_size, splits, dtype, atol, rtol, gen):
+    lens = [1, 17, 50]
+    q, kc, vc, tables, ctx = _paged_case(lens, Hq, Hk, D, block_size, torch.float32, gen)
+    k8, ks = ops.quantize_kv(kc * 3)
+    v8, vs = ops.quantize_kv(vc)
+    ks[torch.isnan(kc).all(-1)] = float("nan")  # unused slots stay poisoned: reading one poisons the output
+    vs[torch.isnan(vc).all(-1)] = float("nan")
+    q = q.to(dtype)
+    out = poisoned(q.shape, dtype, "cpu")
+    y = paged_decode_attention(q, k8, v8, tables, ctx, D**-0.5, out=out, splits=splits, k_scales=ks, v_scales=vs)
+    ref = ops.paged_decode_attention(q, k8, v8, tables, ctx, D**-0.5, k_scales=ks, v_scales=vs)
+    assert_close(y, ref, atol, rtol, "fp8 paged decode")
+
+
+def test_fp8_cache_scales_are_checked():
+    q = torch.randn(1, 2, 16)
+    k8 = torch.zeros(2, 4, 1, 16, dtype=FP8)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="needs k_scales"):
+        paged_decode_attention(q, k8, k8, tables, lens, 0.25)
+    with pytest.raises(ValueError, match="only an FP8 cache"):
+        kc = torch.zeros(2, 4, 1, 16)
+        paged_decode_attention(q, kc, kc, tables, lens, 0.25, k_scales=torch.zeros(2, 4, 1), v_scales=None)
+    with pytest.raises(ValueError, match="scales must be"):
+        bad = torch.zeros(2, 4, 1, dtype=torch.float16)
+        store_kv(
+            torch.randn(1, 1, 16),
+            torch.randn(1, 1, 16),
+            k8,
+            k8.clone(),
+            torch.zeros(1, dtype=torch.int64),
+            k_scales=bad,
+            v_scales=bad,
+        )
