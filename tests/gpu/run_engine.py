@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from tests.gpu.run_fp8 import fp8_kv
+
 T0 = time.time()
 MODEL = "qwen3-0.6b"
 
@@ -462,7 +464,7 @@ def main() -> int:
         "--skip",
         action="append",
         default=[],
-        help="offline_sweep, profile, numerics, offline, latency, ablation, paths, hf",
+        help="offline_sweep, profile, numerics, offline, latency, ablation, paths, fp8_kv, hf",
     )
     ap.add_argument("--only", action="append", default=[], help="run only these sections")
     args = ap.parse_args()
@@ -494,6 +496,7 @@ def main() -> int:
         ("offline", lambda: offline(weights, report, None if "hf" in args.skip else hf)),
         ("ablation", lambda: report.__setitem__("ablation", ablation(weights, report))),
         ("paths", lambda: model_paths(report)),
+        ("fp8_kv", lambda: fp8_kv(hf, weights, report, engine, hf_model, log)),
     ):
         if name in args.skip or (args.only and name not in args.only):
             continue
@@ -528,6 +531,12 @@ def print_table(report) -> None:
             if not isinstance(r, dict):
                 continue
             print(f"ablation {op:24s} {r.get('status', ''):12s} {r['tok_per_s']:>8.0f} tok/s  ITL {r['itl_ms']:.3f} ms")
+    fp8 = report.get("fp8_kv") or {}
+    if "gate" in fp8:
+        pct = fp8["gate"]["agreement_vs_hf_fp32_pct"]
+        print(f"fp8 KV gate              pass={fp8['gate']['pass']['fp8_cache']}  {pct}")
+    for r in fp8.get("offline", []):
+        print(f"offline fp8 section kv={r['kv_cache_dtype']:5s} {r['output_tok_per_s']:>10.0f} tok/s")
     print(f"errors: {len(report['errors'])}")
 
 
