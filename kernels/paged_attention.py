@@ -20,12 +20,15 @@ Program mapping
     ``S`` is chosen on the host from B, Hk and an upper bound on the context (``max_context_len`` if given,
     else ``block_tables.shape[1] · bs``: shape-only, so the choice is fixed under CUDA-graph capture): enough
     slices for ~2 programs per SM. Batch 64 × 8 KV heads already gives 512 programs → ``S = 1`` and the kernel
-    writes the output directly; batch 1 × 8 KV heads gets ``S = 32`` (128 tokens per program). With
-    ``S > 1`` each slice writes its unnormalised ``acc`` plus ``(m, l)`` to an fp32 workspace and bumps a
-    per-(sequence, KV head) counter; the slice that arrives last merges them
-    (``o = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s``) and resets the counter — one launch, no merge
-    kernel. Slices past a sequence's length do no loads, so batches of mixed lengths cost what their real
-    tokens cost.
+    writes the output directly; batch 1 × 8 KV heads gets up to ``S = 32``. The slices themselves are cut
+    inside the kernel from each sequence's real length: ``ceil(L_b / S)`` tokens rounded up to whole tiles, so
+    a sequence uses ``n_b = ceil(L_b / slice)`` of its ``S`` programs and the rest exit before any load (a
+    decode graph captured for 4,096-token contexts replays at context 128 with 2 working slices, not 32 of
+    which 31 published empty partials). With ``n_b > 1`` each working slice writes its unnormalised ``acc``
+    plus ``(m, l)`` to an fp32 workspace and bumps a per-(sequence, KV head) counter; the one that arrives
+    last merges the ``n_b`` partials (``o = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s``) and resets the
+    counter — one launch, no merge kernel; with ``n_b = 1`` it writes the output directly. Batches of mixed
+    lengths cost what their real tokens cost.
 
 Coalescing
     A token's K row for one KV head is D contiguous elements (256 B at D = 128 bf16): every 32-byte sector
@@ -72,12 +75,11 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _paged_decode_kernel(
+def _attend_slice(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
     block_tables_ptr,
-    context_lens_ptr,
     out_ptr,
     acc_ws_ptr,
     ml_ws_ptr,
@@ -86,7 +88,12 @@ def _paged_decode_kernel(
     v_scale_ptr,
     qk_scale,
     block_size,
-    tokens_per_split,
+    b,
+    hk,
+    split,
+    start,
+    end,
+    n_active,
     n_splits,
     n_q_heads,
     n_kv_heads,
@@ -105,18 +112,11 @@ def _paged_decode_kernel(
     G_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
     S_PAD: tl.constexpr,
     IEEE: tl.constexpr,
     FP8: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    hk = tl.program_id(1)
-    split = tl.program_id(2)
-    ctx = tl.load(context_lens_ptr + b)
-    start = split * tokens_per_split
-    end = tl.minimum(ctx, start + tokens_per_split)
-
+    """Tokens [start, end) of sequence b for KV head hk's query group; merges when it is the last slice."""
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     g_mask = g < GROUP
@@ -171,9 +171,9 @@ def _paged_decode_kernel(
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     out_rows = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
-    if SPLIT:
-        # Publish this slice's (acc, m, l); an empty slice publishes m = -inf, l = 0, acc = 0. The last slice of
-        # (b, hk) to arrive merges all of them (same semaphore pattern as gemv.py's split-K).
+    if n_active > 1:
+        # Publish this slice's (acc, m, l); the last of the sequence's n_active slices to arrive merges them
+        # (same semaphore pattern as gemv.py's split-K); the workspace rows stay strided by the launch's S.
         ws_row = (b.to(tl.int64) * n_q_heads + heads) * n_splits + split
         tl.store(acc_ws_ptr + ws_row[:, None] * D_PAD + d[None, :], acc, mask=out_mask)
         tl.store(ml_ws_ptr + ws_row * 2, m_i, mask=g_mask)
@@ -181,9 +181,9 @@ def _paged_decode_kernel(
         tl.debug_barrier()
         counter = cnt_ptr + b * n_kv_heads + hk
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_splits - 1:
+        if arrived == n_active - 1:
             sl = tl.arange(0, S_PAD)
-            s_mask = sl < n_splits
+            s_mask = sl < n_active
             for gi in tl.static_range(GROUP):
                 rows = (b.to(tl.int64) * n_q_heads + hk * GROUP + gi) * n_splits + sl
                 m_s = tl.load(ml_ws_ptr + rows * 2, mask=s_mask, other=-float("inf"), cache_modifier=".cg")
@@ -194,7 +194,7 @@ def _paged_decode_kernel(
                     other=0.0,
                     cache_modifier=".cg",
                 )
-                w = tl.exp2(m_s - tl.max(m_s, axis=0))  # the max is finite: slice 0 always holds token 0
+                w = tl.exp2(m_s - tl.max(m_s, axis=0))  # finite: every active slice holds a token
                 o = tl.sum(a_s * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
                 tl.store(
                     out_ptr + b.to(tl.int64) * stride_ob + (hk * GROUP + gi) * stride_oh + d,
@@ -205,6 +205,101 @@ def _paged_decode_kernel(
     else:
         o = acc / l_i[:, None]
         tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    acc_ws_ptr,
+    ml_ws_ptr,
+    cnt_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    qk_scale,
+    block_size,
+    n_splits,
+    n_q_heads,
+    n_kv_heads,
+    head_dim,
+    stride_qb,
+    stride_qh,
+    stride_cb,
+    stride_co,
+    stride_ch,
+    stride_sb,
+    stride_so,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    S_PAD: tl.constexpr,
+    IEEE: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + b)
+    if SPLIT:
+        # Slices are cut from this sequence's own length, not the launch's bound (the graph's widest context):
+        # ceil(ctx / S) tokens each, in whole tiles. A short context needs few slices; the rest exit here,
+        # before any load, and take no part in the merge.
+        per_split = tl.cdiv(tl.cdiv(ctx, n_splits), BLOCK_N) * BLOCK_N
+        n_active = tl.cdiv(ctx, per_split)
+    else:
+        per_split = ctx
+        n_active = 1
+    if split < n_active:
+        _attend_slice(
+            q_ptr,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_tables_ptr,
+            out_ptr,
+            acc_ws_ptr,
+            ml_ws_ptr,
+            cnt_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
+            qk_scale,
+            block_size,
+            b,
+            hk,
+            split,
+            split * per_split,
+            tl.minimum(ctx, (split + 1) * per_split),
+            n_active,
+            n_splits,
+            n_q_heads,
+            n_kv_heads,
+            head_dim,
+            stride_qb,
+            stride_qh,
+            stride_cb,
+            stride_co,
+            stride_ch,
+            stride_sb,
+            stride_so,
+            stride_bt,
+            stride_ob,
+            stride_oh,
+            GROUP,
+            G_PAD,
+            D_PAD,
+            BLOCK_N,
+            S_PAD,
+            IEEE,
+            FP8,
+        )
 
 
 def num_splits(batch: int, kv_heads: int, max_context: int, block_n: int, device: torch.device) -> int:
@@ -259,8 +354,7 @@ def paged_decode_attention(
     bound = max_context_len if max_context_len is not None else block_tables.shape[1] * block_size
     bound = max(bound, 1)
     n_split = splits or num_splits(B, Hk, bound, block_n, q.device)
-    tokens_per_split = cdiv(cdiv(bound, n_split), block_n) * block_n
-    n_split = cdiv(bound, tokens_per_split)
+    n_split = cdiv(bound, cdiv(cdiv(bound, n_split), block_n) * block_n)  # no slice of the bound left empty
     d_pad = max(16, next_pow2(D))
     if n_split > 1:  # cached scratch: no allocation on the hot path (see _common.cached_zeros)
         acc_ws = cached_empty("paged.acc", B * Hq * n_split * d_pad, torch.float32, q.device)
@@ -281,7 +375,6 @@ def paged_decode_attention(
         *(scales if scales is not None else (out, out)),  # unused when FP8=False
         scale * _LOG2E,
         block_size,
-        tokens_per_split,
         n_split,
         Hq,
         Hk,

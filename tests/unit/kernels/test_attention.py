@@ -72,3 +72,18 @@ def test_paged_decode_attention_group_and_odd_head_dim(Hq, Hk, D, gen):
     y = paged_decode_attention(q, kc, vc, tables, ctx, 0.1, out=out, max_context_len=33, block_n=16)
     ref = ops.paged_decode_attention(q, kc.nan_to_num(), vc.nan_to_num(), tables, ctx, 0.1)
     assert_close(y, ref, 1e-5, 1e-5, "paged decode")
+
+
+def test_paged_decode_slices_follow_the_real_context(gen):
+    """A launch sized for a wide context (a decode graph's bound, many slices) on short real contexts: each
+    sequence uses only the slices its length needs, the rest exit, and the merge counters are left at zero for
+    the next call (three calls with new lengths each)."""
+    Hq, Hk, D = 4, 2, 32
+    for lens in ([1, 5, 100, 300], [64, 2, 17, 129], [300, 300, 1, 16]):
+        q, kc, vc, tables, ctx = _paged_case(lens, Hq, Hk, D, 16, torch.float32, gen)
+        wide = torch.full((len(lens), 256), -1, dtype=torch.int32)  # room for 4,096 tokens, as a graph reserves
+        wide[:, : tables.shape[1]] = tables
+        out = poisoned(q.shape, torch.float32, "cpu")
+        y = paged_decode_attention(q, kc, vc, wide, ctx, D**-0.5, out=out, splits=32, block_n=16)
+        ref = ops.paged_decode_attention(q, kc.nan_to_num(), vc.nan_to_num(), tables, ctx, D**-0.5)
+        assert_close(y, ref, 1e-5, 1e-5, f"paged decode {lens}")

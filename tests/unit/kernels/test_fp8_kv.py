@@ -109,7 +109,9 @@ def test_paged_decode_attention_fp8(Hq, Hk, D, block_size, splits, dtype, atol, 
     vs[torch.isnan(vc).all(-1)] = float("nan")
     q = q.to(dtype)
     out = poisoned(q.shape, dtype, "cpu")
-    y = paged_decode_attention(q, k8, v8, tables, ctx, D**-0.5, out=out, splits=splits, k_scales=ks, v_scales=vs)
+    y = paged_decode_attention(
+        q, k8, v8, tables, ctx, D**-0.5, out=out, splits=splits, block_n=16, k_scales=ks, v_scales=vs
+    )
     ref = ops.paged_decode_attention(q, k8, v8, tables, ctx, D**-0.5, k_scales=ks, v_scales=vs)
     assert_close(y, ref, atol, rtol, "fp8 paged decode")
 
