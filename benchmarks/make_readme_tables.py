@@ -138,7 +138,41 @@ def gpu_table() -> str:
             graphs = f"on / {fp['decode_window']}" if fp["cuda_graphs"] else "off"
             ratio = "—" if shape == "qwen3-0.6b" else f"{step / qwen:.2f}× (≤ {limits[shape]}×)"
             lines.append(f"| {shape} | {graphs} | {step:.3f} ms | {ratio} | {r['ttft_32_ms']:.2f} |")
+    lines += fp8_rows(data.get("fp8_kv") or {})
     return "\n".join(lines)
+
+
+def fp8_rows(fp8: dict) -> list[str]:
+    """The FP8 KV cache section of the GPU gate, when the artifact has one (tests/gpu/run_fp8.py)."""
+    if not fp8.get("offline") and not fp8.get("gate"):
+        return []
+    lines = [
+        "",
+        'FP8 KV cache (`kv_cache_dtype="fp8"`, same run): offered only while its numerics gate passes.',
+        "",
+        "| figure | bf16 cache | FP8 cache | target | met |",
+        "| --- | ---: | ---: | ---: | :---: |",
+    ]
+    runs = {r["kv_cache_dtype"]: r for r in fp8.get("offline", [])}
+    if "fp8" in runs and "bf16" in runs:
+        got = runs["fp8"]["output_tok_per_s"]
+        lines.append(
+            f"| offline nano-vllm workload, output tok/s | {runs['bf16']['output_tok_per_s']:,.0f} | {got:,.0f} "
+            f"| ≥ 27,000 | {'yes' if got >= 27000 else 'no'} |"
+        )
+    itl = fp8.get("itl_ms_at_2048") or {}
+    if itl:
+        lines.append(f"| batch-1 decode ms/token, context 2,048 | {itl['bf16']:.3f} | {itl['fp8']:.3f} | | |")
+    gate = fp8.get("gate")
+    if gate:
+        pct = gate["agreement_vs_hf_fp32_pct"]
+        ok = gate["pass"]["fp8_cache"]
+        lines.append(
+            f"| teacher-forced argmax vs HF fp32, context read from the cache ({gate['positions']} positions; "
+            f"HF bf16 {pct['hf_bf16']:.2f} %) | {pct['bf16_cache']:.2f} % | {pct['fp8_cache']:.2f} % "
+            f"| ≥ HF bf16 − 0.5 | {'yes' if ok else 'no'} |"
+        )
+    return lines
 
 
 def serve_table() -> str:
