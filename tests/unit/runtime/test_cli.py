@@ -40,6 +40,15 @@ def test_preflight_needs_no_weights():
     assert "114,688 bytes" in proc.stdout  # 2 · 28 layers · 8 KV heads · 128 · 2 bytes
 
 
+def test_preflight_plans_an_fp8_kv_cache():
+    env = {"COLUMNS": "200", "HF_HUB_OFFLINE": "1"}
+    proc = run("preflight", "qwen3-0.6b", "--memory-gib", "80", "--kv-cache-dtype", "fp8", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "59,136 bytes" in proc.stdout  # 2 · 28 layers · 8 KV heads · (128 one-byte values + a 4-byte scale)
+    bad = run("preflight", "qwen3-0.6b", "--kv-cache-dtype", "int8", env=env)
+    assert bad.returncode == 2 and "--kv-cache-dtype" in bad.stderr
+
+
 def test_download_offline_is_one_clear_line():
     proc = run("download", "qwen3-0.6b", env={"HF_HUB_OFFLINE": "1", "HF_HOME": "/nonexistent-kernellab"})
     assert proc.returncode == 2
