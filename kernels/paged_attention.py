@@ -75,139 +75,6 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_slice(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    out_ptr,
-    acc_ws_ptr,
-    ml_ws_ptr,
-    cnt_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    qk_scale,
-    block_size,
-    b,
-    hk,
-    split,
-    start,
-    end,
-    n_active,
-    n_splits,
-    n_q_heads,
-    n_kv_heads,
-    head_dim,
-    stride_qb,
-    stride_qh,
-    stride_cb,
-    stride_co,
-    stride_ch,
-    stride_sb,
-    stride_so,
-    stride_bt,
-    stride_ob,
-    stride_oh,
-    GROUP: tl.constexpr,
-    G_PAD: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    S_PAD: tl.constexpr,
-    IEEE: tl.constexpr,
-    FP8: tl.constexpr,
-):
-    """Tokens [start, end) of sequence b for KV head hk's query group; merges when it is the last slice."""
-    g = tl.arange(0, G_PAD)
-    d = tl.arange(0, D_PAD)
-    g_mask = g < GROUP
-    d_mask = d < head_dim
-    heads = hk * GROUP + g
-    q = tl.load(
-        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-
-    m_i = tl.full([G_PAD], -float("inf"), dtype=tl.float32)
-    l_i = tl.zeros([G_PAD], dtype=tl.float32)
-    acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
-    table = block_tables_ptr + b.to(tl.int64) * stride_bt
-    for t0 in range(start, end, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        t_mask = t < end
-        block = tl.load(table + t // block_size, mask=t_mask, other=0).to(tl.int64)
-        row = block * stride_cb + (t % block_size) * stride_co + hk * stride_ch
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        # K and V are both issued before any arithmetic: their latencies overlap instead of adding up
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if FP8:
-            # FP8 rows widen exactly to q's dtype; their per-token scales multiply the scores' columns (K) and
-            # the probabilities' columns (V) instead of a dequantized copy of the tile
-            srow = block * stride_sb + (t % block_size) * stride_so + hk
-            ks = tl.load(k_scale_ptr + srow, mask=t_mask, other=0.0)
-            vs = tl.load(v_scale_ptr + srow, mask=t_mask, other=0.0)
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-        if FP8:
-            s = s * ks[None, :]
-        s = tl.where(t_mask[None, :], s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        pv = p
-        if FP8:
-            pv = p * vs[None, :]
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v)
-        m_i = m_new
-
-    out_mask = g_mask[:, None] & d_mask[None, :]
-    out_rows = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
-    if n_active > 1:
-        # Publish this slice's (acc, m, l); the last of the sequence's n_active slices to arrive merges them
-        # (same semaphore pattern as gemv.py's split-K); the workspace rows stay strided by the launch's S.
-        ws_row = (b.to(tl.int64) * n_q_heads + heads) * n_splits + split
-        tl.store(acc_ws_ptr + ws_row[:, None] * D_PAD + d[None, :], acc, mask=out_mask)
-        tl.store(ml_ws_ptr + ws_row * 2, m_i, mask=g_mask)
-        tl.store(ml_ws_ptr + ws_row * 2 + 1, l_i, mask=g_mask)
-        tl.debug_barrier()
-        counter = cnt_ptr + b * n_kv_heads + hk
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_active - 1:
-            sl = tl.arange(0, S_PAD)
-            s_mask = sl < n_active
-            for gi in tl.static_range(GROUP):
-                rows = (b.to(tl.int64) * n_q_heads + hk * GROUP + gi) * n_splits + sl
-                m_s = tl.load(ml_ws_ptr + rows * 2, mask=s_mask, other=-float("inf"), cache_modifier=".cg")
-                l_s = tl.load(ml_ws_ptr + rows * 2 + 1, mask=s_mask, other=0.0, cache_modifier=".cg")
-                a_s = tl.load(
-                    acc_ws_ptr + rows[:, None] * D_PAD + d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :],
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                w = tl.exp2(m_s - tl.max(m_s, axis=0))  # finite: every active slice holds a token
-                o = tl.sum(a_s * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
-                tl.store(
-                    out_ptr + b.to(tl.int64) * stride_ob + (hk * GROUP + gi) * stride_oh + d,
-                    o.to(out_ptr.dtype.element_ty),
-                    mask=d_mask,
-                )
-            tl.atomic_xchg(counter, 0)
-    else:
-        o = acc / l_i[:, None]
-        tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
 def _paged_decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -259,47 +126,96 @@ def _paged_decode_kernel(
         per_split = ctx
         n_active = 1
     if split < n_active:
-        _attend_slice(
-            q_ptr,
-            k_cache_ptr,
-            v_cache_ptr,
-            block_tables_ptr,
-            out_ptr,
-            acc_ws_ptr,
-            ml_ws_ptr,
-            cnt_ptr,
-            k_scale_ptr,
-            v_scale_ptr,
-            qk_scale,
-            block_size,
-            b,
-            hk,
-            split,
-            split * per_split,
-            tl.minimum(ctx, (split + 1) * per_split),
-            n_active,
-            n_splits,
-            n_q_heads,
-            n_kv_heads,
-            head_dim,
-            stride_qb,
-            stride_qh,
-            stride_cb,
-            stride_co,
-            stride_ch,
-            stride_sb,
-            stride_so,
-            stride_bt,
-            stride_ob,
-            stride_oh,
-            GROUP,
-            G_PAD,
-            D_PAD,
-            BLOCK_N,
-            S_PAD,
-            IEEE,
-            FP8,
+        start = split * per_split
+        end = tl.minimum(ctx, start + per_split)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D_PAD)
+        g_mask = g < GROUP
+        d_mask = d < head_dim
+        heads = hk * GROUP + g
+        q = tl.load(
+            q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+            mask=g_mask[:, None] & d_mask[None, :],
+            other=0.0,
         )
+
+        m_i = tl.full([G_PAD], -float("inf"), dtype=tl.float32)
+        l_i = tl.zeros([G_PAD], dtype=tl.float32)
+        acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+        table = block_tables_ptr + b.to(tl.int64) * stride_bt
+        for t0 in range(start, end, BLOCK_N):
+            t = t0 + tl.arange(0, BLOCK_N)
+            t_mask = t < end
+            block = tl.load(table + t // block_size, mask=t_mask, other=0).to(tl.int64)
+            row = block * stride_cb + (t % block_size) * stride_co + hk * stride_ch
+            kv_mask = t_mask[:, None] & d_mask[None, :]
+            # K and V are both issued before any arithmetic: their latencies overlap instead of adding up
+            k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if FP8:
+                # FP8 rows widen exactly to q's dtype; their per-token scales multiply the scores' columns (K) and
+                # the probabilities' columns (V) instead of a dequantized copy of the tile
+                srow = block * stride_sb + (t % block_size) * stride_so + hk
+                ks = tl.load(k_scale_ptr + srow, mask=t_mask, other=0.0)
+                vs = tl.load(v_scale_ptr + srow, mask=t_mask, other=0.0)
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * qk_scale
+            if FP8:
+                s = s * ks[None, :]
+            s = tl.where(t_mask[None, :], s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            pv = p
+            if FP8:
+                pv = p * vs[None, :]
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v)
+            m_i = m_new
+
+        out_mask = g_mask[:, None] & d_mask[None, :]
+        out_rows = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        if n_active > 1:
+            # Publish this slice's (acc, m, l); the last of the sequence's n_active slices to arrive merges them
+            # (same semaphore pattern as gemv.py's split-K); the workspace rows stay strided by the launch's S.
+            ws_row = (b.to(tl.int64) * n_q_heads + heads) * n_splits + split
+            tl.store(acc_ws_ptr + ws_row[:, None] * D_PAD + d[None, :], acc, mask=out_mask)
+            tl.store(ml_ws_ptr + ws_row * 2, m_i, mask=g_mask)
+            tl.store(ml_ws_ptr + ws_row * 2 + 1, l_i, mask=g_mask)
+            tl.debug_barrier()
+            counter = cnt_ptr + b * n_kv_heads + hk
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_active - 1:
+                sl = tl.arange(0, S_PAD)
+                s_mask = sl < n_active
+                for gi in tl.static_range(GROUP):
+                    rows = (b.to(tl.int64) * n_q_heads + hk * GROUP + gi) * n_splits + sl
+                    m_s = tl.load(ml_ws_ptr + rows * 2, mask=s_mask, other=-float("inf"), cache_modifier=".cg")
+                    l_s = tl.load(ml_ws_ptr + rows * 2 + 1, mask=s_mask, other=0.0, cache_modifier=".cg")
+                    a_s = tl.load(
+                        acc_ws_ptr + rows[:, None] * D_PAD + d[None, :],
+                        mask=s_mask[:, None] & d_mask[None, :],
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    w = tl.exp2(m_s - tl.max(m_s, axis=0))  # finite: every active slice holds a token
+                    o = tl.sum(a_s * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+                    tl.store(
+                        out_ptr + b.to(tl.int64) * stride_ob + (hk * GROUP + gi) * stride_oh + d,
+                        o.to(out_ptr.dtype.element_ty),
+                        mask=d_mask,
+                    )
+                tl.atomic_xchg(counter, 0)
+        else:
+            o = acc / l_i[:, None]
+            tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def num_splits(batch: int, kv_heads: int, max_context: int, block_n: int, device: torch.device) -> int:

@@ -123,3 +123,33 @@ def kv_cache_gate(
             for name, rows in cos.items()
         }
     return report
+
+
+def graph_equals_eager(engine, prompts: list[list[int]], max_tokens: int = 64) -> dict:
+    """Greedy output of the runner's CUDA-graph replays (multi-step windows) against eager single steps of the
+    same runner, on the same prompts (prefix caching off): the two must be identical."""
+    from kernellab.runtime.request.sampling import SamplingParams
+
+    prefix_caching = engine.block_manager.enable_prefix_caching
+    engine.block_manager.enable_prefix_caching = False
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    results = {}
+    try:
+        for name in ("graph", "eager"):
+            engine.runner.use_graphs = name == "graph"
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"{name}{i}", prompt, params)
+            tokens: dict[int, list[int]] = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    tokens.setdefault(int(out.request_id.removeprefix(name)), []).extend(out.new_token_ids)
+            results[name] = tokens
+    finally:
+        engine.runner.use_graphs = engine.runner.graphs is not None
+        engine.block_manager.enable_prefix_caching = prefix_caching
+    return {
+        "pass": results["graph"] == results["eager"],
+        "sequences": len(prompts),
+        "tokens": max_tokens,
+        "graphs_used": engine.runner.graphs is not None,
+    }

@@ -74,8 +74,7 @@ def _decode_kernel(report: dict, log) -> None:
 
 
 def _numerics(hf_bf16, weights, report: dict, engine, hf_model, log) -> None:
-    from kernellab.bench.numerics import kv_cache_gate
-    from kernellab.runtime.request.sampling import SamplingParams
+    from kernellab.bench.numerics import graph_equals_eager, kv_cache_gate
 
     gen = torch.Generator().manual_seed(1)
     seqs = torch.randint(0, 10000, (256, 96), generator=gen).tolist()
@@ -99,24 +98,7 @@ def _numerics(hf_bf16, weights, report: dict, engine, hf_model, log) -> None:
 
     # greedy graph replays (multi-step windows) == eager single steps, with the FP8 cache
     eng = engine(weights, kv_cache_dtype="fp8")
-    eng.block_manager.enable_prefix_caching = False
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    results = {}
-    for name in ("graph", "eager"):
-        eng.runner.use_graphs = name == "graph"
-        for i in range(16):
-            eng.add_request(f"g{i}", seqs[i], params)
-        toks: dict[str, list[int]] = {}
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                toks.setdefault(o.request_id, []).extend(o.new_token_ids)
-        results[name] = toks
-    report["graph_equals_eager"] = {
-        "pass": results["graph"] == results["eager"],
-        "graphs_used": eng.runner.graphs is not None,
-        "sequences": 16,
-        "tokens": 64,
-    }
+    report["graph_equals_eager"] = graph_equals_eager(eng, seqs[:16])
     log(f"fp8 graph == eager: {report['graph_equals_eager']['pass']}")
     del eng
 

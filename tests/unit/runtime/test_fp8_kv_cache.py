@@ -110,3 +110,15 @@ def test_fp8_cache_numerics(smol_engine_fp32, fp8_llm):
 def test_cached_context_logits_needs_more_than_one_chunk(fp8_llm):
     with pytest.raises(ValueError, match="nothing would read the cache"):
         cached_context_logits(fp8_llm.engine, list(range(10, 10 + CHUNK)))
+
+
+def test_graph_equals_eager_probe_restores_the_engine(fp8_llm):
+    """The GPU gate's graph-vs-eager probe (on the CPU both runs are eager): same tokens, every request's
+    count, and the engine's prefix caching and graph switch as they were."""
+    from kernellab.bench.numerics import graph_equals_eager
+
+    engine = fp8_llm.engine
+    check = graph_equals_eager(engine, [list(range(100, 140)), list(range(200, 217))], max_tokens=5)
+    assert check == {"pass": True, "sequences": 2, "tokens": 5, "graphs_used": False}
+    assert engine.block_manager.enable_prefix_caching and not engine.runner.use_graphs
+    assert not engine.has_unfinished_requests()
