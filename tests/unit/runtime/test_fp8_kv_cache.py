@@ -79,14 +79,15 @@ def test_fp8_cache_generates_and_frees_its_blocks(fp8_llm):
 
 
 def test_fp8_cache_numerics(smol_engine_fp32, fp8_llm):
-    """Sequences: each chat prompt plus 96 sampled tokens of the fp32 model; scored against HF fp32 at every
+    """Sequences: 8 chat prompts plus 96 sampled tokens of the fp32 model each; scored against HF fp32 at every
     position past the first chunk. Our fp32 cache through the same chunked path must agree everywhere (the
     path itself is exact); the FP8 cache must stay within its measured cost (``results/fp8_kv_cpu.json``,
     ``benchmarks/fp8_kv_numerics.py``: 96.85 % agreement, mean KL 0.0049): ≥ 95 % and mean KL ≤ 0.01. Whether
     FP8 is offered for a model is that artifact's gate (agreement ≥ HF bf16's − 0.5 points), not this bound."""
     llm = smol_engine_fp32
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=96, ignore_eos=True)
-    outs = llm.generate([llm.encode([{"role": "user", "content": p}]) for p in SMOL_PROMPTS], params)
+    prompts = SMOL_PROMPTS[:8]  # the benchmark scores all 16; half keeps CI's share of it near a minute
+    outs = llm.generate([llm.encode([{"role": "user", "content": p}]) for p in prompts], params)
     sequences = [o.prompt_token_ids + o.token_ids for o in outs]
     fp32_cache = _engine("auto")
     hf32 = _hf(torch.float32)
@@ -101,7 +102,7 @@ def test_fp8_cache_numerics(smol_engine_fp32, fp8_llm):
         kl += float(F.kl_div(fp8.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="sum"))
         total += len(seq) - CHUNK
     pct = {k: 100 * v / total for k, v in agree.items()}
-    assert total >= 1500
+    assert total >= 750
     assert pct["fp32_cache"] == 100.0, pct
     assert pct["fp8_cache"] >= 95.0, pct
     assert kl / total <= 0.01, kl / total
