@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ._common import next_pow2, require
 
-__all__ = ["FP8_DTYPE", "check_scales", "fp8_row_scales", "quantize_rows", "store_kv", "to_fp8"]
+__all__ = ["FP8_DTYPE", "check_cache", "fp8_row_scales", "quantize_rows", "store_kv", "to_fp8"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -113,11 +113,18 @@ def _store_kv_kernel(
             tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
-def check_scales(
-    k_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None
+def check_cache(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    dtype: torch.dtype,
+    k_scales: torch.Tensor | None,
+    v_scales: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Validate an FP8 cache's scale tensors (``(num_blocks, block_size, Hk)`` fp32, dense); None for a cache in
-    the activation dtype, which takes none."""
+    """Validate the caches' dtype (the activations' ``dtype``, or FP8) and an FP8 cache's scale tensors
+    (``(num_blocks, block_size, Hk)`` fp32, dense); returns the scales, or None for a cache in the activation
+    dtype, which takes none."""
+    require(k_cache.dtype == v_cache.dtype, "k and v caches must share a dtype")
+    require(k_cache.dtype in (dtype, FP8_DTYPE), "cache dtype must match the activations (or be FP8)")
     if k_cache.dtype != FP8_DTYPE:
         require(k_scales is None and v_scales is None, "only an FP8 cache takes scales")
         return None
@@ -148,10 +155,9 @@ def store_kv(
     require(k.stride(2) == 1 and v.stride(2) == 1, "k and v need a unit stride along head_dim")
     require(k_cache.shape == v_cache.shape and k_cache.shape[2:] == (Hk, D), "caches must be (N, bs, Hk, D)")
     require(k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "caches must share a dense layout")
-    require(k_cache.dtype == v_cache.dtype, "k and v caches must share a dtype")
-    require(k.dtype == v.dtype and k_cache.dtype in (k.dtype, FP8_DTYPE), "cache and k/v dtypes must match")
+    require(k.dtype == v.dtype, "k and v must share a dtype")
     require(slot_mapping.shape == (T,), "slot_mapping must be (T,)")
-    scales = check_scales(k_cache, k_scales, v_scales)
+    scales = check_cache(k_cache, v_cache, k.dtype, k_scales, v_scales)
     if T == 0:
         return
     ks, vs = scales if scales is not None else (k_cache, v_cache)  # unused when FP8=False

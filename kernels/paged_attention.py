@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from ._common import cached_empty, cached_zeros, cdiv, next_pow2, num_sms, require
-from .kv_cache import FP8_DTYPE, check_scales
+from .kv_cache import check_cache
 
 __all__ = ["num_splits", "paged_decode_attention"]
 
@@ -255,9 +255,7 @@ def paged_decode_attention(
     require(Hq % Hk == 0, "Hq must be a multiple of Hk")
     require(k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "caches must share a dense layout")
     require(q.stride(2) == 1, "q needs a unit stride along head_dim")
-    require(k_cache.dtype == v_cache.dtype, "k and v caches must share a dtype")
-    require(k_cache.dtype in (q.dtype, FP8_DTYPE), "cache dtype must match q (or be FP8)")
-    scales = check_scales(k_cache, k_scales, v_scales)
+    scales = check_cache(k_cache, v_cache, q.dtype, k_scales, v_scales)
     require(block_tables.dim() == 2 and block_tables.shape[0] == B, "block_tables must be (B, max_blocks)")
     require(block_tables.stride(1) == 1, "block_tables rows must be contiguous")
     require(context_lens.shape == (B,), "context_lens must be (B,)")

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from ._common import next_pow2, require
-from .kv_cache import FP8_DTYPE, check_scales, fp8_row_scales, to_fp8
+from .kv_cache import check_cache, fp8_row_scales, to_fp8
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_store_kv", "rotary_embedding"]
 
@@ -227,10 +227,8 @@ def _launch(
         _check_heads("v", v, T, D)
         require(k_cache.shape == v_cache.shape and k_cache.shape[2:] == (Hk, D), "caches must be (N, bs, Hk, D)")
         require(k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "caches must share a dense layout")
-        require(k_cache.dtype == v_cache.dtype, "k and v caches must share a dtype")
-        require(k_cache.dtype in (q.dtype, FP8_DTYPE), "cache dtype must match the activations (or be FP8)")
         require(slot_mapping.shape == (T,), "slot_mapping must be (T,)")
-        scales = check_scales(k_cache, k_scales, v_scales)
+        scales = check_cache(k_cache, v_cache, q.dtype, k_scales, v_scales)
         cache_strides = k_cache.stride()[:3]
         block_size = k_cache.shape[1]
     else:

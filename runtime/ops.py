@@ -177,16 +177,20 @@ def store_kv(
             cache.view(rows, *cache.shape[2:])[slots] = x[valid]
 
 
+def _read_blocks(cache: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """The cache's blocks at ``blocks`` (int64, any shape) → ``(*blocks.shape, block_size, Hk, D)``; an FP8
+    cache's values dequantized to fp32 (gathered as bytes: indexing kernels do not cover float8 everywhere)."""
+    if cache.dtype != FP8_DTYPE:
+        return cache[blocks]
+    assert scales is not None, "an FP8 cache needs its scales"
+    return dequantize_kv(cache.view(torch.uint8)[blocks].view(FP8_DTYPE), scales[blocks])
+
+
 def _gather_context(
     cache: torch.Tensor, block_table: torch.Tensor, context_len: int, scales: torch.Tensor | None = None
 ) -> torch.Tensor:
     n = -(-context_len // cache.shape[1])
-    blocks = block_table[:n].long()
-    if cache.dtype == FP8_DTYPE:
-        assert scales is not None, "an FP8 cache needs its scales"
-        rows = cache.view(torch.uint8)[blocks].view(FP8_DTYPE).flatten(0, 1)[:context_len]
-        return dequantize_kv(rows, scales[blocks].flatten(0, 1)[:context_len])
-    return cache[blocks].flatten(0, 1)[:context_len]
+    return _read_blocks(cache, block_table[:n].long(), scales).flatten(0, 1)[:context_len]
 
 
 def paged_decode_attention(
@@ -212,16 +216,10 @@ def paged_decode_attention(
     n_blocks = -(-max_len // k_cache.shape[1])
     table = block_tables[:, :n_blocks].clamp(min=0).long()
 
-    def gather(cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-        if cache.dtype == FP8_DTYPE:  # gathered as bytes: indexing kernels do not cover float8 everywhere
-            assert scales is not None, "an FP8 cache needs its scales"
-            rows = cache.view(torch.uint8)[table].view(FP8_DTYPE).flatten(1, 2)[:, :max_len]
-            rows = dequantize_kv(rows, scales[table].flatten(1, 2)[:, :max_len])
-        else:
-            rows = cache[table].flatten(1, 2)[:, :max_len]
-        return rows.transpose(1, 2)  # (B, Hk, L, D)
-
-    k, v = gather(k_cache, k_scales), gather(v_cache, v_scales)
+    k, v = (
+        _read_blocks(cache, table, scales).flatten(1, 2)[:, :max_len].transpose(1, 2)  # (B, Hk, L, D)
+        for cache, scales in ((k_cache, k_scales), (v_cache, v_scales))
+    )
     # GQA without repeating K/V: the group's query heads play the role of SDPA's query length.
     qg = q.view(B, Hk, Hq // Hk, D).to(k.dtype)
     valid = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None].to(q.device)
