@@ -266,11 +266,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     # (1, H, T, D): SDPA's flash/memory-efficient kernels need a batch dimension; 3-D input falls back to the
     # fp32 math path (measured on the H200: ~45 ms instead of < 1 ms for a 2,048-token prompt).
     qh = q.transpose(0, 1).unsqueeze(0)
-    kh = k.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
-    vh = v.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
     if tq == tk:
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        # FlashAttention reads each KV head for its whole query group (``enable_gqa``): no repeated K/V copy.
+        # H200, 2,048 tokens: 52.9 µs a layer instead of 78.7 with repeat_interleave (results/kernels/).
+        kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=group > 1)
     else:
+        # a bottom-right causal mask: the memory-efficient kernel takes the mask but not ``enable_gqa``
+        kh = k.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
+        vh = v.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
         allowed = torch.arange(tk, device=q.device)[None, :] <= (torch.arange(tq, device=q.device)[:, None] + tk - tq)
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale)
     return o[0].transpose(0, 1)
@@ -329,10 +333,11 @@ def varlen_causal_attention(
     rows, batch, width = _padded_rows(cu_seqlens, q.device)
 
     def padded(x: torch.Tensor) -> torch.Tensor:
-        x = x.repeat_interleave(group, dim=1) if x.shape[1] != q.shape[1] else x
         out = x.new_zeros(batch * width, *x.shape[1:])
         out[rows] = x
         return out.view(batch, width, *x.shape[1:]).transpose(1, 2)  # (B, H, Lmax, D)
 
-    o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), is_causal=True, scale=scale)
+    o = F.scaled_dot_product_attention(
+        padded(q), padded(k), padded(v), is_causal=True, scale=scale, enable_gqa=group > 1
+    )
     return o.transpose(1, 2).reshape(batch * width, *q.shape[1:])[rows]

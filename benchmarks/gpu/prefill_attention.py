@@ -1,0 +1,172 @@
+"""Prefill attention backends on the GPU, at Qwen3-0.6B's attention shape (16 query / 8 KV heads, D = 128, bf16).
+
+Which PyTorch path should a prefill step take: SDPA's FlashAttention with the KV heads repeated or with
+``enable_gqa``, cuDNN attention, ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention's packed variable-
+length entry, with a paged ``block_table`` where the installed PyTorch has it), against the engine's own
+``ops`` paths (one prompt; packed prompts padded into one batch; a chunk continuing a cached context, gathered).
+Every candidate is checked against the fp32 reference before it is timed; one that raises is recorded as such.
+
+    python benchmarks/gpu/prefill_attention.py --out "$OUT/prefill_attention.json"
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernellab.results import provenance
+from kernellab.runtime import ops
+
+HQ, HK, D, BS = 16, 8, 128, 16
+SCALE = D**-0.5
+
+
+def timed(fn: Callable[[], torch.Tensor], reps: int = 30) -> float:
+    """Median µs of ``reps`` calls (events around each call; host work included, as the engine pays it)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def reference(q, k, v, cu):
+    """fp32 per-sequence causal attention (queries at the end of their keys)."""
+    out = []
+    for (qs, qe), (ks, ke) in zip(itertools.pairwise(cu["q"]), itertools.pairwise(cu["k"]), strict=True):
+        out.append(ops.causal_attention(q[qs:qe].float(), k[ks:ke].float(), v[ks:ke].float(), SCALE, HQ // HK))
+    return torch.cat(out)
+
+
+def sdpa(q, k, v, backend, gqa: bool):
+    from torch.nn.attention import sdpa_kernel
+
+    qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))
+    if not gqa:
+        kh, vh = kh.repeat_interleave(HQ // HK, dim=1), vh.repeat_interleave(HQ // HK, dim=1)
+    with sdpa_kernel([backend]):
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=SCALE, enable_gqa=gqa)
+    return o[0].transpose(0, 1)
+
+
+def varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=SCALE, window_size=(-1, 0), enable_gqa=True, **kw)
+
+
+def paged_cache(k, v, lens, gen):
+    """Scatter each sequence's K/V into random blocks of a (N, BS, Hk, D) cache; returns caches and tables."""
+    nblk = [-(-n // BS) for n in lens]
+    perm = torch.randperm(sum(nblk), generator=gen).cuda().to(torch.int32)
+    kc = torch.zeros(sum(nblk), BS, HK, D, dtype=k.dtype, device="cuda")
+    vc = torch.zeros_like(kc)
+    tables = torch.zeros(len(lens), max(nblk), dtype=torch.int32, device="cuda")
+    start, tok = 0, 0
+    for b, n in enumerate(lens):
+        tables[b, : nblk[b]] = perm[start : start + nblk[b]]
+        pos = torch.arange(n, device="cuda")
+        slots = tables[b, pos // BS].long() * BS + pos % BS
+        kc.view(-1, HK, D)[slots] = k[tok : tok + n]
+        vc.view(-1, HK, D)[slots] = v[tok : tok + n]
+        start, tok = start + nblk[b], tok + n
+    return kc, vc, tables
+
+
+def case(name: str, q_lens: list[int], ctx_lens: list[int], gen) -> dict:
+    kv_total = sum(ctx_lens)
+    q = torch.randn(sum(q_lens), HQ, D, generator=gen).cuda().bfloat16()
+    k = torch.randn(kv_total, HK, D, generator=gen).cuda().bfloat16()
+    v = torch.randn(kv_total, HK, D, generator=gen).cuda().bfloat16()
+    cu = {"q": [0], "k": [0]}
+    for n, c in zip(q_lens, ctx_lens, strict=True):
+        cu["q"].append(cu["q"][-1] + n)
+        cu["k"].append(cu["k"][-1] + c)
+    ref = reference(q, k, v, cu)
+    cu_q = torch.tensor(cu["q"], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor(cu["k"], dtype=torch.int32, device="cuda")
+    fresh = q_lens == ctx_lens
+    cands: dict[str, Callable[[], torch.Tensor]] = {}
+    if fresh and len(q_lens) == 1:
+        from torch.nn.attention import SDPBackend
+
+        for label, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            cands[f"sdpa-{label}-repeat"] = lambda b=backend: sdpa(q, k, v, b, gqa=False)
+            cands[f"sdpa-{label}-gqa"] = lambda b=backend: sdpa(q, k, v, b, gqa=True)
+        cands["ops.causal_attention"] = lambda: ops.causal_attention(q, k, v, SCALE, HQ // HK)
+    elif fresh:
+        cands["ops.varlen_causal_attention (padded)"] = lambda: ops.varlen_causal_attention(q, k, v, cu["q"], SCALE)
+    else:
+        kc, vc, tables = paged_cache(k, v, ctx_lens, gen)
+        used = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
+        cands["ops.paged_prefill_attention (gather)"] = lambda: ops.paged_prefill_attention(
+            q, kc, vc, tables, cu_q, used, SCALE
+        )
+        cands["varlen_attn-block_table"] = lambda: varlen(
+            q, kc, vc, cu_q, None, max(q_lens), max(ctx_lens), seqused_k=used, block_table=tables
+        )
+    cands["varlen_attn"] = lambda: varlen(q, k, v, cu_q, cu_k, max(q_lens), max(ctx_lens))
+    pairs = sum(sum(c - n + i + 1 for i in range(n)) for n, c in zip(q_lens, ctx_lens, strict=True))
+    flops = 4 * HQ * D * pairs
+    rows = {}
+    for label, fn in cands.items():
+        try:
+            err = (fn().float() - ref).abs().max().item()
+            us = timed(fn) if err < 2e-2 else None
+            rows[label] = {"max_abs_err": err, "us": us, "tflops": round(flops / us / 1e6, 1) if us else None}
+        except Exception as e:  # a backend the installed build lacks: record why
+            rows[label] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        print(f"{name:32s} {label:42s} {rows[label]}", flush=True)
+    return {"q_lens": q_lens if len(q_lens) <= 8 else f"{len(q_lens)} seqs", "flops": flops, "paths": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    mixed = torch.randint(100, 1025, (8,), generator=gen).tolist()
+    cases = {
+        "one prompt 2048": ([2048], [2048]),
+        "one prompt 4096": ([4096], [4096]),
+        "8 prompts x 512": ([512] * 8, [512] * 8),
+        "8 prompts 100..1024": (mixed, mixed),
+        "chunk 512 after 1536 cached": ([512], [2048]),
+        "4 chunks 256 after 256..1792": ([256] * 4, [512, 1024, 1536, 2048]),
+    }
+    t0 = time.perf_counter()
+    try:
+        from torch.nn import attention
+
+        impls = attention.list_flash_attention_impls()
+    except Exception as e:
+        impls = f"{type(e).__name__}: {e}"
+    report = {
+        "schema": "kernellab.bench.prefill_attention/v1",
+        "provenance": provenance(),
+        "shape": {"Hq": HQ, "Hk": HK, "D": D, "block_size": BS, "dtype": "bfloat16"},
+        "flash_attention_impls": impls,
+        "cudnn_version": torch.backends.cudnn.version(),
+        "cases": {name: case(name, ql, cl, gen) for name, (ql, cl) in cases.items()},
+    }
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
