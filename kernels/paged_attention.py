@@ -182,7 +182,9 @@ def _paged_decode_kernel(
 
         out_mask = g_mask[:, None] & d_mask[None, :]
         out_rows = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
-        if n_active > 1:
+        # SPLIT is a compile-time guard: without it n_active (a tensor even when it is the literal 1) would keep
+        # the merge in the unsplit kernel, whose workspace and counter arguments are not fp32 / int32 buffers
+        if SPLIT and n_active > 1:
             # Publish this slice's (acc, m, l); the last of the sequence's n_active slices to arrive merges them
             # (same semaphore pattern as gemv.py's split-K); the workspace rows stay strided by the launch's S.
             ws_row = (b.to(tl.int64) * n_q_heads + heads) * n_splits + split

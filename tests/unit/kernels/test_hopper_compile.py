@@ -1,0 +1,157 @@
+"""Every kernel launch the CPU tests make also compiles for the H200 (sm_90), with the GPU's own compiler.
+
+The interpreter never types a kernel, so a path a constexpr switches off can hold code the GPU compiler rejects
+(it happened: the unsplit paged decode kernel kept an atomic on its bf16 output pointer and failed at its first
+launch on the H200). Here each launcher runs under the interpreter at the head sizes of the registered models
+(128 and 64), in bf16 and fp32, with the FP8 cache, split and unsplit, dense and quantized, while
+``compile_check.record_launches`` notes each specialization; a child process without the interpreter then
+compiles every one to a cubin (``triton.compile`` for ``GPUTarget("cuda", 90, 32)``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernellab.kernels import (
+    argmax,
+    attention,
+    compile_check,
+    gemm,
+    gemv,
+    kv_cache,
+    linear,
+    paged_attention,
+    quant_gemv,
+    rms_norm,
+    rope,
+    softmax,
+    swiglu,
+    vector_add,
+)
+from kernellab.runtime import ops
+
+BS = 16
+
+
+def _paged(gen, B, ctx, Hq, Hk, D, dtype, fp8):
+    blocks = B * -(-ctx // BS)
+    cache = lambda: torch.randn(blocks, BS, Hk, D, generator=gen).to(dtype)  # noqa: E731
+    k_cache, v_cache = cache(), cache()
+    scales = {}
+    if fp8:
+        (k_cache, ks), (v_cache, vs) = ops.quantize_kv(k_cache.float()), ops.quantize_kv(v_cache.float())
+        scales = {"k_scales": ks, "v_scales": vs}
+    tables = torch.randperm(blocks, generator=gen).to(torch.int32).view(B, -1)
+    lens = torch.full((B,), ctx, dtype=torch.int32)
+    q = torch.randn(B, Hq, D, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables, lens, scales
+
+
+def _exercise(gen: torch.Generator) -> None:
+    """One call of each launcher per distinct specialization the engine and the benchmarks use."""
+    rnd = lambda *s, dtype=torch.bfloat16: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
+    for dtype in (torch.bfloat16, torch.float32):
+        x, w = rnd(5, 64, dtype=dtype), rnd(64, dtype=dtype)
+        rms_norm.rms_norm(x, w, 1e-6)
+        rms_norm.add_rms_norm(x, rnd(5, 64, dtype=dtype), w, 1e-6)
+        swiglu.silu_and_mul(rnd(3, 128, dtype=dtype))
+        for vocab in (3000, 20000):  # one chunk; partial maxima and their merge
+            argmax.argmax(rnd(3, vocab, dtype=torch.float32))
+        for rows in (1, 4):  # warp-reduced GEMV, tensor-core GEMV
+            linear.linear(rnd(rows, 128, dtype=dtype), rnd(96, 128, dtype=dtype))
+        gemv.linear(rnd(1, 256, dtype=dtype), rnd(8, 256, dtype=dtype), config=gemv.GemvConfig(8, 64, 4))
+        for D, Hq, Hk in ((128, 4, 2), (64, 3, 1)):
+            cos_sin = ops.rope_cos_sin_cache(D, 64, 1e6, device="cpu")
+            pos = torch.randint(0, 64, (6,), generator=gen)
+            q, k, v = rnd(6, Hq, D, dtype=dtype), rnd(6, Hk, D, dtype=dtype), rnd(6, Hk, D, dtype=dtype)
+            rope.rotary_embedding(pos, q, k, cos_sin)
+            nw = rnd(D, dtype=dtype)
+            rope.qk_norm_rope(pos, q, k, nw, nw, 1e-6, cos_sin)
+            for fp8 in (False, True):
+                if fp8 and dtype == torch.float32:
+                    continue
+                _, kc, vc, _, _, scales = _paged(gen, 2, 32, Hq, Hk, D, dtype, fp8)
+                slots = torch.randperm(kc.shape[0] * BS, generator=gen)[:6]
+                kv_cache.store_kv(k, v, kc, vc, slots, **scales)
+                rope.qk_norm_rope_store_kv(pos, q, k, v, nw, nw, 1e-6, cos_sin, kc, vc, slots, **scales)
+                for B, ctx in ((1, 300), (40, 20)):  # split across slices; one slice per sequence
+                    qd, kc2, vc2, tables, lens, sc = _paged(gen, B, ctx, Hq, Hk, D, dtype, fp8)
+                    paged_attention.paged_decode_attention(qd, kc2, vc2, tables, lens, D**-0.5, **sc)
+        # the teaching kernels and the standalone ones
+        vector_add.add(rnd(100, dtype=dtype), rnd(100, dtype=dtype))
+        vector_add.add_silu(rnd(100, dtype=dtype), rnd(100, dtype=dtype))
+        softmax.softmax(rnd(3, 100, dtype=dtype))
+        softmax.softmax(rnd(2, 300, dtype=dtype), max_single=128, chunk=128)
+        argmax.topk(rnd(2, 3000, dtype=torch.float32), 5)
+        attention.causal_attention(
+            rnd(40, 4, 64, dtype=dtype), rnd(40, 2, 64, dtype=dtype), rnd(40, 2, 64, dtype=dtype), 0.125, 2
+        )
+        gemm.linear(rnd(70, 64, dtype=dtype), rnd(96, 64, dtype=dtype))
+    for bits, fn in ((8, quant_gemv.linear_w8a16), (4, quant_gemv.linear_w4a16)):
+        qw = quant_gemv.quantize_weight(rnd(64, 128, dtype=torch.float32), bits=bits)
+        for rows in (1, 4):
+            fn(rnd(rows, 128), qw.qweight, qw.scales)
+
+
+def _with_hopper_variants(launches: list[dict]) -> list[dict]:
+    """The CPU cannot launch with programmatic dependent launch (a Hopper feature) but the H200 does: each dense
+    M = 1 GEMV is compiled a second time the way the GPU launches it."""
+    extra = []
+    for launch in launches:
+        c = launch["constexprs"]
+        if launch["kernel"] == "_gemv_kernel" and c["W_BITS"] == 16 and not c["USE_DOT"] and not c["SPLIT"]:
+            extra.append(
+                {**launch, "constexprs": {**c, "PDL": True}, "options": {**launch["options"], "launch_pdl": True}}
+            )
+    return launches + extra
+
+
+def test_every_recorded_launch_compiles_for_sm90():
+    gen = torch.Generator().manual_seed(0)
+    with compile_check.record_launches() as launches:
+        _exercise(gen)
+    launches = compile_check.unique(_with_hopper_variants(launches))
+    kernels = {launch["kernel"] for launch in launches}
+    # every kernel of the package was launched: a new kernel must join _exercise
+    assert kernels >= {
+        "_rms_norm_kernel",
+        "_silu_and_mul_kernel",
+        "_argmax_partial_kernel",
+        "_argmax_merge_kernel",
+        "_gemv_kernel",
+        "_qk_rope_kernel",
+        "_store_kv_kernel",
+        "_paged_decode_kernel",
+        "_add_kernel",
+        "_softmax_row_kernel",
+        "_softmax_partial_kernel",
+        "_softmax_normalize_kernel",
+        "_topk_partial_kernel",
+        "_topk_merge_kernel",
+        "_causal_attention_kernel",
+        "_gemm_kernel",
+    }, sorted(kernels)
+    splits = {
+        (launch["constexprs"]["SPLIT"], launch["constexprs"]["FP8"])
+        for launch in launches
+        if launch["kernel"] == "_paged_decode_kernel"
+    }
+    assert splits == {(False, False), (True, False), (False, True), (True, True)}
+    failures = compile_check.compile_records(launches)
+    assert not failures, "\n\n".join(
+        f"{f['launch']['kernel']} {f['launch']['constexprs']}:\n{f['error']}" for f in failures
+    )
+
+
+def test_the_check_catches_a_kernel_the_gpu_compiler_rejects():
+    """The check is not vacuous: the paged decode kernel's unsplit specialization with a bf16 counter pointer
+    (the H200's compile error before the constexpr guard) is rejected."""
+    gen = torch.Generator().manual_seed(1)
+    with compile_check.record_launches() as launches:
+        q, kc, vc, tables, lens, _ = _paged(gen, 40, 20, 4, 2, 128, torch.bfloat16, False)
+        paged_attention.paged_decode_attention(q, kc, vc, tables, lens, 0.1)
+    (launch,) = compile_check.unique(launches)
+    assert launch["signature"]["cnt_ptr"] == "*bf16" and launch["constexprs"]["SPLIT"] is False
+    broken = {**launch, "constexprs": {**launch["constexprs"], "SPLIT": True}}  # the merge path, bf16 counter
+    (failure,) = compile_check.compile_records([broken])
+    assert "atomic" in failure["error"]
