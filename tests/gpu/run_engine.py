@@ -342,8 +342,11 @@ def kernel_numerics(op, kernel, reference, model=None) -> dict:
 
 
 def ablation(weights, report, model=MODEL, only=None):
-    """Turn each enabled op off in turn (``only``: just these) and measure the complete workload without it."""
+    """Turn each enabled op off in turn (``only``: just these) and measure the complete workload without it,
+    in interleaved rounds against the all-on engine until the effect's interval settles
+    (``kernellab.bench.ablation``: the decision rule and its statistics)."""
     from kernellab import kernels as lib
+    from kernellab.bench.ablation import decide, interleaved
     from kernellab.bench.latency import engine_itl
     from kernellab.bench.offline import run_engine
     from kernellab.runtime import ops as reference
@@ -352,46 +355,52 @@ def ablation(weights, report, model=MODEL, only=None):
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 10000, (128,), generator=gen).tolist() for _ in range(64)]
 
-    def measure(disabled=()):
-        eng = engine(weights, model=model, disabled_kernels=tuple(disabled))
+    def build(disabled=()):
+        # no prefix cache: every round replays the same prompts and must do the same work
+        return engine(weights, model=model, disabled_kernels=tuple(disabled), enable_prefix_caching=False)
+
+    def measure(eng):
         thr = run_engine(eng, prompts, [128] * 64, "decode-64x128", "bfloat16")["output_tok_per_s"]
         itl = statistics.median(engine_itl(eng, 128, new_tokens=48)) * 1e3
-        enabled = list(eng.runner.model.ops.enabled)
-        del eng
-        return {"tok_per_s": thr, "itl_ms": round(itl, 3), "enabled": enabled}
+        return {"tok_per_s": round(thr, 1), "itl_ms": round(itl, 4)}
 
-    runs = [measure(), measure()]  # the all-on baseline twice: its spread is the noise band
-    all_on = {
-        **max(runs, key=lambda r: r["tok_per_s"]),
-        "itl_ms": min(r["itl_ms"] for r in runs),
-        "spread_tok_per_s_pct": round(100 * abs(runs[0]["tok_per_s"] / runs[1]["tok_per_s"] - 1), 2),
-    }
-    noise = max(3.0, 2 * all_on["spread_tok_per_s_pct"])
-    log(f"ablation all-on: {all_on['tok_per_s']:.0f} tok/s, ITL {all_on['itl_ms']:.3f} ms, noise band {noise:.1f}%")
-    rows = {"__all__": all_on, "__none__": measure(REPLACEABLE), "__noise_pct__": noise}
+    all_on_engine = build()
+    enabled = list(all_on_engine.runner.model.ops.enabled)
+    all_on = {**measure(all_on_engine), "enabled": enabled}
+    log(f"ablation all-on: {all_on['tok_per_s']:.0f} tok/s, ITL {all_on['itl_ms']:.3f} ms")
+    none_engine = build(REPLACEABLE)
+    rows = {"__all__": all_on, "__none__": measure(none_engine), "__rule__": dict(ABLATION_RULE)}
+    del none_engine
     log(f"ablation torch-only: {rows['__none__']['tok_per_s']:.0f} tok/s, ITL {rows['__none__']['itl_ms']:.3f} ms")
-    for op in [op for op in all_on["enabled"] if only is None or op in only]:
-        off = measure((op,))
+    for op in [op for op in enabled if only is None or op in only]:
+        off_engine = build((op,))
+        effects, record = interleaved(
+            lambda: measure(all_on_engine), lambda off=off_engine: measure(off), **ABLATION_RULE
+        )
+        del off_engine
         num = kernel_numerics(op, lib.KERNELS[op], getattr(reference, op), None if model == MODEL else model)
-        gain_thr = 100 * (all_on["tok_per_s"] / off["tok_per_s"] - 1)
-        gain_itl = 100 * (off["itl_ms"] / all_on["itl_ms"] - 1)
-        # The kernel-lab rule: keep a kernel only if it is correct AND the complete workload is measurably
-        # faster with it (beyond the noise band) and no slower on the other figure.
-        helps = (gain_thr > noise or gain_itl > noise) and gain_thr > -noise and gain_itl > -noise
-        status = "rejected" if not num["pass"] else "accepted" if helps else "experimental"
+        status = decide(effects, num["pass"], ABLATION_RULE["min_effect_pct"])
+        thr, itl = effects["tok_per_s"], effects["itl_ms"]
+        last = record["rounds"][-1]["without"]
         rows[op] = {
-            **off,
+            **last,
             "numerics": num,
             "status": status,
-            "e2e_gain_tok_per_s_pct": round(gain_thr, 2),
-            "e2e_gain_itl_pct": round(gain_itl, 2),
+            "e2e_gain_tok_per_s_pct": thr.mean_pct,
+            "e2e_gain_itl_pct": itl.mean_pct,
+            **record,
         }
         log(
-            f"ablation -{op}: {off['tok_per_s']:.0f} tok/s ({gain_thr:+.1f}%), ITL {off['itl_ms']:.3f} ms "
-            f"({gain_itl:+.1f}%), rel err {num['rel_err_max']:.2e} → {status}"
+            f"ablation -{op}: {thr.mean_pct:+.1f}% tok/s [{thr.lo_pct:+.1f}, {thr.hi_pct:+.1f}], ITL {itl.mean_pct:+.1f}%"
+            f" [{itl.lo_pct:+.1f}, {itl.hi_pct:+.1f}] over {thr.rounds} rounds"
+            f"{'' if record['settled'] else ' (unsettled)'}, rel err {num['rel_err_max']:.2e} → {status}"
         )
         Path(report["_path"]).write_text(json.dumps(report, indent=2, default=str))
     return rows
+
+
+# The rule's thresholds: a kernel stays when it makes the workload ≥ 1 % faster on a figure with 95 % confidence.
+ABLATION_RULE = {"min_effect_pct": 1.0, "min_rounds": 3, "max_rounds": 8}
 
 
 # The Llama family's shapes (head_dim 64, 9/3 and 32/8 heads): the embedded default model and Llama-3.2-1B.
@@ -507,9 +516,17 @@ def print_table(report) -> None:
             print(f"latency {r['system']:24s} {r['metric']}@{r['tokens']:<5d} {r['ms_p50']:>9.3f} ms")
     if report["ablation"]:
         for op, r in report["ablation"].items():
-            if not isinstance(r, dict):
+            if not isinstance(r, dict) or "tok_per_s" not in r:
                 continue
-            print(f"ablation {op:24s} {r.get('status', ''):12s} {r['tok_per_s']:>8.0f} tok/s  ITL {r['itl_ms']:.3f} ms")
+            gain = (
+                f"  gain {r['e2e_gain_tok_per_s_pct']:+.1f}% / ITL {r['e2e_gain_itl_pct']:+.1f}%"
+                if "effects" in r
+                else ""
+            )
+            print(
+                f"ablation {op:24s} {r.get('status', ''):12s} {r['tok_per_s']:>8.0f} tok/s  ITL {r['itl_ms']:.3f} ms"
+                + gain
+            )
     fp8 = report.get("fp8_kv") or {}
     if "gate" in fp8:
         pct = fp8["gate"]["agreement_vs_hf_fp32_pct"]

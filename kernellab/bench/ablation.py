@@ -1,0 +1,106 @@
+"""The kernel-lab rule's measurement: is the complete workload faster with a kernel than without it?
+
+One measurement of each configuration decides nothing on a GPU whose run-to-run spread is several percent: two
+gate runs of the same commit flipped four kernels between accepted and experimental. So the two engines (every
+kernel on; the one op off) stay built and are measured in alternating rounds (A B, B A, A B, …, which cancels a
+slow drift of the machine). Each round gives one paired ratio per figure; the effect is the mean of their logs,
+with a Student-t confidence interval, and rounds continue until the interval no longer straddles a decision
+threshold or the round budget is spent.
+
+Figures: ``tok_per_s`` (higher is better) and ``itl_ms`` (lower is better); an effect is the kernel's gain in
+percent, positive when the workload is faster with it.
+
+Decision (``decide``): *accepted* when numerics pass, the kernel's gain on one figure is at least
+``min_effect_pct`` with the interval's confidence (its lower bound above it), and neither figure is that much
+slower with the same confidence (no upper bound below ``-min_effect_pct``); *rejected* when numerics fail;
+*experimental* otherwise. Where the interval still straddles a threshold after the last round, the decision is
+flagged ``settled: False`` in the artifact.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+# two-sided 95 % Student-t quantiles, by degrees of freedom (1…30); beyond, the normal's 1.96
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131)
+_T975 += (2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+FIGURES = {"tok_per_s": +1, "itl_ms": -1}  # +1: higher is better
+
+
+@dataclass(frozen=True)
+class Effect:
+    """A kernel's gain on one figure, in percent (mean over rounds and its 95 % interval)."""
+
+    mean_pct: float
+    lo_pct: float
+    hi_pct: float
+    rounds: int
+
+    def straddles(self, threshold_pct: float) -> bool:
+        return self.lo_pct < threshold_pct < self.hi_pct
+
+
+def paired_effect(ratios: list[float]) -> Effect:
+    """``ratios``: per round, (figure with the kernel) / (figure without), oriented so > 1 means faster with it."""
+    if not ratios:
+        raise ValueError("no rounds")
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        half = math.inf
+    else:
+        t = _T975[len(logs) - 2] if len(logs) - 1 <= len(_T975) else 1.96
+        half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+
+    def pct(x: float) -> float:
+        return round(100 * math.expm1(x), 2) if math.isfinite(x) else math.copysign(math.inf, x)
+
+    return Effect(pct(mean), pct(mean - half), pct(mean + half), len(logs))
+
+
+def decide(effects: dict[str, Effect], numerics_pass: bool, min_effect_pct: float) -> str:
+    if not numerics_pass:
+        return "rejected"
+    helps = any(e.lo_pct > min_effect_pct for e in effects.values())
+    hurts = any(e.hi_pct < -min_effect_pct for e in effects.values())
+    return "accepted" if helps and not hurts else "experimental"
+
+
+def settled(effects: dict[str, Effect], min_effect_pct: float) -> bool:
+    """More rounds could not change the decision's inputs: no interval straddles ±min_effect_pct."""
+    return not any(e.straddles(min_effect_pct) or e.straddles(-min_effect_pct) for e in effects.values())
+
+
+def interleaved(
+    with_kernel: Callable[[], dict],
+    without_kernel: Callable[[], dict],
+    *,
+    min_effect_pct: float = 1.0,
+    min_rounds: int = 3,
+    max_rounds: int = 8,
+) -> tuple[dict[str, Effect], dict]:
+    """Alternate the two measurements (each returns ``{"tok_per_s", "itl_ms"}``) until ``settled`` (after
+    ``min_rounds``) or ``max_rounds``; returns each figure's Effect and a JSON record (effects, whether they
+    settled, the raw rounds)."""
+    rounds: list[tuple[dict, dict]] = []
+    effects: dict[str, Effect] = {}
+    for i in range(max_rounds):
+        if i % 2 == 0:
+            a = with_kernel()
+            b = without_kernel()
+        else:
+            b = without_kernel()
+            a = with_kernel()
+        rounds.append((a, b))
+        effects = {fig: paired_effect([(x[fig] / y[fig]) ** sign for x, y in rounds]) for fig, sign in FIGURES.items()}
+        if i + 1 >= min_rounds and settled(effects, min_effect_pct):
+            break
+    return effects, {
+        "effects": {fig: asdict(e) for fig, e in effects.items()},
+        "settled": settled(effects, min_effect_pct),
+        "rounds": [{"with": a, "without": b} for a, b in rounds],
+    }

@@ -1,0 +1,76 @@
+"""The kernel-lab rule's statistics (kernellab.bench.ablation): paired effects, their intervals, the decision,
+and the interleaving of the two configurations."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from kernellab.bench.ablation import Effect, decide, interleaved, paired_effect, settled
+
+
+def test_paired_effect_mean_and_student_interval():
+    e = paired_effect([1.10, 1.12, 1.08, 1.10])
+    logs = [math.log(r) for r in (1.10, 1.12, 1.08, 1.10)]
+    mean = sum(logs) / 4
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 3)
+    half = 3.182 * sd / 2  # t(0.975, 3 df) · sd / sqrt(4)
+    assert e.rounds == 4
+    assert e.mean_pct == pytest.approx(100 * math.expm1(mean), abs=0.01)
+    assert e.lo_pct == pytest.approx(100 * math.expm1(mean - half), abs=0.01)
+    assert e.hi_pct == pytest.approx(100 * math.expm1(mean + half), abs=0.01)
+    assert e.lo_pct < e.mean_pct < e.hi_pct
+
+
+def test_one_round_has_no_interval():
+    e = paired_effect([1.05])
+    assert e.mean_pct == pytest.approx(5.0)
+    assert e.lo_pct == -math.inf and e.hi_pct == math.inf
+    with pytest.raises(ValueError):
+        paired_effect([])
+
+
+def test_decision_needs_a_confident_gain_and_no_confident_loss():
+    gain = Effect(5.0, 3.0, 7.0, 4)
+    flat = Effect(0.2, -1.5, 1.9, 8)
+    loss = Effect(-4.0, -6.0, -2.0, 4)
+    assert decide({"tok_per_s": gain, "itl_ms": flat}, True, 1.0) == "accepted"
+    assert decide({"tok_per_s": flat, "itl_ms": flat}, True, 1.0) == "experimental"
+    assert decide({"tok_per_s": gain, "itl_ms": loss}, True, 1.0) == "experimental"
+    assert decide({"tok_per_s": gain, "itl_ms": gain}, False, 1.0) == "rejected"
+    assert settled({"a": gain, "b": loss}, 1.0) and not settled({"a": flat}, 1.0)
+
+
+def _machine(seed: int, speedup: float, spread: float):
+    """Two configurations on a noisy machine with a slow drift: the kernel multiplies speed by ``speedup``."""
+    rng = random.Random(seed)
+    clock = {"t": 0}
+
+    def run(factor: float) -> dict:
+        clock["t"] += 1
+        drift = 1 - 0.002 * clock["t"]  # the machine slows a little with every measurement
+        noise = math.exp(rng.gauss(0, spread))
+        return {"tok_per_s": 1000 * factor * drift * noise, "itl_ms": 1.0 / (factor * drift * noise)}
+
+    return (lambda: run(speedup)), (lambda: run(1.0)), clock
+
+
+def test_interleaving_stops_once_settled_and_alternates_the_order():
+    with_k, without_k, clock = _machine(0, speedup=1.5, spread=0.01)
+    effects, record = interleaved(with_k, without_k, min_effect_pct=1.0, min_rounds=3, max_rounds=8)
+    assert record["settled"] and len(record["rounds"]) == 3 and clock["t"] == 6
+    assert effects["tok_per_s"].lo_pct > 40 and effects["itl_ms"].lo_pct > 40
+    assert decide(effects, True, 1.0) == "accepted"
+
+
+def test_no_effect_runs_every_round_and_stays_experimental_on_repeat():
+    decisions = []
+    for seed in (1, 2):  # two consecutive "runs" of the same kernel: the same decision
+        with_k, without_k, _ = _machine(seed, speedup=1.0, spread=0.02)
+        effects, record = interleaved(with_k, without_k, min_effect_pct=1.0, min_rounds=3, max_rounds=8)
+        assert len(record["rounds"]) == 8 and not record["settled"]
+        assert effects["tok_per_s"].lo_pct < 1.0 < effects["tok_per_s"].hi_pct or effects["tok_per_s"].hi_pct < 1.0
+        decisions.append(decide(effects, True, 1.0))
+    assert decisions == ["experimental", "experimental"]
