@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 
@@ -9,7 +10,7 @@ import numpy as np
 import torch
 
 from kernellab.runtime import ops as torch_ops
-from kernellab.runtime.attention import AttentionMetadata, LayerKV
+from kernellab.runtime.attention import AttentionMetadata, ContextGather, LayerKV
 from kernellab.runtime.config import EngineConfig, ModelConfig
 from kernellab.runtime.dispatch import Ops, build_ops, describe_fast_path, fast_path, graph_safe
 from kernellab.runtime.graphs import GraphRunner
@@ -218,6 +219,15 @@ class ModelRunner:
             max_decode_context=max(dec_lens, default=0),
             prefill_cu_seqlens_host=cu,
             prefill_num_fresh=num_fresh,
+            prefill_gather=ContextGather.build(
+                pre_tables[num_fresh:],
+                pre_lens[num_fresh:],
+                [b - a for a, b in itertools.pairwise(cu[num_fresh:])],
+                bs,
+                dev,
+            )
+            if len(pre_tables) > num_fresh
+            else None,
         )
         return torch.tensor(ids, dtype=torch.long, device=dev), meta, order, sampling
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kernellab.runtime import ops
-from kernellab.runtime.attention import AttentionMetadata, paged_attention
+from kernellab.runtime.attention import AttentionMetadata, ContextGather, paged_attention
 from kernellab.runtime.dispatch import build_ops
 from kernellab.runtime.request.block_manager import slot_of
 
@@ -42,7 +42,7 @@ def test_mixed_step_equals_the_all_from_cache_reference():
     )
     ops.store_kv(k, v, k_cache, v_cache, slots)
 
-    def meta(num_fresh: int) -> AttentionMetadata:
+    def meta(num_fresh: int, gather: bool = False) -> AttentionMetadata:
         pre = rows[2:]
         cu = [0]
         for _, n in pre:
@@ -61,12 +61,23 @@ def test_mixed_step_equals_the_all_from_cache_reference():
             logits_indices=torch.zeros(1, dtype=torch.long),
             prefill_cu_seqlens_host=cu,
             prefill_num_fresh=num_fresh,
+            prefill_gather=ContextGather.build(
+                tables[2 + num_fresh :], [c + n for c, n in pre[num_fresh:]], [n for _, n in pre[num_fresh:]], BS, "cpu"
+            )
+            if gather
+            else None,
         )
 
     torch_ops = build_ops("none", torch.device("cpu"))
     reference = paged_attention(torch_ops, q, k, v, k_cache, v_cache, meta(0), D**-0.5)  # every chunk from the cache
     mixed = paged_attention(torch_ops, q, k, v, k_cache, v_cache, meta(2), D**-0.5)
     torch.testing.assert_close(mixed, reference, atol=1e-5, rtol=1e-5)
+    # the continuing chunks read through one gather of their contexts (what the runner builds) instead of a
+    # gather and an attention call per chunk
+    gathered = paged_attention(torch_ops, q, k, v, k_cache, v_cache, meta(2, gather=True), D**-0.5)
+    torch.testing.assert_close(gathered, reference, atol=1e-5, rtol=1e-5)
+    every_chunk_gathered = paged_attention(torch_ops, q, k, v, k_cache, v_cache, meta(0, gather=True), D**-0.5)
+    torch.testing.assert_close(every_chunk_gathered, reference, atol=1e-5, rtol=1e-5)
     # and the fresh rows alone, as a step of only fresh prompts computes them
     fresh_rows = slice(2, 2 + 7 + 5)
     alone = ops.varlen_causal_attention(q[fresh_rows], k[fresh_rows], v[fresh_rows], [0, 7, 12], D**-0.5)
