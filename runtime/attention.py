@@ -96,11 +96,16 @@ def flash_varlen():
     return functools.partial(varlen_attn, **kw)
 
 
+def flash_for(q: torch.Tensor):
+    """``flash_varlen()`` where it can take ``q``: a GPU tensor in fp16 or bf16 (FlashAttention's dtypes)."""
+    return flash_varlen() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
+
+
 def packed_causal_attention(q, k, v, cu_q, cu_k, cu_q_host: list[int], cu_k_host: list[int], scale: float):
     """Causal attention of packed chunks, each chunk's queries at the end of its keys: one FlashAttention varlen
     call on a GPU (on the H200, 8 prompts × 512 tokens: 66 µs against 138 µs padded into one SDPA batch;
     results/gpu/prefill_attention_h200.json), a loop over the chunks elsewhere."""
-    flash = flash_varlen() if q.is_cuda else None
+    flash = flash_for(q)
     if flash is not None:
         max_q = max(b - a for a, b in itertools.pairwise(cu_q_host))
         max_k = max(b - a for a, b in itertools.pairwise(cu_k_host))
@@ -151,7 +156,7 @@ def paged_attention(
     parts = []
     if f:  # fresh prompts: attention over the step's own K/V
         fresh = (q[nd : nd + r], k[nd : nd + r], v[nd : nd + r])
-        if f > 1 and q.is_cuda and flash_varlen() is not None:
+        if f > 1 and flash_for(q) is not None:
             cu_t = meta.prefill_cu_seqlens_q[: f + 1]
             parts.append(packed_causal_attention(*fresh, cu_t, cu_t, cu[: f + 1], cu[: f + 1], scale))
         else:  # one prompt (SDPA: cuDNN or FlashAttention), or the CPU's padded batch

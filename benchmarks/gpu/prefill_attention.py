@@ -180,7 +180,7 @@ def main() -> None:
         impls = f"{type(e).__name__}: {e}"
     report = {
         "schema": "kernellab.bench.prefill_attention/v1",
-        "provenance": provenance(),
+        "provenance": provenance("cuda"),
         "shape": {"Hq": HQ, "Hk": HK, "D": D, "block_size": BS, "dtype": "bfloat16"},
         "flash_attention_impls": impls,
         "cudnn_version": torch.backends.cudnn.version(),
