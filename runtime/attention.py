@@ -5,8 +5,9 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -39,7 +40,9 @@ class ContextGather:
     cu_k_host: list[int]
 
     @classmethod
-    def build(cls, tables: list[list[int]], context_lens: list[int], query_lens: list[int], block_size: int, device):
+    def build(
+        cls, tables: list[list[int]], context_lens: list[int], query_lens: list[int], block_size: int, device
+    ) -> ContextGather:
         slots = np.concatenate(
             [slot_of(np.asarray(t), np.arange(n), block_size) for t, n in zip(tables, context_lens, strict=True)]
         )
@@ -81,7 +84,7 @@ class AttentionMetadata:
 
 
 @functools.cache
-def flash_varlen():
+def flash_varlen() -> Callable[..., Any] | None:
     """FlashAttention's packed variable-length entry (``torch.nn.attention.varlen.varlen_attn``, CUDA builds of
     PyTorch ≥ 2.10), causal with each chunk's queries at the end of its keys and fewer KV than query heads
     allowed; None where this PyTorch lacks it."""
@@ -96,12 +99,21 @@ def flash_varlen():
     return functools.partial(varlen_attn, **kw)
 
 
-def flash_for(q: torch.Tensor):
+def flash_for(q: torch.Tensor) -> Callable[..., Any] | None:
     """``flash_varlen()`` where it can take ``q``: a GPU tensor in fp16 or bf16 (FlashAttention's dtypes)."""
     return flash_varlen() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
 
 
-def packed_causal_attention(q, k, v, cu_q, cu_k, cu_q_host: list[int], cu_k_host: list[int], scale: float):
+def packed_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    cu_q_host: list[int],
+    cu_k_host: list[int],
+    scale: float,
+) -> torch.Tensor:
     """Causal attention of packed chunks, each chunk's queries at the end of its keys: one FlashAttention varlen
     call on a GPU (on the H200, 8 prompts × 512 tokens: 66 µs against 138 µs padded into one SDPA batch;
     results/gpu/prefill_attention_h200.json), a loop over the chunks elsewhere."""
@@ -117,7 +129,9 @@ def packed_causal_attention(q, k, v, cu_q, cu_k, cu_q_host: list[int], cu_k_host
     return out
 
 
-def gather_context(cache: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None, dtype) -> torch.Tensor:
+def gather_context(
+    cache: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
     """The cache rows at ``slots`` → ``(len(slots), Hk, D)`` in ``dtype`` (an FP8 cache dequantized)."""
     rows = cache.view(-1, *cache.shape[2:])
     if cache.dtype != reference.FP8_DTYPE:
@@ -156,7 +170,7 @@ def paged_attention(
     parts = []
     if f:  # fresh prompts: attention over the step's own K/V
         fresh = (q[nd : nd + r], k[nd : nd + r], v[nd : nd + r])
-        if f > 1 and flash_for(q) is not None:
+        if f > 1 and flash_for(q) is not None and meta.prefill_cu_seqlens_q is not None:
             cu_t = meta.prefill_cu_seqlens_q[: f + 1]
             parts.append(packed_causal_attention(*fresh, cu_t, cu_t, cu[: f + 1], cu[: f + 1], scale))
         else:  # one prompt (SDPA: cuDNN or FlashAttention), or the CPU's padded batch
