@@ -82,3 +82,24 @@ def test_mixed_step_equals_the_all_from_cache_reference():
     fresh_rows = slice(2, 2 + 7 + 5)
     alone = ops.varlen_causal_attention(q[fresh_rows], k[fresh_rows], v[fresh_rows], [0, 7, 12], D**-0.5)
     torch.testing.assert_close(mixed[fresh_rows], alone)
+
+
+def test_context_gather_reads_an_fp8_cache_as_the_paged_reference_does():
+    """The gathered context of continuing chunks equals the paged reference's per-chunk read, FP8 included."""
+    from kernellab.runtime.attention import gather_context
+
+    gen = torch.Generator().manual_seed(1)
+    blocks = 12
+    k_cache, k_scales = ops.quantize_kv(torch.randn(blocks, BS, HK, D, generator=gen))
+    tables = [[7, 2, 9], [0, 11]]
+    lens = [10, 6]
+    g = ContextGather.build(tables, lens, [3, 2], BS, "cpu")
+    assert g.cu_q_host == [0, 3, 5] and g.cu_k_host == [0, 10, 16]
+    got = gather_context(k_cache, g.slots, k_scales, torch.float32)
+    want = torch.cat(
+        [
+            ops._gather_context(k_cache, torch.tensor(t, dtype=torch.int32), n, k_scales)
+            for t, n in zip(tables, lens, strict=True)
+        ]
+    )
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
