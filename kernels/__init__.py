@@ -26,6 +26,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "store_kv": ("kv_cache", "store_kv"),
     "silu_and_mul": ("swiglu", "silu_and_mul"),
     "linear": ("linear", "linear"),
+    "silu_and_mul_linear": ("gemv", "silu_and_mul_linear"),
     "paged_decode_attention": ("paged_attention", "paged_decode_attention"),
     "argmax": ("argmax", "argmax"),
 }

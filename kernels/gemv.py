@@ -49,6 +49,13 @@ Programmatic dependent launch (PDL; the M = 1 default on Hopper)
     anything. So it is correct after any kernel; the overlap is largest after a kernel that triggers early
     (another GEMV). ``GemvConfig(pdl=False)`` turns it off.
 
+SwiGLU in the prologue (``silu_and_mul_linear``, batch-1 decode)
+    The MLP's down projection at M = 1 takes the fused gate/up row (2·I values) instead of its SwiGLU: each x
+    chunk is computed as ``silu(g) · u`` from the two halves as it is loaded, rounded to x's dtype exactly where
+    the SwiGLU kernel rounds, so the result equals SwiGLU kernel + GEMV bit for bit (CPU test). The (1, I)
+    activation is never written and the layer launches one kernel fewer; each program re-reads the 2·I inputs
+    from L2 (12 KB at Qwen3-0.6B) instead of I. Experimental until the gate's ablation measures it.
+
 Trade-offs tried
     The first version looped over K in 512-wide tiles with split-K to fill the SMs: on the H200 the split-K
     handshake (fence, atomic, re-read of the partials: three dependent L2 round trips) cost ~2 µs, more than
@@ -74,7 +81,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import cached_empty, cached_zeros, cdiv, next_pow2, num_sms, require, rows_2d
 
-__all__ = ["GemvConfig", "default_config", "linear", "split_for", "supports_pdl"]
+__all__ = ["GemvConfig", "default_config", "linear", "silu_and_mul_linear", "split_for", "supports_pdl"]
 
 MAX_M = 16
 
@@ -87,6 +94,19 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 1
     pdl: bool = False  # programmatic dependent launch (Hopper); dense M = 1 only, see the module docstring
+
+
+@triton.jit
+def _x_chunk(x_ptr, k, km, K, GLU: tl.constexpr):
+    """x[k] as fp32; with ``GLU`` x is a fused gate/up row of 2·K and the chunk is its SwiGLU, rounded to x's
+    dtype exactly where ``swiglu.silu_and_mul`` rounds (so the fused GEMV reads the bits that kernel writes)."""
+    if GLU:
+        act_ty = x_ptr.dtype.element_ty
+        g = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + K + k, mask=km, other=0.0).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(act_ty).to(tl.float32)
+        return (s * u).to(act_ty).to(tl.float32)
+    return tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -114,6 +134,7 @@ def _gemv_kernel(
     IEEE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr,
+    GLU: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -139,7 +160,7 @@ def _gemv_kernel(
         km = k < k_hi
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & km[None, :], other=0)
         gdc_wait()
-        xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+        xv = _x_chunk(x_ptr, k, km, K, GLU)
         acc2 += w.to(tl.float32) * xv[None, :]
         loop_start = k_lo + BLOCK_K
 
@@ -174,7 +195,7 @@ def _gemv_kernel(
                 else:
                     acc = tl.dot(xt, wt, acc)
             else:
-                xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+                xv = _x_chunk(x_ptr, k, km, K, GLU)
                 acc2 += w.to(tl.float32) * xv[None, :]
 
     if not USE_DOT:
@@ -247,12 +268,15 @@ def gemv(
     w_bits: int,
     out: torch.Tensor | None,
     config: GemvConfig | None,
+    glu: bool = False,
 ) -> torch.Tensor:
-    """Launcher shared by the dense and quantized entry points. ``weight`` holds K/2 bytes per row for int4."""
-    K = x.shape[-1]
+    """Launcher shared by the dense and quantized entry points. ``weight`` holds K/2 bytes per row for int4.
+    ``glu``: x is a fused gate/up projection (M = 1, dense) whose SwiGLU is the GEMV's input."""
+    K = x.shape[-1] // 2 if glu else x.shape[-1]
     x2 = rows_2d(x)
     M, N = x2.shape[0], weight.shape[0]
     require(M <= MAX_M, f"the GEMV handles at most {MAX_M} rows, got {M}")
+    require(not glu or (M == 1 and w_bits == 16 and x.shape[-1] % 2 == 0), "the SwiGLU GEMV is dense, M = 1")
     require(weight.stride(1) == 1, "weight needs a unit stride along K")
     require(weight.shape[1] == (K // 2 if w_bits == 4 else K), "weight and x disagree on K")
     if w_bits == 4:
@@ -298,6 +322,7 @@ def gemv(
         IEEE=x.dtype == torch.float32,
         NUM_STAGES=cfg.num_stages,
         PDL=pdl,
+        GLU=glu,
         num_warps=cfg.num_warps,
         launch_pdl=pdl,
     )
@@ -310,3 +335,19 @@ def linear(
     """``x @ weight.T`` for ``x: (M, K)`` with M ≤ 16, ``weight: (N, K)``; returns ``(M, N)`` in x's dtype."""
     require(weight.dtype == x.dtype, "weight and x must share a dtype")
     return gemv(x, weight, None, 16, out, config)
+
+
+def silu_and_mul_linear(
+    gate_up: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``linear(silu_and_mul(gate_up), weight)``: the MLP's SwiGLU and down projection. One row (batch-1
+    decode): one GEMV whose x loads compute the SwiGLU of the fused gate/up row, so the (1, I) activation never
+    exists and the layer has one launch fewer (at M = 1 each launch costs ~1.5 µs of fixed time, more than the
+    SwiGLU's bytes). Other shapes: the SwiGLU kernel, then ``linear.linear``."""
+    rows = gate_up.numel() // gate_up.shape[-1] if gate_up.shape[-1] else 0
+    if rows == 1 and weight.dtype == gate_up.dtype:
+        return gemv(gate_up, weight, None, 16, out, None, glu=True)
+    from .linear import linear as dense_linear
+    from .swiglu import silu_and_mul
+
+    return dense_linear(silu_and_mul(gate_up), weight, out=out)

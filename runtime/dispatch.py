@@ -34,6 +34,7 @@ REPLACEABLE = (
     "store_kv",
     "silu_and_mul",
     "linear",
+    "silu_and_mul_linear",
     "paged_decode_attention",
     "argmax",
 )
@@ -57,6 +58,7 @@ class Ops:
     store_kv: Callable[..., None]
     silu_and_mul: Op
     linear: Op
+    silu_and_mul_linear: Op
     paged_decode_attention: Op
     argmax: Op
     paged_prefill_attention: Op
@@ -69,7 +71,8 @@ def ops_on_path(qk_norm: bool) -> tuple[str, ...]:
     """The replaceable ops a decoder calls (``runtime/model.py``): Qwen3's QK-norm fuses RoPE and the KV write
     into one op; the Llama family calls RoPE and the KV write separately."""
     rope_kv = ("qk_norm_rope_store_kv",) if qk_norm else ("rotary_embedding", "store_kv")
-    return ("rms_norm", "add_rms_norm", *rope_kv, "silu_and_mul", "linear", "paged_decode_attention", "argmax")
+    mlp = ("silu_and_mul", "linear", "silu_and_mul_linear")  # the fused op at one row (batch-1 decode)
+    return ("rms_norm", "add_rms_norm", *rope_kv, *mlp, "paged_decode_attention", "argmax")
 
 
 def load_status(path: Path = STATUS_FILE) -> dict[str, dict]:

@@ -101,6 +101,14 @@ class CausalLM(nn.Module):
             return lin.int4.mm(x)
         return self.ops.linear(x, lin.weight)
 
+    def _mlp(self, x: torch.Tensor, mlp: MLP) -> torch.Tensor:
+        gate_up = self._linear(x, mlp.gate_up_proj)
+        down = mlp.down_proj
+        # one row (batch-1 decode): the SwiGLU inside the down projection's GEMV, where that op is enabled
+        if x.shape[0] == 1 and "silu_and_mul_linear" in self.ops.enabled and down.int4 is None:
+            return self.ops.silu_and_mul_linear(gate_up, down.weight)
+        return self._linear(self.ops.silu_and_mul(gate_up), down)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -150,7 +158,7 @@ class CausalLM(nn.Module):
             o = paged_attention(ops, q, k, v, k_cache, v_cache, meta, self.scale, **scales)
             hidden = self._linear(o.reshape(-1, cfg.q_size), attn.o_proj)
             x, residual = ops.add_rms_norm(hidden, residual, layer.post_attention_layernorm.weight, eps)
-            hidden = self._linear(ops.silu_and_mul(self._linear(x, layer.mlp.gate_up_proj)), layer.mlp.down_proj)
+            hidden = self._mlp(x, layer.mlp)
             if collect is not None:
                 collect.append(hidden + residual)
         hidden, _ = ops.add_rms_norm(hidden, residual, self.model.norm.weight, eps)

@@ -48,6 +48,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The MLP's SwiGLU and down projection: ``linear(silu_and_mul(gate_up), weight)``."""
+    return linear(silu_and_mul(gate_up), weight)
+
+
 def add_silu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``silu(a + b)`` elementwise (the teaching fusion of the vector-add chapter)."""
     return F.silu(a + b)

@@ -60,6 +60,7 @@ def _exercise(gen: torch.Generator) -> None:
         for rows in (1, 4):  # warp-reduced GEMV, tensor-core GEMV
             linear.linear(rnd(rows, 128, dtype=dtype), rnd(96, 128, dtype=dtype))
         gemv.linear(rnd(1, 256, dtype=dtype), rnd(8, 256, dtype=dtype), config=gemv.GemvConfig(8, 64, 4))
+        gemv.silu_and_mul_linear(rnd(1, 256, dtype=dtype), rnd(64, 128, dtype=dtype))  # SwiGLU in the GEMV
         for D, Hq, Hk in ((128, 4, 2), (64, 3, 1)):
             cos_sin = ops.rope_cos_sin_cache(D, 64, 1e6, device="cpu")
             pos = torch.randint(0, 64, (6,), generator=gen)
@@ -131,6 +132,7 @@ def test_every_recorded_launch_compiles_for_sm90():
         "_causal_attention_kernel",
         "_gemm_kernel",
     }, sorted(kernels)
+    assert any(launch["constexprs"].get("GLU") for launch in launches)
     splits = {
         (launch["constexprs"]["SPLIT"], launch["constexprs"]["FP8"])
         for launch in launches

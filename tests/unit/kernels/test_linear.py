@@ -86,3 +86,27 @@ def test_linear_dispatch(M, gen):
     x, w = _xw(M, 24, 40, torch.float32, gen)
     out = poisoned((M, 24), torch.float32, "cpu")
     assert_close(linear.linear(x, w, out=out), ops.linear(x, w), 1e-4, 1e-4, "linear")
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", LINEAR_DTYPES)
+@pytest.mark.parametrize("N, inter, config", [(40, 96, None), (33, 200, GemvConfig(8, 64, 3))])
+def test_swiglu_gemv_reads_what_the_swiglu_kernel_writes(N, inter, config, dtype, atol, rtol, gen):
+    """Batch-1 SwiGLU + down projection in one GEMV: the same bits as the SwiGLU kernel followed by the GEMV
+    (same config), and the reference within the GEMV's tolerance; split-K included."""
+    from kernellab.kernels.swiglu import silu_and_mul
+
+    gate_up = (torch.randn(1, 2 * inter, generator=gen) * 2).to(dtype)
+    w = (torch.randn(N, inter, generator=gen) / inter**0.5).to(dtype)
+    fused = gemv.gemv(gate_up, w, None, 16, poisoned((1, N), dtype, "cpu"), config, glu=True)
+    two_kernels = gemv.linear(silu_and_mul(gate_up), w, config=config)
+    torch.testing.assert_close(fused, two_kernels, atol=0, rtol=0)
+    ref = ops.silu_and_mul_linear(gate_up.float(), w.float()).to(dtype)
+    assert_close(gemv.silu_and_mul_linear(gate_up, w), ref, atol, rtol, "silu_and_mul_linear")
+
+
+def test_swiglu_linear_other_shapes_take_the_two_kernels(gen):
+    gate_up = torch.randn(3, 64, generator=gen)
+    w = torch.randn(5, 32, generator=gen)
+    assert_close(gemv.silu_and_mul_linear(gate_up, w), ops.silu_and_mul_linear(gate_up, w), 1e-4, 1e-4, "M=3")
+    with pytest.raises(ValueError):
+        gemv.gemv(gate_up, w, None, 16, None, None, glu=True)  # the fused GEMV is one row only

@@ -15,7 +15,15 @@ from kernellab.runtime.engine import LLMEngine
 
 STATUS = {
     op: {"status": "accepted"}
-    for op in ("add_rms_norm", "qk_norm_rope_store_kv", "silu_and_mul", "linear", "paged_decode_attention", "argmax")
+    for op in (
+        "add_rms_norm",
+        "qk_norm_rope_store_kv",
+        "silu_and_mul",
+        "linear",
+        "silu_and_mul_linear",
+        "paged_decode_attention",
+        "argmax",
+    )
 } | {"store_kv": {"status": "experimental", "reason": "not measured on this path"}}
 
 
@@ -68,3 +76,39 @@ def test_the_engine_logs_its_fast_path_at_startup(tiny_checkpoints, caplog):
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("fast path:"))
     assert line == "fast path: " + describe_fast_path(eng.fast_path)
     assert "CUDA graphs off (device cpu)" in line and "store_kv" in line
+
+
+@pytest.mark.skipif(not os.environ.get("TRITON_INTERPRET"), reason="runs the Triton kernels under the interpreter")
+def test_batch1_decode_takes_the_fused_swiglu_gemv_and_keeps_its_tokens(tiny_checkpoints, monkeypatch):
+    """One sequence decoding: with silu_and_mul_linear enabled the MLP's SwiGLU runs inside the down
+    projection's GEMV; the greedy tokens equal those of the engine with the op off (two kernels)."""
+    from kernellab.kernels import gemv
+    from kernellab.kernels.testing import patch_interpreter
+    from kernellab.runtime.request.sampling import SamplingParams
+
+    patch_interpreter()
+
+    calls = []
+    real = gemv.silu_and_mul_linear
+    monkeypatch.setattr(gemv, "silu_and_mul_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    tokens = {}
+    for disabled in ((), ("silu_and_mul_linear",)):
+        eng = LLMEngine(
+            model=str(tiny_checkpoints["qwen3"]),
+            device="cpu",
+            dtype="bfloat16",
+            backend="triton",
+            kernels="experimental",
+            disabled_kernels=disabled,
+            num_kv_blocks=32,
+            max_model_len=128,
+        )
+        assert ("silu_and_mul_linear" in eng.runner.model.ops.enabled) == (not disabled)
+        eng.add_request("r", list(range(5, 25)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        out = []
+        while eng.has_unfinished_requests():
+            out += [t for o in eng.step() for t in o.new_token_ids]
+        tokens[disabled] = out
+        if not disabled:
+            assert len(calls) == 2 * 5  # two layers × the five decode steps (the prefill has 20 rows)
+    assert tokens[()] == tokens[("silu_and_mul_linear",)] and len(tokens[()]) == 6
