@@ -22,6 +22,9 @@ CHATS = [
     [{"role": "user", "content": "What is two plus two?"}],
 ]
 N = 10
+# The kill test's plain streams: long enough (EOS ignored) that none can finish between the check that every
+# stream is running and the kill, so the killed worker surely holds some of them.
+N_LONG = 40
 # A structured stream killed mid-way must continue exactly: the survivor rebuilds the grammar from the emitted tokens.
 PERSON = {
     "type": "object",
@@ -36,6 +39,12 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PER
 def reference(offline_llm):
     greedy = SamplingParams(max_tokens=N, temperature=0)
     return [offline_llm.generate([m], greedy)[0].text for m in CHATS]
+
+
+@pytest.fixture(scope="module")
+def long_reference(offline_llm):
+    params = SamplingParams(max_tokens=N_LONG, temperature=0, ignore_eos=True)
+    return [offline_llm.generate([m], params)[0].text for m in CHATS]
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +78,15 @@ def stream_chat(stack, messages, max_tokens, record: dict, key: str, **extra):
         record[key]["error"] = repr(exc)
 
 
-def test_kill_9_of_one_worker_mid_stream_loses_and_duplicates_nothing(stack, reference, structured_reference):
+def test_kill_9_of_one_worker_mid_stream_loses_and_duplicates_nothing(stack, long_reference, structured_reference):
     wait_for(lambda: stack.ready(2), 30, "two live workers")
     record: dict = {}
-    threads = [threading.Thread(target=stream_chat, args=(stack, CHATS[i % 2], N, record, f"s{i}")) for i in range(4)]
+    threads = [
+        threading.Thread(
+            target=stream_chat, args=(stack, CHATS[i % 2], N_LONG, record, f"s{i}"), kwargs={"ignore_eos": True}
+        )
+        for i in range(4)
+    ]
     threads += [
         threading.Thread(
             target=stream_chat, args=(stack, CHATS[i % 2], N, record, f"j{i}"), kwargs={"response_format": FORMAT}
@@ -90,9 +104,10 @@ def test_kill_9_of_one_worker_mid_stream_loses_and_duplicates_nothing(stack, ref
         120,
         "every stream to emit tokens",
     )
-    busy = [i for i in stack.live_workers() if running(i) > 0]
+    busy = {i: running(i) for i in stack.live_workers()}
+    busy = {i: n for i, n in busy.items() if n > 0}
     assert busy, "no worker is running the streams"
-    victim = busy[0]
+    victim = max(busy, key=busy.__getitem__)  # the busiest: it holds at least one of the long streams
     stack.kill_worker(victim)
     for t in threads:
         t.join(180)
@@ -100,7 +115,7 @@ def test_kill_9_of_one_worker_mid_stream_loses_and_duplicates_nothing(stack, ref
     for i in range(4):
         r = record[f"s{i}"]
         assert r["error"] is None and r["done"], r
-        assert "".join(r["deltas"]) == reference[i % 2], (i, r["deltas"])
+        assert "".join(r["deltas"]) == long_reference[i % 2], (i, r["deltas"])
     for i in range(2):
         r = record[f"j{i}"]
         assert r["error"] is None and r["done"], r

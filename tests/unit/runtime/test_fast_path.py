@@ -82,16 +82,12 @@ def test_the_engine_logs_its_fast_path_at_startup(tiny_checkpoints, caplog):
 def test_batch1_decode_takes_the_fused_swiglu_gemv_and_keeps_its_tokens(tiny_checkpoints, monkeypatch):
     """One sequence decoding: with silu_and_mul_linear enabled the MLP's SwiGLU runs inside the down
     projection's GEMV; the greedy tokens equal those of the engine with the op off (two kernels)."""
-    from kernellab.kernels import gemv
+    from kernellab.kernels.compile_check import record_launches
     from kernellab.kernels.testing import patch_interpreter
     from kernellab.runtime.request.sampling import SamplingParams
 
     patch_interpreter()
-
-    calls = []
-    real = gemv.silu_and_mul_linear
-    monkeypatch.setattr(gemv, "silu_and_mul_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
-    tokens = {}
+    tokens, fused = {}, {}
     for disabled in ((), ("silu_and_mul_linear",)):
         eng = LLMEngine(
             model=str(tiny_checkpoints["qwen3"]),
@@ -106,9 +102,11 @@ def test_batch1_decode_takes_the_fused_swiglu_gemv_and_keeps_its_tokens(tiny_che
         assert ("silu_and_mul_linear" in eng.runner.model.ops.enabled) == (not disabled)
         eng.add_request("r", list(range(5, 25)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
         out = []
-        while eng.has_unfinished_requests():
-            out += [t for o in eng.step() for t in o.new_token_ids]
+        with record_launches() as launches:
+            while eng.has_unfinished_requests():
+                out += [t for o in eng.step() for t in o.new_token_ids]
         tokens[disabled] = out
-        if not disabled:
-            assert len(calls) == 2 * 5  # two layers × the five decode steps (the prefill has 20 rows)
+        fused[disabled] = sum(1 for x in launches if x["kernel"] == "_gemv_kernel" and x["constexprs"].get("GLU"))
+    # two layers × the five decode steps (the 20-row prefill takes the two kernels)
+    assert fused == {(): 2 * 5, ("silu_and_mul_linear",): 0}
     assert tokens[()] == tokens[("silu_and_mul_linear",)] and len(tokens[()]) == 6
