@@ -20,8 +20,10 @@ def _random_prompt(n: int, vocab: int, gen: torch.Generator) -> list[int]:
     return torch.randint(0, min(vocab, 10000), (n,), generator=gen).tolist()
 
 
-def engine_ttft(engine, prompt_len: int, reps: int = 10, seed: int = 0) -> list[float]:
-    """Seconds from add_request to the first token, fresh random prompts (no prefix-cache hits)."""
+def engine_ttft(engine, prompt_len: int, reps: int = 10, seed: int = 0, prefix: list[int] | None = None) -> list[float]:
+    """Seconds from add_request to the first token, fresh random prompts (no prefix-cache hits). ``prefix``:
+    every prompt starts with these tokens (a shared system prompt), then ``prompt_len`` fresh ones; the warm-ups
+    put the prefix in the engine's prefix cache, so the timed requests compute only their own tokens."""
     from kernellab.runtime.request.sampling import SamplingParams
 
     gen = torch.Generator().manual_seed(seed)
@@ -29,7 +31,7 @@ def engine_ttft(engine, prompt_len: int, reps: int = 10, seed: int = 0) -> list[
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     times = []
     for i in range(reps + 2):
-        prompt = _random_prompt(prompt_len, vocab, gen)
+        prompt = (prefix or []) + _random_prompt(prompt_len, vocab, gen)
         _sync(engine.runner.device)
         t0 = time.perf_counter()
         engine.add_request(f"ttft{i}", prompt, params)
