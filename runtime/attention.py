@@ -133,12 +133,8 @@ def gather_context(
     cache: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
     """The cache rows at ``slots`` → ``(len(slots), Hk, D)`` in ``dtype`` (an FP8 cache dequantized)."""
-    rows = cache.view(-1, *cache.shape[2:])
-    if cache.dtype != reference.FP8_DTYPE:
-        return rows[slots].to(dtype)
-    assert scales is not None, "an FP8 cache needs its scales"
-    q8 = rows.view(torch.uint8)[slots].view(reference.FP8_DTYPE)
-    return reference.dequantize_kv(q8, scales.view(-1, scales.shape[-1])[slots]).to(dtype)
+    row_scales = scales.flatten(0, 1) if scales is not None else None
+    return reference.read_cache(cache.flatten(0, 1), slots, row_scales).to(dtype)
 
 
 def paged_attention(

@@ -185,20 +185,21 @@ def store_kv(
             cache.view(rows, *cache.shape[2:])[slots] = x[valid]
 
 
-def _read_blocks(cache: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-    """The cache's blocks at ``blocks`` (int64, any shape) → ``(*blocks.shape, block_size, Hk, D)``; an FP8
-    cache's values dequantized to fp32 (gathered as bytes: indexing kernels do not cover float8 everywhere)."""
+def read_cache(cache: torch.Tensor, index: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """``cache[index]`` along its first dim (blocks of ``(N, block_size, Hk, D)``, or token rows of its
+    ``(N · block_size, Hk, D)`` view with ``scales`` viewed alike), ``index`` int64 of any shape; an FP8 cache's
+    values dequantized to fp32 (gathered as bytes: indexing kernels do not cover float8 everywhere)."""
     if cache.dtype != FP8_DTYPE:
-        return cache[blocks]
+        return cache[index]
     assert scales is not None, "an FP8 cache needs its scales"
-    return dequantize_kv(cache.view(torch.uint8)[blocks].view(FP8_DTYPE), scales[blocks])
+    return dequantize_kv(cache.view(torch.uint8)[index].view(FP8_DTYPE), scales[index])
 
 
 def _gather_context(
     cache: torch.Tensor, block_table: torch.Tensor, context_len: int, scales: torch.Tensor | None = None
 ) -> torch.Tensor:
     n = -(-context_len // cache.shape[1])
-    return _read_blocks(cache, block_table[:n].long(), scales).flatten(0, 1)[:context_len]
+    return read_cache(cache, block_table[:n].long(), scales).flatten(0, 1)[:context_len]
 
 
 def paged_decode_attention(
@@ -225,7 +226,7 @@ def paged_decode_attention(
     table = block_tables[:, :n_blocks].clamp(min=0).long()
 
     k, v = (
-        _read_blocks(cache, table, scales).flatten(1, 2)[:, :max_len].transpose(1, 2)  # (B, Hk, L, D)
+        read_cache(cache, table, scales).flatten(1, 2)[:, :max_len].transpose(1, 2)  # (B, Hk, L, D)
         for cache, scales in ((k_cache, k_scales), (v_cache, v_scales))
     )
     # GQA without repeating K/V: the group's query heads play the role of SDPA's query length.
@@ -268,12 +269,22 @@ def paged_prefill_attention(
     return out
 
 
+# SDPA's backend order for prefill on a GPU: cuDNN first, where this PyTorch can set an order (checked once here,
+# not per layer call)
+_PREFILL_ORDER = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
+_CAN_SET_ORDER = "set_priority" in inspect.signature(sdpa_kernel).parameters
+
+
 def _prefill_backends(q: torch.Tensor) -> contextlib.AbstractContextManager:
-    """SDPA's backend order for prefill: cuDNN first on a GPU (where this PyTorch can set an order), else its own."""
-    if not q.is_cuda or "set_priority" not in inspect.signature(sdpa_kernel).parameters:
+    """SDPA's backend order for prefill: ``_PREFILL_ORDER`` on a GPU, else PyTorch's own."""
+    if not (q.is_cuda and _CAN_SET_ORDER):
         return contextlib.nullcontext()
-    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    return sdpa_kernel(order, set_priority=True)
+    return sdpa_kernel(_PREFILL_ORDER, set_priority=True)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, group: int) -> torch.Tensor:
