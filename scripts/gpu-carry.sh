@@ -11,9 +11,10 @@ rm -rf "$OUT"
 mkdir -p "$OUT/wheels" "$OUT/debs"
 grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >> .git/info/exclude
 # Not on the GPU image (its package list is in the device tool's KINDS.md): the web stack, redis-py and what
-# redis-py imports (opentelemetry-api), jsonschema for artifact validation, llguidance for constrained decoding.
+# redis-py imports (opentelemetry-api) or parses with (hiredis, its C RESP parser; without it the gateway pays
+# pure-Python parsing on every reply), jsonschema for artifact validation, llguidance for constrained decoding.
 PKGS=(fastapi starlette uvicorn sse-starlette pydantic pydantic-core pydantic-settings python-dotenv
-      typing-inspection annotated-types annotated-doc opentelemetry-api redis httptools
+      typing-inspection annotated-types annotated-doc opentelemetry-api redis hiredis httptools
       jsonschema jsonschema-specifications referencing rpds-py llguidance)
 for p in "${PKGS[@]}"; do
   # the version installed here, else the newest
