@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 
 import torch
 
@@ -39,6 +41,43 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=8)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def supports_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch needs Hopper (sm_90) or newer."""
+    if device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
+_PDL = {"on": os.environ.get("KERNELLAB_PDL", "1") != "0"}
+
+
+def use_pdl(t: torch.Tensor) -> bool:
+    """Launch with programmatic dependent launch (PDL): on Hopper or newer, unless turned off
+    (``KERNELLAB_PDL=0``, or inside ``pdl(False)``). Read at launch time, so a CUDA graph keeps what was in force
+    when it was captured.
+
+    A PDL kernel starts with ``griddepcontrol.launch_dependents`` (the next PDL kernel in the stream may be
+    scheduled now) and ``griddepcontrol.wait`` (returns once the previous grid has completed and its writes are
+    visible) before it touches memory the previous kernel writes; a GEMV issues its weight loads in between.
+    A chain of such kernels overlaps each launch and ramp-up with the tail of the kernel before it."""
+    return _PDL["on"] and t.is_cuda and supports_pdl(t.device)
+
+
+@contextlib.contextmanager
+def pdl(enabled: bool):
+    """Turn PDL on or off for the launches (and graph captures) inside the block: the gate's A/B of it."""
+    before, _PDL["on"] = _PDL["on"], enabled
+    try:
+        yield
+    finally:
+        _PDL["on"] = before
 
 
 _buffers: dict[tuple, torch.Tensor] = {}

@@ -56,6 +56,16 @@ SwiGLU in the prologue (``silu_and_mul_linear``, batch-1 decode)
     activation is never written and the layer launches one kernel fewer; each program re-reads the 2·I inputs
     from L2 (12 KB at Qwen3-0.6B) instead of I. Experimental until the gate's ablation measures it.
 
+RMSNorm in the prologue (``add_rms_norm_linear``, batch-1 decode)
+    A decoder layer's residual add + RMSNorm feeds a projection twice per layer (input norm → q/k/v, post-attention
+    norm → gate/up). At M = 1 the GEMV takes the un-normalised ``x`` and ``residual`` instead: every program first
+    walks the whole row (``H`` values, a few KB from L2) to form ``r = x + residual`` in x's dtype and its
+    ``rstd``, then normalises each x chunk as it loads it, rounding where ``rms_norm.add_rms_norm`` rounds; program
+    (0, 0) stores ``r`` to a new buffer (every program reads ``residual``, so it cannot be updated in place). Two
+    launches fewer per layer; on the interpreter the result equals norm kernel + GEMV bit for bit (CPU test), on
+    the GPU the row's sum of squares may be reduced in another order (an ulp of ``rstd`` now and then).
+    Experimental until the gate's ablation measures it.
+
 Trade-offs tried
     The first version looped over K in 512-wide tiles with split-K to fill the SMs: on the H200 the split-K
     handshake (fence, atomic, re-read of the partials: three dependent L2 round trips) cost ~2 µs, more than
@@ -71,7 +81,6 @@ Trade-offs tried
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -79,9 +88,17 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import cached_empty, cached_zeros, cdiv, next_pow2, num_sms, require, rows_2d
+from ._common import cached_empty, cached_zeros, cdiv, next_pow2, num_sms, require, rows_2d, supports_pdl, use_pdl
 
-__all__ = ["GemvConfig", "default_config", "linear", "silu_and_mul_linear", "split_for", "supports_pdl"]
+__all__ = [
+    "GemvConfig",
+    "add_rms_norm_linear",
+    "default_config",
+    "linear",
+    "silu_and_mul_linear",
+    "split_for",
+    "supports_pdl",
+]
 
 MAX_M = 16
 
@@ -97,16 +114,43 @@ class GemvConfig:
 
 
 @triton.jit
-def _x_chunk(x_ptr, k, km, K, GLU: tl.constexpr):
+def _x_chunk(x_ptr, res_ptr, nw_ptr, rstd, k, km, K, GLU: tl.constexpr, NORM: tl.constexpr):
     """x[k] as fp32; with ``GLU`` x is a fused gate/up row of 2·K and the chunk is its SwiGLU, rounded to x's
-    dtype exactly where ``swiglu.silu_and_mul`` rounds (so the fused GEMV reads the bits that kernel writes)."""
+    dtype exactly where ``swiglu.silu_and_mul`` rounds (so the fused GEMV reads the bits that kernel writes);
+    with ``NORM`` the chunk is ``rms_norm(x + residual)`` (``rstd`` from ``_norm_rstd``), rounded where
+    ``rms_norm.add_rms_norm`` rounds."""
+    act_ty = x_ptr.dtype.element_ty
     if GLU:
-        act_ty = x_ptr.dtype.element_ty
         g = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + K + k, mask=km, other=0.0).to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(act_ty).to(tl.float32)
         return (s * u).to(act_ty).to(tl.float32)
+    if NORM:
+        x = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+        h = (x + tl.load(res_ptr + k, mask=km, other=0.0).to(tl.float32)).to(act_ty).to(tl.float32)
+        normed = (h * rstd).to(act_ty).to(tl.float32)
+        return (normed * tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)).to(act_ty).to(tl.float32)
     return tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, write, NORM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """With ``NORM``: ``1 / sqrt(mean(h²) + eps)`` of the row ``h = x + residual`` (rounded to x's dtype, as
+    ``add_rms_norm`` forms it), which the program where ``write`` holds also stores to ``res_out``. Every
+    program reads the whole row (a few KB, from L2) before its own tile. Without: 1."""
+    if NORM:
+        act_ty = x_ptr.dtype.element_ty
+        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < K
+            x = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+            h = (x + tl.load(res_ptr + k, mask=km, other=0.0).to(tl.float32)).to(act_ty)
+            tl.store(res_out_ptr + k, h, mask=km & write)
+            hf = h.to(tl.float32)
+            ss += hf * hf
+        return tl.math.rsqrt(tl.sum(ss, axis=0) / K + eps)
+    return 1.0
 
 
 @triton.jit
@@ -117,6 +161,10 @@ def _gemv_kernel(
     out_ptr,
     ws_ptr,
     cnt_ptr,
+    res_ptr,
+    nw_ptr,
+    res_out_ptr,
+    eps,
     M,
     N,
     K,
@@ -135,6 +183,7 @@ def _gemv_kernel(
     NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr,
     GLU: tl.constexpr = False,
+    NORM: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -154,15 +203,19 @@ def _gemv_kernel(
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
 
     loop_start = k_lo
+    write_res = (pid_n == 0) & (pid_k == 0)  # NORM: the one program that stores the residual sum
     if PDL:  # dense, M = 1: fetch the first weight tile before waiting for the producer of x
         gdc_launch_dependents()
         k = k_lo + tl.arange(0, BLOCK_K)
         km = k < k_hi
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & km[None, :], other=0)
         gdc_wait()
-        xv = _x_chunk(x_ptr, k, km, K, GLU)
+        rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, write_res, NORM, BLOCK_K)
+        xv = _x_chunk(x_ptr, res_ptr, nw_ptr, rstd, k, km, K, GLU, NORM)
         acc2 += w.to(tl.float32) * xv[None, :]
         loop_start = k_lo + BLOCK_K
+    else:
+        rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, write_res, NORM, BLOCK_K)
 
     for k0 in tl.range(loop_start, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         if W_BITS == 4:
@@ -195,7 +248,7 @@ def _gemv_kernel(
                 else:
                     acc = tl.dot(xt, wt, acc)
             else:
-                xv = _x_chunk(x_ptr, k, km, K, GLU)
+                xv = _x_chunk(x_ptr, res_ptr, nw_ptr, rstd, k, km, K, GLU, NORM)
                 acc2 += w.to(tl.float32) * xv[None, :]
 
     if not USE_DOT:
@@ -242,18 +295,6 @@ def default_config(M: int, N: int, K: int, w_bits: int, device: torch.device) ->
     return GemvConfig(block_n, block_k, split, warps, 1, pdl=w_bits == 16 and supports_pdl(device))
 
 
-@functools.lru_cache(maxsize=8)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def supports_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch needs Hopper (sm_90) or newer."""
-    if device.type != "cuda":
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
-
-
 def split_for(N: int, K: int, block_n: int, block_k: int, device: torch.device) -> int:
     """Split K until there are ≥ 2 programs per SM (never more slices than K tiles)."""
     n_blocks = cdiv(N, block_n)
@@ -269,14 +310,26 @@ def gemv(
     out: torch.Tensor | None,
     config: GemvConfig | None,
     glu: bool = False,
+    norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """Launcher shared by the dense and quantized entry points. ``weight`` holds K/2 bytes per row for int4.
-    ``glu``: x is a fused gate/up projection (M = 1, dense) whose SwiGLU is the GEMV's input."""
+    ``glu``: x is a fused gate/up projection (M = 1, dense) whose SwiGLU is the GEMV's input.
+    ``norm = (residual, norm_weight, residual_out, eps)``: the input is ``rms_norm(x + residual)`` (M = 1,
+    dense), and ``x + residual`` is stored to ``residual_out``."""
     K = x.shape[-1] // 2 if glu else x.shape[-1]
     x2 = rows_2d(x)
     M, N = x2.shape[0], weight.shape[0]
     require(M <= MAX_M, f"the GEMV handles at most {MAX_M} rows, got {M}")
     require(not glu or (M == 1 and w_bits == 16 and x.shape[-1] % 2 == 0), "the SwiGLU GEMV is dense, M = 1")
+    require(norm is None or (M == 1 and w_bits == 16 and not glu), "the RMSNorm GEMV is dense, M = 1")
+    if norm is not None:
+        res, nw, res_out, eps = norm
+        for name, t in (("residual", res), ("norm weight", nw), ("residual_out", res_out)):
+            require(t.numel() == K and t.dtype == x.dtype and t.is_contiguous(), f"{name} must be ({K},) like x")
+        require(res_out.data_ptr() not in (x.data_ptr(), res.data_ptr()), "residual_out must be a new buffer")
+    else:
+        res = nw = res_out = x2  # unused (NORM=False)
+        eps = 0.0
     require(weight.stride(1) == 1, "weight needs a unit stride along K")
     require(weight.shape[1] == (K // 2 if w_bits == 4 else K), "weight and x disagree on K")
     if w_bits == 4:
@@ -292,7 +345,7 @@ def gemv(
     split = cdiv(K, k_per_split)
     n_blocks = cdiv(N, cfg.block_n)
     use_dot = M > 1
-    pdl = cfg.pdl and not use_dot and w_bits == 16 and x.is_cuda
+    pdl = cfg.pdl and not use_dot and w_bits == 16 and use_pdl(x)
     if split > 1:
         ws = cached_empty("gemv.partials", split * M * N, torch.float32, x.device)
         cnt = cached_zeros("gemv.counters", n_blocks, torch.int32, x.device)
@@ -305,6 +358,10 @@ def gemv(
         out2,
         ws,
         cnt,
+        res,
+        nw,
+        res_out,
+        eps,
         M,
         N,
         K,
@@ -323,6 +380,7 @@ def gemv(
         NUM_STAGES=cfg.num_stages,
         PDL=pdl,
         GLU=glu,
+        NORM=norm is not None,
         num_warps=cfg.num_warps,
         launch_pdl=pdl,
     )
@@ -351,3 +409,29 @@ def silu_and_mul_linear(
     from .swiglu import silu_and_mul
 
     return dense_linear(silu_and_mul(gate_up), weight, out=out)
+
+
+def add_rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(rms_norm(r), weight), r)`` with ``r = x + residual``: a decoder layer's residual add and
+    RMSNorm feeding its next projection. One row (batch-1 decode): one GEMV whose every program forms ``r`` and
+    its ``rstd`` from the row (a few KB, from L2) and normalises its x chunks as it loads them; one program
+    writes ``r``. The norm's launch and its (1, H) output are gone. Other shapes: ``rms_norm.add_rms_norm``,
+    then ``linear.linear``."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    same = residual.dtype == x.dtype and norm_weight.dtype == x.dtype and weight.dtype == x.dtype
+    if rows == 1 and same and x.is_contiguous() and residual.is_contiguous():
+        r = torch.empty_like(x)
+        return gemv(x, weight, None, 16, out, None, norm=(residual, norm_weight.contiguous(), r, eps)), r
+    from .linear import linear as dense_linear
+    from .rms_norm import add_rms_norm
+
+    normed, r = add_rms_norm(x, residual, norm_weight, eps)
+    return dense_linear(normed, weight, out=out), r

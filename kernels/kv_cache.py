@@ -33,8 +33,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import next_pow2, require
+from ._common import next_pow2, require, use_pdl
 
 __all__ = ["FP8_DTYPE", "check_cache", "fp8_row_scales", "quantize_rows", "store_kv", "to_fp8"]
 
@@ -88,7 +89,11 @@ def _store_kv_kernel(
     H_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
     FP8: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # see _common.use_pdl
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -161,6 +166,7 @@ def store_kv(
     if T == 0:
         return
     ks, vs = scales if scales is not None else (k_cache, v_cache)  # unused when FP8=False
+    pdl = use_pdl(k)
     _store_kv_kernel[(T,)](
         k,
         v,
@@ -181,5 +187,7 @@ def store_kv(
         H_PAD=next_pow2(Hk),
         D_PAD=next_pow2(D),
         FP8=scales is not None,
+        PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )

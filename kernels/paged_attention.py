@@ -65,8 +65,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import cached_empty, cached_zeros, cdiv, next_pow2, num_sms, require
+from ._common import cached_empty, cached_zeros, cdiv, next_pow2, num_sms, require, use_pdl
 from .kv_cache import check_cache
 
 __all__ = ["num_splits", "paged_decode_attention"]
@@ -111,7 +112,11 @@ def _paged_decode_kernel(
     S_PAD: tl.constexpr,
     IEEE: tl.constexpr,
     FP8: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # see _common.use_pdl; every program waits, even a slice that exits at once (the chain's order)
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -278,6 +283,7 @@ def paged_decode_attention(
         counters = cached_zeros("paged.counters", B * Hk, torch.int32, q.device)
     else:
         acc_ws = ml_ws = counters = out  # unused (SPLIT=False)
+    pdl = use_pdl(q)
     _paged_decode_kernel[(B, Hk, n_split)](
         q,
         k_cache,
@@ -310,7 +316,9 @@ def paged_decode_attention(
         S_PAD=next_pow2(n_split),
         IEEE=q.dtype == torch.float32,
         FP8=scales is not None,
+        PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        launch_pdl=pdl,
     )
     return out

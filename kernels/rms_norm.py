@@ -45,8 +45,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import cdiv, next_pow2, require, rows_2d
+from ._common import cdiv, next_pow2, require, rows_2d, use_pdl
 
 __all__ = ["add_rms_norm", "rms_norm"]
 
@@ -71,7 +72,11 @@ def _rms_norm_kernel(
     ROWS: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # see _common.use_pdl
+        gdc_launch_dependents()
+        gdc_wait()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     rows = rows.to(tl.int64)
@@ -156,6 +161,7 @@ def _launch(x, residual, weight, eps, out, residual_out, rows_per_program, num_w
         res2 = res_out2 = x2  # unused (ADD_RESIDUAL=False)
     single, block_h, rows, warps = _config(H, n_rows, rows_per_program, num_warps, max_single_pass)
     if n_rows:
+        pdl = use_pdl(x2)
         _rms_norm_kernel[(cdiv(n_rows, rows),)](
             x2,
             res2,
@@ -173,7 +179,9 @@ def _launch(x, residual, weight, eps, out, residual_out, rows_per_program, num_w
             ROWS=rows,
             ADD_RESIDUAL=residual is not None,
             SINGLE_PASS=single,
+            PDL=pdl,
             num_warps=warps,
+            launch_pdl=pdl,
         )
     return out, residual_out
 

@@ -48,8 +48,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import next_pow2, require
+from ._common import next_pow2, require, use_pdl
 from .kv_cache import check_cache, fp8_row_scales, to_fp8
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_store_kv", "rotary_embedding"]
@@ -150,7 +151,11 @@ def _qk_rope_kernel(
     NORM: tl.constexpr,
     STORE: tl.constexpr,
     FP8: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # see _common.use_pdl
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, HALF_PAD)
@@ -239,6 +244,7 @@ def _launch(
     if T == 0:
         return q_out, k_out
     half = D // 2
+    pdl = use_pdl(q)
     _qk_rope_kernel[(T,)](
         positions,
         cos_sin_cache,
@@ -278,8 +284,10 @@ def _launch(
         NORM=norm,
         STORE=store,
         FP8=scales is not None,
+        PDL=pdl,
         num_warps=4,
         enable_fp_fusion=False,  # keep every bf16 rounding of the reference (see Precision)
+        launch_pdl=pdl,
     )
     return q_out, k_out
 

@@ -31,14 +31,18 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import cdiv, min_block, require, rows_2d
+from ._common import cdiv, min_block, require, rows_2d, use_pdl
 
 __all__ = ["silu_and_mul"]
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # see _common.use_pdl
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -62,7 +66,8 @@ def silu_and_mul(
     out2 = out.view(-1, inter)
     block = min_block(inter, block_size)
     if x2.shape[0] and inter:
+        pdl = use_pdl(x2)
         _silu_and_mul_kernel[(x2.shape[0], cdiv(inter, block))](
-            x2, out2, inter, x2.stride(0), out2.stride(0), BLOCK=block, num_warps=num_warps
+            x2, out2, inter, x2.stride(0), out2.stride(0), BLOCK=block, PDL=pdl, num_warps=num_warps, launch_pdl=pdl
         )
     return out

@@ -35,6 +35,7 @@ REPLACEABLE = (
     "silu_and_mul",
     "linear",
     "silu_and_mul_linear",
+    "add_rms_norm_linear",
     "paged_decode_attention",
     "argmax",
 )
@@ -59,6 +60,7 @@ class Ops:
     silu_and_mul: Op
     linear: Op
     silu_and_mul_linear: Op
+    add_rms_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     paged_decode_attention: Op
     argmax: Op
     paged_prefill_attention: Op
@@ -72,7 +74,8 @@ def ops_on_path(qk_norm: bool) -> tuple[str, ...]:
     into one op; the Llama family calls RoPE and the KV write separately."""
     rope_kv = ("qk_norm_rope_store_kv",) if qk_norm else ("rotary_embedding", "store_kv")
     mlp = ("silu_and_mul", "linear", "silu_and_mul_linear")  # the fused op at one row (batch-1 decode)
-    return ("rms_norm", "add_rms_norm", *rope_kv, *mlp, "paged_decode_attention", "argmax")
+    norms = ("rms_norm", "add_rms_norm", "add_rms_norm_linear")  # the last: at one row, the norm in the GEMV
+    return (*norms, *rope_kv, *mlp, "paged_decode_attention", "argmax")
 
 
 def load_status(path: Path = STATUS_FILE) -> dict[str, dict]:

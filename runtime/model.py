@@ -101,11 +101,22 @@ class CausalLM(nn.Module):
             return lin.int4.mm(x)
         return self.ops.linear(x, lin.weight)
 
-    def _mlp(self, x: torch.Tensor, mlp: MLP) -> torch.Tensor:
-        gate_up = self._linear(x, mlp.gate_up_proj)
+    def _add_norm_linear(
+        self, hidden: torch.Tensor, residual: torch.Tensor, norm: Norm, lin: Linear
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(lin(norm(hidden + residual)), hidden + residual)``; one row (batch-1 decode): the norm inside the
+        projection's GEMV, where that op is enabled."""
+        eps = self.cfg.rms_norm_eps
+        if hidden.shape[0] == 1 and "add_rms_norm_linear" in self.ops.enabled and lin.int4 is None:
+            return self.ops.add_rms_norm_linear(hidden, residual, norm.weight, eps, lin.weight)
+        x, residual = self.ops.add_rms_norm(hidden, residual, norm.weight, eps)
+        return self._linear(x, lin), residual
+
+    def _mlp(self, gate_up: torch.Tensor, mlp: MLP) -> torch.Tensor:
+        """The MLP from its gate/up projection's output."""
         down = mlp.down_proj
         # one row (batch-1 decode): the SwiGLU inside the down projection's GEMV, where that op is enabled
-        if x.shape[0] == 1 and "silu_and_mul_linear" in self.ops.enabled and down.int4 is None:
+        if gate_up.shape[0] == 1 and "silu_and_mul_linear" in self.ops.enabled and down.int4 is None:
             return self.ops.silu_and_mul_linear(gate_up, down.weight)
         return self._linear(self.ops.silu_and_mul(gate_up), down)
 
@@ -126,13 +137,12 @@ class CausalLM(nn.Module):
         for layer, kv in zip(layers, kv_caches, strict=True):
             k_cache, v_cache = kv.k, kv.v
             scales = {"k_scales": kv.k_scales, "v_scales": kv.v_scales}
+            attn = layer.self_attn
             if residual is None:
                 residual = hidden
-                x = ops.rms_norm(hidden, layer.input_layernorm.weight, eps)
+                qkv = self._linear(ops.rms_norm(hidden, layer.input_layernorm.weight, eps), attn.qkv_proj)
             else:
-                x, residual = ops.add_rms_norm(hidden, residual, layer.input_layernorm.weight, eps)
-            attn = layer.self_attn
-            qkv = self._linear(x, attn.qkv_proj)
+                qkv, residual = self._add_norm_linear(hidden, residual, layer.input_layernorm, attn.qkv_proj)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.view(-1, cfg.num_heads, cfg.head_dim)
             k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -157,8 +167,10 @@ class CausalLM(nn.Module):
                 ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
             o = paged_attention(ops, q, k, v, k_cache, v_cache, meta, self.scale, **scales)
             hidden = self._linear(o.reshape(-1, cfg.q_size), attn.o_proj)
-            x, residual = ops.add_rms_norm(hidden, residual, layer.post_attention_layernorm.weight, eps)
-            hidden = self._mlp(x, layer.mlp)
+            gate_up, residual = self._add_norm_linear(
+                hidden, residual, layer.post_attention_layernorm, layer.mlp.gate_up_proj
+            )
+            hidden = self._mlp(gate_up, layer.mlp)
             if collect is not None:
                 collect.append(hidden + residual)
         hidden, _ = ops.add_rms_norm(hidden, residual, self.model.norm.weight, eps)

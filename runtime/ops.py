@@ -53,6 +53,14 @@ def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Te
     return linear(silu_and_mul(gate_up), weight)
 
 
+def add_rms_norm_linear(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add and RMSNorm feeding a projection: ``(linear(rms_norm(r), weight), r)``, ``r = x + residual``."""
+    normed, r = add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, weight), r
+
+
 def add_silu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``silu(a + b)`` elementwise (the teaching fusion of the vector-add chapter)."""
     return F.silu(a + b)

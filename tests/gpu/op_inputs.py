@@ -41,6 +41,8 @@ def make_inputs(op: str, seed: int, model: str | None = None) -> dict:
         return {"a": (rnd(T, 2 * INTER),)}
     if op == "silu_and_mul_linear":  # batch-1 decode: one row
         return {"a": (rnd(1, 2 * INTER), rnd(H, INTER, scale=0.02))}
+    if op == "add_rms_norm_linear":  # batch-1 decode: one row, the norm in the projection's GEMV
+        return {"a": (rnd(1, H), rnd(1, H), rnd(H, scale=0.1) + 1, 1e-6, rnd(3 * H, H, scale=0.02))}
     if op == "linear":
         return {"a": (rnd(1, H), rnd(3 * H, H, scale=0.02))}
     if op == "argmax":

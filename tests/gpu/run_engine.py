@@ -407,7 +407,39 @@ def ablation(weights, report, model=MODEL, only=None):
             f"{'' if record['settled'] else ' (unsettled)'}, rel err {num['rel_err_max']:.2e} → {status}"
         )
         Path(report["_path"]).write_text(json.dumps(report, indent=2, default=str))
+    rows["__pdl__"] = pdl_ab(build, measure, all_on_engine, rule)
     return rows
+
+
+def pdl_ab(build, measure, all_on_engine, rule) -> dict:
+    """Programmatic dependent launch is a launch option, not an op: the all-on engine against one built (graphs
+    captured) and run with every launch PDL-free (``kernels._common.pdl(False)``), in the same interleaved rounds
+    and under the same rule as the kernels."""
+    from kernellab.bench.ablation import decide, interleaved
+    from kernellab.kernels._common import pdl
+
+    with pdl(False):
+        held = {"off": build()}
+
+    def without():
+        with pdl(False):
+            return measure(held["off"])
+
+    effects, record = interleaved(lambda: measure(all_on_engine), without, **rule)
+    held.clear()
+    thr, itl = effects["tok_per_s"], effects["itl_ms"]
+    status = decide(effects, True, rule["min_effect_pct"])
+    log(
+        f"ablation -pdl: {thr.mean_pct:+.1f}% tok/s [{thr.lo_pct:+.1f}, {thr.hi_pct:+.1f}], ITL {itl.mean_pct:+.1f}%"
+        f" [{itl.lo_pct:+.1f}, {itl.hi_pct:+.1f}] over {thr.rounds} rounds → {status}"
+    )
+    return {
+        **record["rounds"][-1]["without"],
+        "status": status,
+        "e2e_gain_tok_per_s_pct": thr.mean_pct,
+        "e2e_gain_itl_pct": itl.mean_pct,
+        **record,
+    }
 
 
 # The rule: a kernel stays when it makes the workload faster on a figure, with 95 % confidence, by at least

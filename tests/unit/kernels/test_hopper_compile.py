@@ -61,6 +61,17 @@ def _exercise(gen: torch.Generator) -> None:
             linear.linear(rnd(rows, 128, dtype=dtype), rnd(96, 128, dtype=dtype))
         gemv.linear(rnd(1, 256, dtype=dtype), rnd(8, 256, dtype=dtype), config=gemv.GemvConfig(8, 64, 4))
         gemv.silu_and_mul_linear(rnd(1, 256, dtype=dtype), rnd(64, 128, dtype=dtype))  # SwiGLU in the GEMV
+        row, norm_w = rnd(1, 128, dtype=dtype), rnd(128, dtype=dtype)
+        gemv.add_rms_norm_linear(row, rnd(1, 128, dtype=dtype), norm_w, 1e-6, rnd(64, 128, dtype=dtype))  # RMSNorm
+        gemv.gemv(
+            row,
+            rnd(8, 128, dtype=dtype),
+            None,
+            16,
+            None,
+            gemv.GemvConfig(8, 32, 2),
+            norm=(row + 1, norm_w, row * 0, 1e-6),
+        )
         for D, Hq, Hk in ((128, 4, 2), (64, 3, 1)):
             cos_sin = ops.rope_cos_sin_cache(D, 64, 1e6, device="cpu")
             pos = torch.randint(0, 64, (6,), generator=gen)
@@ -95,15 +106,17 @@ def _exercise(gen: torch.Generator) -> None:
 
 
 def _with_hopper_variants(launches: list[dict]) -> list[dict]:
-    """The CPU cannot launch with programmatic dependent launch (a Hopper feature) but the H200 does: each dense
-    M = 1 GEMV is compiled a second time the way the GPU launches it."""
+    """The CPU cannot launch with programmatic dependent launch (a Hopper feature) but the H200 does: every
+    launch the GPU would make with PDL (each kernel with a ``PDL`` switch; of the GEMV, the dense M = 1 one) is
+    compiled a second time that way."""
     extra = []
     for launch in launches:
         c = launch["constexprs"]
-        if launch["kernel"] == "_gemv_kernel" and c["W_BITS"] == 16 and not c["USE_DOT"] and not c["SPLIT"]:
-            extra.append(
-                {**launch, "constexprs": {**c, "PDL": True}, "options": {**launch["options"], "launch_pdl": True}}
-            )
+        if "PDL" not in c or c["PDL"]:
+            continue
+        if launch["kernel"] == "_gemv_kernel" and (c["W_BITS"] != 16 or c["USE_DOT"] or c["SPLIT"]):
+            continue
+        extra.append({**launch, "constexprs": {**c, "PDL": True}, "options": {**launch["options"], "launch_pdl": True}})
     return launches + extra
 
 
@@ -133,6 +146,17 @@ def test_every_recorded_launch_compiles_for_sm90():
         "_gemm_kernel",
     }, sorted(kernels)
     assert any(launch["constexprs"].get("GLU") for launch in launches)
+    norm_gemvs = [launch for launch in launches if launch["kernel"] == "_gemv_kernel" and launch["constexprs"]["NORM"]]
+    assert {launch["constexprs"]["SPLIT"] for launch in norm_gemvs} == {False, True}
+    with_pdl = {launch["kernel"] for launch in launches if launch["constexprs"].get("PDL")}
+    assert with_pdl >= {
+        "_gemv_kernel",
+        "_rms_norm_kernel",
+        "_silu_and_mul_kernel",
+        "_qk_rope_kernel",
+        "_store_kv_kernel",
+        "_paged_decode_kernel",
+    }, sorted(with_pdl)
     splits = {
         (launch["constexprs"]["SPLIT"], launch["constexprs"]["FP8"])
         for launch in launches

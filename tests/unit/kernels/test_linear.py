@@ -104,6 +104,45 @@ def test_swiglu_gemv_reads_what_the_swiglu_kernel_writes(N, inter, config, dtype
     assert_close(gemv.silu_and_mul_linear(gate_up, w), ref, atol, rtol, "silu_and_mul_linear")
 
 
+@pytest.mark.parametrize("dtype, atol, rtol", LINEAR_DTYPES)
+@pytest.mark.parametrize(
+    "N, K, config", [(40, 96, None), (33, 200, GemvConfig(8, 64, 3)), (24, 160, GemvConfig(4, 32, 1))]
+)
+def test_norm_gemv_reads_what_the_norm_kernel_writes(N, K, config, dtype, atol, rtol, gen):
+    """Batch-1 residual add + RMSNorm + projection in one GEMV: on the interpreter the same bits as the
+    add_rms_norm kernel followed by the GEMV (same config; on the GPU the row's sum of squares may be reduced in
+    another order, an ulp of rstd), the residual sum stored once, and the reference within the GEMV's tolerance;
+    split-K and a K loop of several tiles (rstd from the whole row, not the program's slice) included."""
+    from kernellab.kernels.rms_norm import add_rms_norm
+
+    x, res = (torch.randn(1, K, generator=gen) * 3).to(dtype), torch.randn(1, K, generator=gen).to(dtype)
+    nw = (1 + 0.1 * torch.randn(K, generator=gen)).to(dtype)
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to(dtype)
+    r_out = poisoned((1, K), dtype, "cpu")
+    fused = gemv.gemv(x, w, None, 16, poisoned((1, N), dtype, "cpu"), config, norm=(res, nw, r_out, 1e-6))
+    normed, r = add_rms_norm(x, res, nw, 1e-6)
+    torch.testing.assert_close(fused, gemv.linear(normed, w, config=config), atol=0, rtol=0)
+    torch.testing.assert_close(r_out, r, atol=0, rtol=0)
+    y_ref, r_ref = ops.add_rms_norm_linear(x.float(), res.float(), nw.float(), 1e-6, w.float())
+    y, r2 = gemv.add_rms_norm_linear(x, res, nw, 1e-6, w)
+    assert_close(y, y_ref.to(dtype), atol, rtol, "add_rms_norm_linear")
+    assert_close(r2, r_ref.to(dtype), atol, rtol, "residual")
+    assert r2.data_ptr() not in (x.data_ptr(), res.data_ptr())
+
+
+def test_norm_linear_other_shapes_take_the_two_kernels(gen):
+    x, res, nw, w = (torch.randn(*s, generator=gen) for s in ((3, 64), (3, 64), (64,), (5, 64)))
+    y, r = gemv.add_rms_norm_linear(x, res, nw, 1e-6, w)
+    y_ref, r_ref = ops.add_rms_norm_linear(x, res, nw, 1e-6, w)
+    assert_close(y, y_ref, 1e-4, 1e-4, "M=3")
+    assert_close(r, r_ref, 1e-5, 1e-5, "M=3 residual")
+    with pytest.raises(ValueError, match="M = 1"):
+        gemv.gemv(x, w, None, 16, None, None, norm=(res, nw, torch.empty_like(res), 1e-6))
+    x1 = x[:1].contiguous()
+    with pytest.raises(ValueError, match="new buffer"):  # every program reads x: the sum must go elsewhere
+        gemv.gemv(x1, w, None, 16, None, None, norm=(res[:1].contiguous(), nw, x1, 1e-6))
+
+
 def test_swiglu_linear_other_shapes_take_the_two_kernels(gen):
     gate_up = torch.randn(3, 64, generator=gen)
     w = torch.randn(5, 32, generator=gen)

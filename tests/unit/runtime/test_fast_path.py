@@ -21,6 +21,7 @@ STATUS = {
         "silu_and_mul",
         "linear",
         "silu_and_mul_linear",
+        "add_rms_norm_linear",
         "paged_decode_attention",
         "argmax",
     )
@@ -78,17 +79,25 @@ def test_the_engine_logs_its_fast_path_at_startup(tiny_checkpoints, caplog):
     assert "CUDA graphs off (device cpu)" in line and "store_kv" in line
 
 
+# fused op → (the GEMV constexpr it sets, its launches per batch-1 decode step of the tiny 2-layer Qwen3): the
+# SwiGLU in each layer's down projection; the residual add + norm in each projection that follows one (the
+# first layer's input norm has no residual to add: 1 + 2)
+FUSED_GEMV = {"silu_and_mul_linear": ("GLU", 2), "add_rms_norm_linear": ("NORM", 3)}
+
+
 @pytest.mark.skipif(not os.environ.get("TRITON_INTERPRET"), reason="runs the Triton kernels under the interpreter")
-def test_batch1_decode_takes_the_fused_swiglu_gemv_and_keeps_its_tokens(tiny_checkpoints, monkeypatch):
-    """One sequence decoding: with silu_and_mul_linear enabled the MLP's SwiGLU runs inside the down
-    projection's GEMV; the greedy tokens equal those of the engine with the op off (two kernels)."""
+@pytest.mark.parametrize("op", sorted(FUSED_GEMV))
+def test_batch1_decode_takes_the_fused_gemv_and_keeps_its_tokens(op, tiny_checkpoints, monkeypatch):
+    """One sequence decoding: with the op enabled, its SwiGLU or RMSNorm runs inside the next GEMV; the greedy
+    tokens equal those of the engine with the op off (two kernels)."""
     from kernellab.kernels.compile_check import record_launches
     from kernellab.kernels.testing import patch_interpreter
     from kernellab.runtime.request.sampling import SamplingParams
 
     patch_interpreter()
+    flag, per_step = FUSED_GEMV[op]
     tokens, fused = {}, {}
-    for disabled in ((), ("silu_and_mul_linear",)):
+    for disabled in ((), (op,)):
         eng = LLMEngine(
             model=str(tiny_checkpoints["qwen3"]),
             device="cpu",
@@ -99,14 +108,14 @@ def test_batch1_decode_takes_the_fused_swiglu_gemv_and_keeps_its_tokens(tiny_che
             num_kv_blocks=32,
             max_model_len=128,
         )
-        assert ("silu_and_mul_linear" in eng.runner.model.ops.enabled) == (not disabled)
+        assert (op in eng.runner.model.ops.enabled) == (not disabled)
         eng.add_request("r", list(range(5, 25)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
         out = []
         with record_launches() as launches:
             while eng.has_unfinished_requests():
                 out += [t for o in eng.step() for t in o.new_token_ids]
         tokens[disabled] = out
-        fused[disabled] = sum(1 for x in launches if x["kernel"] == "_gemv_kernel" and x["constexprs"].get("GLU"))
-    # two layers × the five decode steps (the 20-row prefill takes the two kernels)
-    assert fused == {(): 2 * 5, ("silu_and_mul_linear",): 0}
-    assert tokens[()] == tokens[("silu_and_mul_linear",)] and len(tokens[()]) == 6
+        fused[disabled] = sum(1 for x in launches if x["kernel"] == "_gemv_kernel" and x["constexprs"].get(flag))
+    # the five decode steps (the 20-row prefill takes the two kernels)
+    assert fused == {(): per_step * 5, (op,): 0}
+    assert tokens[()] == tokens[(op,)] and len(tokens[()]) == 6
