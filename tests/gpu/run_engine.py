@@ -289,26 +289,50 @@ def profile(weights, report):
 
     eng = engine(weights, max_num_seqs=8, max_model_len=4096)
     engine_ttft(eng, 2048, reps=1)
+    system = torch.randint(0, 10000, (CACHED_PREFIX,), generator=torch.Generator().manual_seed(4)).tolist()
+    engine_ttft(eng, 32, reps=1, seed=5, prefix=system)  # warm: the prefix in the cache, the path compiled
     summary = {}
     for name, fn in (
         ("ttft2048", lambda: engine_ttft(eng, 2048, reps=1, seed=9)),
         ("decode_b1", lambda: engine_itl(eng, 128, new_tokens=32)),
+        ("ttft32_after_cached_prefix", lambda: engine_ttft(eng, 32, reps=1, seed=6, prefix=system)),
     ):
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn()
-        rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:12]
-        summary[name] = [
-            {
+        averages = prof.key_averages()
+
+        def row(e):
+            return {
                 "name": e.key[:80],
                 "cuda_ms": round(e.device_time_total / 1e3, 3),
                 "calls": e.count,
                 "cpu_ms": round(e.cpu_time_total / 1e3, 3),
+                "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
             }
-            for e in rows
-        ]
+
+        summary[name] = [row(e) for e in sorted(averages, key=lambda e: e.device_time_total, reverse=True)[:12]]
+        host = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]  # host-side costs
+        summary[name + "_host"] = [row(e) for e in host]
         log(f"profile {name}:")
         for r in summary[name]:
             log(f"   {r['cuda_ms']:9.3f} ms cuda  {r['calls']:5d}x  {r['name']}")
+        for r in summary[name + "_host"][:6]:
+            log(f"   {r['self_cpu_ms']:9.3f} ms host  {r['calls']:5d}x  {r['name']}")
+    # The host cost of one eager Triton launch (prefill chunks that continue a cached context run eagerly)
+    from kernellab.kernels.rms_norm import add_rms_norm
+
+    x = torch.randn(32, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(1024, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        add_rms_norm(x, x.clone(), w, 1e-6)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        add_rms_norm(x, x, w, 1e-6, residual_out=x)
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    summary["eager_add_rms_norm_launch_us"] = {"host": round(host / 200 * 1e6, 2)}
+    log(f"profile eager add_rms_norm launch: {host / 200 * 1e6:.1f} µs of host time each")
     report["profile"] = summary
 
 
@@ -375,7 +399,9 @@ def ablation(weights, report, model=MODEL, only=None):
     # A/A: a second build of the same engine. Two builds differ by more than two runs of one build (memory
     # placement, graph pools): no kernel counts as helping by less than this interval's extent.
     twin = build()
-    aa, aa_record = interleaved(lambda: measure(all_on_engine), lambda t=twin: measure(t), **ABLATION_ROUNDS)
+    # all rounds: from three, the t-interval of a noisy figure alone can set the threshold past real gains
+    full = {"min_rounds": ABLATION_ROUNDS["max_rounds"], "max_rounds": ABLATION_ROUNDS["max_rounds"]}
+    aa, aa_record = interleaved(lambda: measure(all_on_engine), lambda t=twin: measure(t), **full)
     del twin
     extent = max(max(abs(e.lo_pct), abs(e.hi_pct)) for e in aa.values())
     rule = {**ABLATION_ROUNDS, "min_effect_pct": round(max(ABLATION_MIN_EFFECT_PCT, extent), 2)}
