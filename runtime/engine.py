@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -76,6 +77,7 @@ class LLMEngine:
         int4 = _int4_weights(cfg, path, model_cfg, device)
         self.runner = ModelRunner(model_cfg, cfg, device, dtype, self.max_model_len, weights, ops, int4_weights=int4)
         self._tokenizer = None
+        self._tokenizer_lock = threading.Lock()
         eos = set(model_cfg.eos_token_ids)
         if not cfg.random_weights:
             try:
@@ -110,7 +112,9 @@ class LLMEngine:
         if self._tokenizer is None:
             from kernellab.runtime.request.tokenizer import load_tokenizer
 
-            self._tokenizer = load_tokenizer(self.spec)
+            with self._tokenizer_lock:  # prepare_request may ask from another thread
+                if self._tokenizer is None:
+                    self._tokenizer = load_tokenizer(self.spec)
         return self._tokenizer
 
     # ------------------------------------------------------------------ requests
@@ -124,11 +128,36 @@ class LLMEngine:
         deadline: float | None = None,
         output_token_ids=(),
     ) -> None:
+        if isinstance(request_id, str) and request_id in self.scheduler.requests:  # checked first, as always
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        self.add_prepared(
+            self.prepare_request(
+                request_id,
+                prompt_token_ids,
+                params,
+                priority=priority,
+                deadline=deadline,
+                output_token_ids=output_token_ids,
+            )
+        )
+
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        deadline: float | None = None,
+        output_token_ids=(),
+    ) -> PreparedRequest:
+        """``add_request`` without the enqueue: validate, build the sequence, its grammar state and stop-string
+        detokenizer. It reads only the engine's fixed configuration, so another thread may call it while
+        ``step()`` runs (the worker's I/O thread does, while the device computes); ``add_prepared`` then
+        enqueues it on the engine's thread. Raises what ``add_request`` raises, but for a duplicate id."""
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
-        if request_id in self.scheduler.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         prompt = list(prompt_token_ids)
         vocab = self.model_config.vocab_size
         if not prompt:
@@ -157,10 +186,19 @@ class LLMEngine:
         seq = Sequence(request_id, prompt, params, max_tokens, priority, deadline, output_token_ids)
         if params.structured is not None:
             seq.grammar = self._grammar_state(params.structured, output_token_ids)
+        detok = None
         if params.stop:
             detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop, params.include_stop_str_in_output)
             detok.push(list(output_token_ids))
-            self._detokenizers[request_id] = detok
+        return PreparedRequest(seq, detok)
+
+    def add_prepared(self, prepared: PreparedRequest) -> None:
+        """Enqueue a ``prepare_request`` result: the only part of ``add_request`` that touches the scheduler."""
+        seq = prepared.seq
+        if seq.request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {seq.request_id!r} is already in use", param="request_id")
+        if prepared.detokenizer is not None:
+            self._detokenizers[seq.request_id] = prepared.detokenizer
         self.scheduler.add(seq)
 
     def _grammar_state(self, spec: dict, output_token_ids):
@@ -304,6 +342,14 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request validated and built by ``LLMEngine.prepare_request``, not yet in the scheduler."""
+
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer | None  # stop strings: the engine's own check (``_check_stop_strings``)
 
 
 def _valid_token_ids(tokens: list[int], vocab: int) -> bool:

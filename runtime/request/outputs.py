@@ -3,13 +3,15 @@ gateway's tests and the fake engine share these types without importing the mode
 
 ``Engine`` is the contract the worker drives (``LLMEngine`` and the tests' fake engine both satisfy it):
 add requests, step, abort, report stats; ``check_integrity`` runs when idle; ``last_schedule`` says what the
-last step ran (rows, tokens) for step traces.
+last step ran (rows, tokens) for step traces. ``add_request`` is ``prepare_request`` (validation and building,
+safe on another thread while ``step`` runs; the worker's I/O thread calls it) then ``add_prepared`` (the enqueue,
+on the engine's thread); the prepared value is the engine's own and only goes back to ``add_prepared``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from kernellab.runtime.request.sampling import SamplingParams
@@ -66,6 +68,19 @@ class Engine(Protocol):
         deadline: float | None = None,
         output_token_ids=(),
     ) -> None: ...
+
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        deadline: float | None = None,
+        output_token_ids=(),
+    ) -> Any: ...
+
+    def add_prepared(self, prepared: Any) -> None: ...
 
     def abort(self, request_id: str) -> bool: ...
 

@@ -87,8 +87,8 @@ class Scheduler:
 
     def _enqueue(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        keys = [s.sort_key() for s in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, seq.sort_key()), seq)
+        # key= computes only the keys the bisection visits (log n), not every waiting sequence's per insertion
+        self.waiting.insert(bisect.bisect_right(self.waiting, seq.sort_key(), key=Sequence.sort_key), seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         """End a request now and free its blocks; it is not reported by later steps."""

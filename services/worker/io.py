@@ -1,7 +1,9 @@
 """The worker's Redis I/O, in threads beside the step loop so the engine never waits on the network.
 
 - ``request reader``: XREADGROUP (interactive first, batch capped to a share of capacity), only as many
-  requests as the worker has room for, so that several workers share the load.
+  requests as the worker has room for, so that several workers share the load. Each entry read goes through
+  ``prepare`` (the step loop's: message to engine request, validated) here, while the loop is in a step, so
+  that between steps the loop only enqueues it.
 - ``cancel reader``: XREAD of the broadcast cancel stream; remembers recent cancels for requests not yet seen.
 - ``writer``: each step's chunks and XACKs in one MULTI/EXEC pipeline (so a gateway's blocked XREAD wakes once
   per step with every stream's new entry). While Redis is away it keeps the batch and retries; after
@@ -159,6 +161,7 @@ class RedisIO:
         request_timeout_s: float,
         inbox: queue.SimpleQueue,
         heartbeat: Callable[[], Heartbeat],
+        prepare: Callable[[Delivery, float], Any],
         metrics=None,
         outage_grace_s: float = 2.0,
     ):
@@ -168,6 +171,7 @@ class RedisIO:
         self.hb_interval, self.dead_after_s = heartbeat_interval_s, dead_after_s
         self.output_ttl_ms = output_ttl_s * 1000
         self.inbox, self.make_heartbeat, self.metrics = inbox, heartbeat, metrics
+        self.prepare = prepare  # (delivery, time.monotonic() it was read) → the inbox's "add" payload
         self.outage_grace_s = outage_grace_s
         self.holdings = Holdings()
         self.cancels = RecentCancels(request_timeout_s)
@@ -212,10 +216,12 @@ class RedisIO:
         if self.metrics is not None:
             self.metrics.redis_errors.inc()
 
-    def _deliver(self, deliveries: list[Delivery]) -> None:
+    def _deliver(self, deliveries: list[Delivery], received: float) -> None:
+        """Hold, prepare and hand each to the loop in turn: the loop may take the first in before the last is
+        prepared."""
         for d in deliveries:
             self.holdings.add(d)
-            self.inbox.put(("add", d))
+            self.inbox.put(("add", self.prepare(d, received)))
 
     # ----------------------------------------------------------------- threads
     def _read_requests(self) -> None:
@@ -236,8 +242,9 @@ class RedisIO:
                     got += q.read(["batch"], min(batch_room, room - len(got)), None)
                 if not got:  # idle: wait for the next entry of either stream, then read greedily again
                     got = q.read(["interactive", "batch"] if batch_room else ["interactive"], 1, 1000)
+                received = time.monotonic()
                 self.redis_ok.set()
-                self._deliver(got)
+                self._deliver(got, received)
             except _REDIS_DOWN as exc:
                 self._down("read", exc)
                 q = None
@@ -352,7 +359,7 @@ class RedisIO:
                         self.metrics.dead_lettered.inc(q.dead_lettered - dead_before)
                     if claimed:
                         log.info("reclaimed %d request(s) from dead workers", len(claimed))
-                    self._deliver(claimed)
+                    self._deliver(claimed, time.monotonic())
                 self.cancels.prune()
                 self.redis_ok.set()
             except _REDIS_DOWN as exc:

@@ -1,7 +1,10 @@
 """The worker: one engine, driven by a step loop that never touches the network.
 
 Between steps the loop drains its inbox (new requests, cancels, "abort all" after a Redis outage) that the I/O
-threads fill; after each step it hands that step's chunks and XACKs to the writer thread as one batch.
+threads fill; after each step it hands that step's chunks and XACKs to the writer thread as one batch. A new
+request reaches the inbox already prepared (``Worker.prepare``, run by the I/O thread that read it: parameters
+parsed, engine request validated and built, or the error that answers it), so the loop, which owns the engine's
+scheduler, only enqueues it: a burst arriving during a step costs the next step little.
 
 Invariants:
 - A request is XACKed only in the same transaction that writes its final chunk or error.
@@ -24,6 +27,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from kernellab.runtime.request.errors import KernellabError
 from kernellab.runtime.request.outputs import Engine
@@ -39,6 +43,16 @@ from kernellab.services.worker.trace import StepTrace
 log = logging.getLogger("kernellab.worker")
 
 PRIORITY_VALUE = {"interactive": 0, "batch": 1}  # the engine runs lower values first
+
+
+@dataclass
+class Incoming:
+    """A request entry as an I/O thread hands it to the loop (the inbox's "add" payload)."""
+
+    delivery: Delivery
+    received: float  # time.monotonic() when the I/O thread read it
+    prepared: Any = None  # engine.prepare_request's result, for engine.add_prepared
+    error: Exception | None = None  # or what preparing it raised (answered once the loop takes it in)
 
 
 @dataclass
@@ -96,6 +110,7 @@ class Worker:
             request_timeout_s=s.request_timeout_s,
             inbox=self.inbox,
             heartbeat=self.heartbeat,
+            prepare=self.prepare,
             metrics=self.metrics,
         )
         self.active: dict[str, Active] = {}
@@ -143,6 +158,27 @@ class Worker:
             "held": self.io.holdings.count(),
             "integrity": self.integrity,
         }
+
+    def prepare(self, d: Delivery, received: float) -> Incoming:
+        """Called by the I/O thread that read ``d``, beside the step loop (which holds the GIL only between
+        device waits): everything about a new request that does not touch the engine's scheduler. Exceptions
+        are kept for the loop, which decides in ``_add`` whether the request is answered with them."""
+        item = Incoming(d, received)
+        if d.finished:  # only its XACK is missing
+            return item
+        msg = d.message
+        try:
+            item.prepared = self.engine.prepare_request(
+                msg.engine_id,
+                msg.prompt_token_ids,
+                SamplingParams.from_dict(msg.params),
+                priority=PRIORITY_VALUE.get(msg.priority, 0),
+                deadline=msg.deadline,
+                output_token_ids=list(d.emitted or []),
+            )
+        except Exception as exc:
+            item.error = exc
+        return item
 
     def drain(self) -> None:
         """Stop taking requests; the loop finishes what it has (up to drain_timeout_s) and returns."""
@@ -252,11 +288,18 @@ class Worker:
         # Once the first step has enough work to keep the device busy while the rest arrives, waiting longer only
         # delays it: later arrivals join the next step (the loop takes them in between steps).
         target = min(s.gather_tokens or s.max_num_batched_tokens // 4, s.max_num_batched_tokens)
-        while gap > 0 and (left := end - time.monotonic()) > 0 and self._new_prompt_tokens() < target:
+        gathered = self._new_prompt_tokens()
+        while gap > 0 and (left := end - time.monotonic()) > 0 and gathered < target:
             try:
-                self._handle(self.inbox.get(timeout=min(gap, left)), batch)
+                item = self.inbox.get(timeout=min(gap, left))
             except queue.Empty:
                 break
+            before = len(self.active)
+            self._handle(item, batch)
+            if item[0] == "add" and len(self.active) == before + 1:  # counted as it comes, not re-summed
+                gathered += len(item[1].delivery.message.prompt_token_ids)
+            else:
+                gathered = self._new_prompt_tokens()
             gap = burst_gap
         if batch.messages or batch.acks:
             self.io.outbox.put(batch)
@@ -280,16 +323,17 @@ class Worker:
             for eid in list(self.active):
                 self._abort(eid, batch)
 
-    def _add(self, d: Delivery, batch: WriteBatch) -> None:
+    def _add(self, item: Incoming, batch: WriteBatch) -> None:
+        d = item.delivery
         msg = d.message
         eid = msg.engine_id
         if d.finished:  # resumed, but its final chunk is already written: only the XACK was lost
             batch.ack(d)
             return
-        emitted = list(d.emitted or [])
+        emitted = len(d.emitted or [])
 
         def finish(reason: str) -> None:
-            batch.add(self._chunk(d, len(emitted), [], None, True, reason), d)
+            batch.add(self._chunk(d, emitted, [], None, True, reason), d)
             batch.ack(d, lambda: self.metrics.finish(reason))
 
         if self.io.cancels.cancelled(msg.request_id, msg.index):
@@ -300,15 +344,9 @@ class Worker:
             self.io.holdings.release([d])
             return
         try:
-            params = SamplingParams.from_dict(msg.params)
-            self.engine.add_request(
-                eid,
-                msg.prompt_token_ids,
-                params,
-                priority=PRIORITY_VALUE.get(msg.priority, 0),
-                deadline=msg.deadline,
-                output_token_ids=emitted,
-            )
+            if item.error is not None:
+                raise item.error
+            self.engine.add_prepared(item.prepared)
         except KernellabError as exc:
             batch.add(
                 ErrorMessage(
@@ -341,7 +379,7 @@ class Worker:
             )
             batch.ack(d)
             return
-        self.active[eid] = a = Active(d, len(emitted), time.monotonic())
+        self.active[eid] = a = Active(d, emitted, time.monotonic())
         if self.trace is not None:
             self.trace.add(a.arrival, msg.request_id, msg.index, len(msg.prompt_token_ids))
 
@@ -446,7 +484,7 @@ class Worker:
             while True:
                 kind, payload = self.inbox.get_nowait()
                 if kind == "add":
-                    batch.requeue.append(payload)
+                    batch.requeue.append(payload.delivery)
         except queue.Empty:
             pass
         if batch.requeue:

@@ -9,7 +9,8 @@ can line its own send and receive times up with the worker's):
 
 ``rows`` / ``tokens``: what the engine scheduled (when it says); ``first``: requests whose first token the step
 made; ``emit_dt``: handing the step's chunks to the writer thread, including the wait for first tokens to
-reach Redis. Lines are buffered and written whenever the engine goes idle, and at exit.
+reach Redis. Events are buffered, and formatted and written (not on the loop's time between steps) whenever the
+engine goes idle, and at exit.
 """
 
 from __future__ import annotations
@@ -21,37 +22,30 @@ import threading
 class StepTrace:
     def __init__(self, path: str):
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 — lives as long as the worker
-        self._lines: list[str] = []
+        self._events: list[dict] = []
         self._lock = threading.Lock()
 
     def add(self, t: float, request_id: str, index: int, prompt_tokens: int) -> None:
-        self._lines.append(
-            json.dumps({"ev": "add", "t": round(t, 6), "rid": request_id, "i": index, "prompt": prompt_tokens})
-        )
+        self._events.append({"ev": "add", "t": t, "rid": request_id, "i": index, "prompt": prompt_tokens})
 
     def step(self, t: float, dt: float, shape: tuple[int, int] | None, first: list[str], emit_dt: float) -> None:
         rows, tokens = shape if shape is not None else (None, None)
-        self._lines.append(
-            json.dumps(
-                {
-                    "ev": "step",
-                    "t": round(t, 6),
-                    "dt": round(dt, 6),
-                    "rows": rows,
-                    "tokens": tokens,
-                    "first": first,
-                    "emit_dt": round(emit_dt, 6),
-                }
-            )
+        self._events.append(
+            {"ev": "step", "t": t, "dt": dt, "rows": rows, "tokens": tokens, "first": first, "emit_dt": emit_dt}
         )
 
     def flush(self) -> None:
         with self._lock:
-            if self._lines:
-                lines, self._lines = self._lines, []
-                self._file.write("\n".join(lines) + "\n")
+            if self._events:
+                events, self._events = self._events, []
+                self._file.write("".join(json.dumps(_rounded(ev)) + "\n" for ev in events))
                 self._file.flush()
 
     def close(self) -> None:
         self.flush()
         self._file.close()
+
+
+def _rounded(ev: dict) -> dict:
+    """Times to the microsecond (what the file always held)."""
+    return {k: round(v, 6) if isinstance(v, float) else v for k, v in ev.items()}

@@ -34,16 +34,31 @@ class FakeEngine:
         self.added: list[tuple[str, list[int], list[int]]] = []  # (id, prompt, output_token_ids) per add
 
     def add_request(self, request_id, prompt_token_ids, params, *, priority=0, deadline=None, output_token_ids=()):
+        self.add_prepared(
+            self.prepare_request(
+                request_id,
+                prompt_token_ids,
+                params,
+                priority=priority,
+                deadline=deadline,
+                output_token_ids=output_token_ids,
+            )
+        )
+
+    def prepare_request(self, request_id, prompt_token_ids, params, *, priority=0, deadline=None, output_token_ids=()):
         prompt = list(prompt_token_ids)
         if not prompt:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         if len(prompt) + len(output_token_ids) >= self.max_model_len:
             raise ContextLengthError("prompt too long", param="prompt")
-        if request_id in self.seqs:
+        return _Seq(request_id, prompt, params, deadline, output_token_ids)
+
+    def add_prepared(self, seq: _Seq) -> None:
+        if seq.rid in self.seqs:
             raise InvalidRequestError("duplicate id")
-        self.added.append((request_id, prompt, list(output_token_ids)))
-        self.prompt_tokens += len(prompt)
-        self.seqs[request_id] = _Seq(request_id, prompt, params, deadline, output_token_ids)
+        self.added.append((seq.rid, seq.prompt, list(seq.output)))
+        self.prompt_tokens += len(seq.prompt)
+        self.seqs[seq.rid] = seq
 
     def abort(self, request_id) -> bool:
         return self.seqs.pop(request_id, None) is not None

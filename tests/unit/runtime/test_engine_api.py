@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from kernellab.runtime.config import EngineConfig, ModelConfig
@@ -127,6 +129,37 @@ def test_bad_prompts(engine):
     with pytest.raises(InvalidRequestError, match="token ids"):
         engine.add_request("resumed", [1, 2], SamplingParams(), output_token_ids=[3, 10**6])
     assert not engine.has_unfinished_requests()
+
+
+def test_prepared_on_another_thread_while_stepping_runs_as_added(engine):
+    """The worker's I/O thread prepares requests while the loop thread steps; enqueued afterwards they run as
+    add_request would have run them, and preparing touches no scheduler state."""
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=6, ignore_eos=True)
+    engine.add_request("direct", [4, 5, 6], params)
+    direct = drain(engine)["direct"]
+    engine.add_request("busy", list(range(1, 40)), SamplingParams(max_tokens=30, ignore_eos=True))
+    prepared = []
+    preparer = threading.Thread(target=lambda: prepared.append(engine.prepare_request("prepared", [4, 5, 6], params)))
+    preparer.start()
+    engine.step()
+    while preparer.is_alive():
+        engine.step()
+    preparer.join()
+    assert set(engine.scheduler.requests) == {"busy"}
+    engine.add_prepared(prepared[0])
+    assert drain(engine)["prepared"] == direct
+
+
+def test_prepared_request_errors_match_add_request(engine):
+    with pytest.raises(ContextLengthError):
+        engine.prepare_request("long", [1] * 256, SamplingParams())
+    engine.add_request("taken", [1, 2], SamplingParams(max_tokens=2))
+    again = engine.prepare_request("taken", [1, 2], SamplingParams(max_tokens=2))  # the id is checked on enqueue
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_prepared(again)
+    with pytest.raises(InvalidRequestError, match="already in use"):  # before the prompt, as it always was
+        engine.add_request("taken", [], SamplingParams())
+    drain(engine)
 
 
 @pytest.mark.parametrize(

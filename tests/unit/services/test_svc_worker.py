@@ -210,10 +210,10 @@ def test_gather_stops_once_the_first_step_has_enough_work(redis_url, prefix, lim
         engine=FakeEngine(step_s=0),
     )
     for i in range(4):
-        w.inbox.put(("add", _delivery(f"r{i}", 60)))
+        w.inbox.put(("add", w.prepare(_delivery(f"r{i}", 60), time.monotonic())))
     t = time.monotonic()
     assert w._drain_inbox(block=False) == 4  # all four were there already: 240 prompt tokens ≥ 100
-    w.inbox.put(("add", _delivery("late", 60)))
+    w.inbox.put(("add", w.prepare(_delivery("late", 60), time.monotonic())))
     w._gather(burst=True)
     assert time.monotonic() - t < 1.0  # not the 5 s burst gap
     assert "late" not in {eid.rsplit("-", 1)[0] for eid in w.active}  # left for the next drain
@@ -233,13 +233,13 @@ def test_gather_waits_out_a_burst_arriving_in_pieces(redis_url, prefix):
         ),
         engine=FakeEngine(step_s=0),
     )
-    w.inbox.put(("add", _delivery("first", 10)))
+    w.inbox.put(("add", w.prepare(_delivery("first", 10), time.monotonic())))
     w._drain_inbox(block=False)
 
     def pieces():
         for i in range(3):
             time.sleep(0.1)
-            w.inbox.put(("add", _delivery(f"piece{i}", 10)))
+            w.inbox.put(("add", w.prepare(_delivery(f"piece{i}", 10), time.monotonic())))
 
     feeder = threading.Thread(target=pieces)
     t = time.monotonic()
