@@ -220,8 +220,9 @@ def engine_child(cfg: dict) -> None:
             rows, tokens = engine.last_schedule
             steps.append({"t": started, "dt": now - started, "rows": rows, "tokens": tokens, "first": first})
         records = [dict(recs[f"{tag}-{i}"], rid=f"{tag}-{i}") for i in range(len(cmd["requests"]))]
-        adds = {r["rid"]: r["sent"] for r in records}
-        print(json.dumps({"t0": t0, "records": records, "timeline": timeline(steps, adds, records, t0)}), flush=True)
+        adds = {r["rid"]: r["sent"] for r in records}  # in-process: taken in (and received) when sent
+        tl = timeline(steps, adds, records, t0, received=adds)
+        print(json.dumps({"t0": t0, "records": records, "timeline": tl}), flush=True)
 
 
 class EngineChild:
@@ -450,8 +451,8 @@ def stack_run(stack: StackProcs, model: str, requests, processes: int, timeout_s
     s = summarize(recs, [n for _p, n in requests], out["t0"])
     if len(stack.traces) == 1:  # one worker: its trace holds every request of the run
         time.sleep(0.3)  # the worker writes its trace when it goes idle
-        steps, adds = read_trace(next(iter(stack.traces.values())), out["t0"] - 0.5)
-        s["timeline"] = timeline(steps, adds, recs, out["t0"])
+        steps, adds, received = read_trace(next(iter(stack.traces.values())), out["t0"] - 0.5)
+        s["timeline"] = timeline(steps, adds, recs, out["t0"], received=received)
     s.update(
         clients=out["clients"],
         max_client_cpu_util=out["max_client_cpu_util"],
@@ -748,18 +749,17 @@ def print_table(a: dict) -> None:
     timed = [r for r in a["runs"] if r["workload"] == "interactive" and r.get("timeline")]
     if timed:
         print(
-            f"\nTTFT parts, medians in ms (kernellab.bench.timeline)\n{'run':22}{'to worker':>10}{'queued':>8}"
-            f"{'step':>8}{'delivery':>9}   first steps [start ms, ms, rows, tokens, first tokens]"
+            f"\nTTFT parts, medians in ms (kernellab.bench.timeline; to worker = read + inbox)\n{'run':22}"
+            f"{'to worker':>10}{'read':>7}{'inbox':>7}{'queued':>8}{'step':>8}{'delivery':>9}   first steps "
+            "[start ms, ms, rows, tokens, first tokens]; worker received / took in [min, p50, max] ms after t0"
         )
+        columns = (("to_worker", 10), ("to_worker_read", 7), ("inbox", 7), ("queued", 8), ("step", 8), ("delivery", 9))
         for r in timed:
-            m = r["timeline"]["median_ms"]
+            m, arrivals = r["timeline"]["median_ms"], r["timeline"].get("arrivals", {})
             print(
                 f"{r['phase']:22}"
-                + "".join(
-                    f"{m[k] if m[k] is not None else float('nan'):{w}.2f}"
-                    for k, w in (("to_worker", 10), ("queued", 8), ("step", 8), ("delivery", 9))
-                )
-                + f"   {r['timeline']['steps'][:4]}"
+                + "".join(f"{m[k] if m.get(k) is not None else float('nan'):{w}.2f}" for k, w in columns)
+                + f"   {r['timeline']['steps'][:4]}; {arrivals.get('received_ms')} / {arrivals.get('taken_ms')}"
             )
     print(
         f"\nstack/engine throughput {f.get('throughput_ratio')} (target ≥ {TARGETS['throughput_ratio_min']}); "

@@ -11,7 +11,14 @@ All times are on one monotonic clock (CLOCK_MONOTONIC on Linux: ``time.perf_coun
 - ``delivery``: its end → the client reads the token (the worker's emit, Redis, the gateway, SSE; ~0
   in-process).
 
-The four add up to the TTFT. ``steps`` lists the run's first steps (those ending after t0): start (ms after t0), duration (ms), rows,
+The four add up to the TTFT. ``to_worker`` splits in two where the trace has the worker's receive time (the
+``recv`` of its ``add`` lines; older traces have none, and then both are None): ``to_worker_read`` (client send →
+the worker's I/O thread has read it from Redis) and ``inbox`` (→ the step loop takes it in: behind the step in
+flight, or the loop's take-in of the requests before it). ``arrivals`` gives, for the joined requests, the
+spread of those two instants after t0 (ms: min, median, max): a burst that reaches the worker together but is
+taken in over several steps shows there, one that reaches it late shows in ``received_ms``.
+
+``steps`` lists the run's first steps (those ending after t0): start (ms after t0), duration (ms), rows,
 tokens, and how many first tokens each made: a stack whose first steps differ from the engine's in size or
 timing shows it there.
 """
@@ -22,15 +29,19 @@ import json
 import statistics
 from pathlib import Path
 
-PARTS = ("to_worker", "queued", "step", "delivery")
+PARTS = ("to_worker", "queued", "step", "delivery")  # add up to the TTFT
+SPLIT = ("to_worker_read", "inbox")  # add up to to_worker
 
 
-def read_trace(path: str | Path, since: float) -> tuple[list[dict], dict[str, float]]:
-    """(steps, {"request_id:index": take-in time}) from a worker's step trace, entries at or after ``since``."""
-    steps, adds = [], {}
+def read_trace(path: str | Path, since: float) -> tuple[list[dict], dict[str, float], dict[str, float]]:
+    """(steps, {"request_id:index": take-in time}, {"request_id:index": receive time}) from a worker's step
+    trace, entries taken in at or after ``since``; the receive times of the ``add`` lines that have one."""
+    steps: list[dict] = []
+    adds: dict[str, float] = {}
+    received: dict[str, float] = {}
     p = Path(path)
     if not p.exists():
-        return steps, adds
+        return steps, adds, received
     for line in p.read_text().splitlines():
         try:
             ev = json.loads(line)
@@ -41,14 +52,35 @@ def read_trace(path: str | Path, since: float) -> tuple[list[dict], dict[str, fl
         if ev.get("ev") == "step":
             steps.append(ev)
         elif ev.get("ev") == "add":
-            adds[f"{ev['rid']}:{ev['i']}"] = ev["t"]
-    return steps, adds
+            rid = f"{ev['rid']}:{ev['i']}"
+            adds[rid] = ev["t"]
+            if ev.get("recv") is not None:
+                received[rid] = ev["recv"]
+    return steps, adds, received
 
 
-def timeline(steps: list[dict], adds: dict[str, float], records: list[dict], t0: float, first_steps: int = 8) -> dict:
-    """records: {"rid", "sent", "first"} (perf_counter seconds; rid as in the trace's ``first`` lists)."""
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def _spread(values: list[float]) -> list[float] | None:
+    return [round(min(values), 2), round(statistics.median(values), 2), round(max(values), 2)] if values else None
+
+
+def timeline(
+    steps: list[dict],
+    adds: dict[str, float],
+    records: list[dict],
+    t0: float,
+    first_steps: int = 8,
+    received: dict[str, float] | None = None,
+) -> dict:
+    """records: {"rid", "sent", "first"} (perf_counter seconds; rid as in the trace's ``first`` lists).
+    ``received``: the worker's receive times (``read_trace``); without them the split parts are None."""
+    received = received or {}
     made_first = {rid: s for s in steps for rid in s.get("first", ())}
-    parts: dict[str, list[float]] = {k: [] for k in PARTS}
+    parts: dict[str, list[float]] = {k: [] for k in (*PARTS, *SPLIT)}
+    arrivals: dict[str, list[float]] = {"received_ms": [], "taken_ms": []}
     joined = 0
     for r in records:
         s, taken = made_first.get(r.get("rid")), adds.get(r.get("rid"))
@@ -58,10 +90,17 @@ def timeline(steps: list[dict], adds: dict[str, float], records: list[dict], t0:
         end = s["t"] + s["dt"]
         for k, v in zip(PARTS, (taken - r["sent"], s["t"] - taken, s["dt"], r["first"] - end), strict=True):
             parts[k].append(v * 1e3)
+        arrivals["taken_ms"].append((taken - t0) * 1e3)
+        got = received.get(r.get("rid"))
+        if got is not None:
+            parts["to_worker_read"].append((got - r["sent"]) * 1e3)
+            parts["inbox"].append((taken - got) * 1e3)
+            arrivals["received_ms"].append((got - t0) * 1e3)
     ordered = sorted((s for s in steps if s["t"] + s["dt"] >= t0), key=lambda s: s["t"])  # this run's steps
     return {
         "requests_joined": joined,
-        "median_ms": {k: round(statistics.median(v), 3) if v else None for k, v in parts.items()},
+        "median_ms": {k: _median(v) for k, v in parts.items()},
+        "arrivals": {k: _spread(v) for k, v in arrivals.items()},
         "steps": [
             [
                 round((s["t"] - t0) * 1e3, 2),

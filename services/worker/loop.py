@@ -381,7 +381,7 @@ class Worker:
             return
         self.active[eid] = a = Active(d, emitted, time.monotonic())
         if self.trace is not None:
-            self.trace.add(a.arrival, msg.request_id, msg.index, len(msg.prompt_token_ids))
+            self.trace.add(a.arrival, msg.request_id, msg.index, len(msg.prompt_token_ids), item.received)
 
     def _cancel(self, request_id: str, index: int | None, batch: WriteBatch) -> None:
         indices = [index] if index is not None else None

@@ -4,13 +4,16 @@ One JSON line per engine step and per request the loop takes in, with ``time.mon
 CLOCK_MONOTONIC, the clock ``time.perf_counter()`` reads in every process, so a load generator on the same host
 can line its own send and receive times up with the worker's):
 
-    {"ev": "add", "t": ..., "rid": "cmpl-…", "i": 0, "prompt": 512}
+    {"ev": "add", "t": ..., "rid": "cmpl-…", "i": 0, "prompt": 512, "recv": ...}
     {"ev": "step", "t": ..., "dt": ..., "rows": 32, "tokens": 8192, "first": ["cmpl-…:0", …], "emit_dt": ...}
 
-``rows`` / ``tokens``: what the engine scheduled (when it says); ``first``: requests whose first token the step
-made; ``emit_dt``: handing the step's chunks to the writer thread, including the wait for first tokens to
-reach Redis. Events are buffered, and formatted and written (not on the loop's time between steps) whenever the
-engine goes idle, and at exit.
+``add``: ``t`` when the step loop took the request in (the engine has it from then on); ``recv`` when the
+worker's I/O thread had read it from Redis (it prepares it next, ``Worker.prepare``): ``t - recv`` is the wait
+for the loop, behind a step in flight or the take-in of the requests before it. Traces written before ``recv``
+existed lack it. ``step``: ``rows`` / ``tokens``: what the engine scheduled (when it says); ``first``: requests
+whose first token the step made; ``emit_dt``: handing the step's chunks to the writer thread, including the wait
+for first tokens to reach Redis. Events are buffered and written (formatted then, not on the loop's time between
+steps) whenever the engine goes idle, and at exit.
 """
 
 from __future__ import annotations
@@ -25,8 +28,11 @@ class StepTrace:
         self._events: list[dict] = []
         self._lock = threading.Lock()
 
-    def add(self, t: float, request_id: str, index: int, prompt_tokens: int) -> None:
-        self._events.append({"ev": "add", "t": t, "rid": request_id, "i": index, "prompt": prompt_tokens})
+    def add(self, t: float, request_id: str, index: int, prompt_tokens: int, received: float | None = None) -> None:
+        ev = {"ev": "add", "t": t, "rid": request_id, "i": index, "prompt": prompt_tokens}
+        if received is not None:
+            ev["recv"] = received
+        self._events.append(ev)
 
     def step(self, t: float, dt: float, shape: tuple[int, int] | None, first: list[str], emit_dt: float) -> None:
         rows, tokens = shape if shape is not None else (None, None)

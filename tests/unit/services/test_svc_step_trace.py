@@ -14,8 +14,8 @@ from kernellab.services.worker.trace import StepTrace
 def test_trace_round_trip_and_ttft_parts_add_up(tmp_path):
     path = tmp_path / "trace.jsonl"
     tr = StepTrace(str(path))
-    tr.add(10.002, "cmpl-a", 0, 512)
-    tr.add(10.004, "cmpl-b", 0, 512)
+    tr.add(10.002, "cmpl-a", 0, 512, received=10.0015)
+    tr.add(10.004, "cmpl-b", 0, 512, received=10.0025)
     tr.step(10.005, 0.040, (2, 1024), ["cmpl-a:0"], 0.001)
     assert not path.exists() or path.read_text() == ""  # buffered until the engine goes idle
     tr.step(10.046, 0.030, (2, 513), ["cmpl-b:0"], 0.001)
@@ -24,24 +24,32 @@ def test_trace_round_trip_and_ttft_parts_add_up(tmp_path):
     tr.close()
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert [x["ev"] for x in lines] == ["add", "add", "step", "step", "add"]
+    assert lines[0]["recv"] == 10.0015 and "recv" not in lines[4]  # a caller without a receive time writes none
 
-    steps, adds = read_trace(path, since=9.0)
-    assert len(steps) == 2 and set(adds) == {"cmpl-a:0", "cmpl-b:0"}
+    steps, adds, received = read_trace(path, since=9.0)
+    assert len(steps) == 2 and set(adds) == {"cmpl-a:0", "cmpl-b:0"} and set(received) == set(adds)
     records = [
         {"rid": "cmpl-a:0", "sent": 10.000, "first": 10.047},
         {"rid": "cmpl-b:0", "sent": 10.001, "first": 10.079},
         {"rid": "cmpl-x:0", "sent": 10.001, "first": None},
     ]
-    tl = timeline(steps, adds, records, t0=10.0)
+    tl = timeline(steps, adds, records, t0=10.0, received=received)
     assert tl["requests_joined"] == 2
     m = tl["median_ms"]
     # a: 2 + 3 + 40 + 2 = 47 ms; b: 3 + 42 + 30 + 3 = 78 ms; medians are the pairs' means.
     assert m["to_worker"] == pytest.approx(2.5) and m["queued"] == pytest.approx(22.5)
     assert m["step"] == pytest.approx(35.0) and m["delivery"] == pytest.approx(2.5)
+    # to_worker = read + inbox: a 1.5 + 0.5, b 1.5 + 1.5
+    assert m["to_worker_read"] == pytest.approx(1.5) and m["inbox"] == pytest.approx(1.0)
+    assert tl["arrivals"] == {"received_ms": [1.5, 2.0, 2.5], "taken_ms": [2.0, 3.0, 4.0]}
     assert tl["steps"] == [[5.0, 40.0, 2, 1024, 1], [46.0, 30.0, 2, 513, 1]]
+
+    # A trace from before receive times: the four parts as before, the split unknown.
+    old = timeline(steps, adds, records, t0=10.0)
+    assert old["median_ms"]["to_worker"] == pytest.approx(2.5) and old["median_ms"]["inbox"] is None
 
 
 def test_missing_trace_reads_as_empty(tmp_path):
-    assert read_trace(tmp_path / "none.jsonl", 0.0) == ([], {})
+    assert read_trace(tmp_path / "none.jsonl", 0.0) == ([], {}, {})
     tl = timeline([], {}, [{"rid": "x", "sent": 0.0, "first": 1.0}], 0.0)
     assert tl["requests_joined"] == 0 and tl["median_ms"]["step"] is None

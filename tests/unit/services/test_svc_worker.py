@@ -261,8 +261,9 @@ def test_step_trace_records_each_request_and_the_step_that_made_its_first_token(
         assert len(tokens) == 3 and last.finished
     w.stop()  # the trace is written when the engine goes idle and at exit
     events = [json.loads(x) for x in path.read_text().splitlines()]
-    adds = {e["rid"] for e in events if e["ev"] == "add"}
-    assert adds == {"req-trace-0", "req-trace-1"}
+    adds = {e["rid"]: e for e in events if e["ev"] == "add"}
+    assert set(adds) == {"req-trace-0", "req-trace-1"}
+    assert all(0 <= e["t"] - e["recv"] < 5.0 for e in adds.values())  # read by the I/O thread, then taken in
     steps = [e for e in events if e["ev"] == "step"]
     firsts = [rid for e in steps for rid in e["first"]]
     assert sorted(firsts) == ["req-trace-0:0", "req-trace-1:0"]  # each first token once
