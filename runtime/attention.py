@@ -124,6 +124,8 @@ def packed_causal_attention(
         return flash(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale)
     out = torch.empty_like(q)
     group = q.shape[1] // k.shape[1]
+    if not q.is_cuda:  # the bounds themselves (no sync here): a graph's host lists are only its buckets'
+        cu_q_host, cu_k_host = cu_q.tolist(), cu_k.tolist()
     for (qs, qe), (ks, ke) in zip(itertools.pairwise(cu_q_host), itertools.pairwise(cu_k_host), strict=True):
         out[qs:qe] = reference.causal_attention(q[qs:qe], k[ks:ke], v[ks:ke], scale, group)
     return out

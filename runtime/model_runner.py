@@ -294,8 +294,19 @@ class ModelRunner:
             return logits, [sched[i][0] for i in rows]
         if len(sched) == 1:
             seq, n = sched[0]
-            if n > 1 and seq.num_computed_tokens == 0 and out.samples(seq, n) and graphs.prefill_bucket(n):
+            start = seq.num_computed_tokens
+            if n > 1 and start == 0 and out.samples(seq, n) and graphs.prefill_bucket(n):
                 table = seq.block_table
                 slots = _slots(table, 0, n, bs)
                 return graphs.prefill(seq.token_ids[:n], slots), [seq]
+            # a chunk after a cached context (a prefix-cache hit, the next chunk of a long prompt)
+            if n > 1 and start > 0 and graphs.chunk_bucket(n, start + n):
+                table = seq.block_table
+                logits = graphs.chunk(
+                    seq.token_ids[start : start + n],
+                    start,
+                    _slots(table, start, n, bs),
+                    _slots(table, 0, start + n, bs),
+                )
+                return (logits, [seq]) if out.samples(seq, n) else (None, [])
         return None

@@ -153,3 +153,49 @@ def graph_equals_eager(engine, prompts: list[list[int]], max_tokens: int = 64) -
         "tokens": max_tokens,
         "graphs_used": engine.runner.graphs is not None,
     }
+
+
+def chunk_graph_matches_eager(engine, prefix: list[int], suffixes: list[list[int]], atol: float = 0.05) -> dict:
+    """Chat turns after a cached prefix, one request at a time, as the chunk-after-context CUDA graph replays
+    them and as the eager step runs them: the first token and its top-5 log-probabilities must agree. The graph
+    pads the chunk to its bucket, so its bf16 GEMMs may round differently from the eager shapes (``atol`` on the
+    log-probabilities). Suffixes shorter than a KV block keep the prefix cache the same for both runs."""
+    from kernellab.runtime.request.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=5)
+    graphs = engine.runner.graphs
+    replays = graphs.chunk_replays if graphs is not None else 0
+    results: dict[str, list] = {}
+    try:
+        engine.add_request("chunk-warm", prefix + suffixes[0], params)  # the prefix into the cache
+        while engine.has_unfinished_requests():
+            engine.step()
+        for name in ("graph", "eager"):
+            engine.runner.use_graphs = name == "graph" and graphs is not None
+            rows = []
+            for i, suffix in enumerate(suffixes):
+                engine.add_request(f"chunk-{name}{i}", prefix + suffix, params)
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        lp = out.new_logprobs[0] if out.new_logprobs else None
+                        rows.append((out.new_token_ids[0], dict(lp.top) if lp else {}))
+            results[name] = rows
+    finally:
+        engine.runner.use_graphs = graphs is not None
+    diffs = [
+        abs(g[1][t] - e[1][t])
+        for g, e in zip(results["graph"], results["eager"], strict=True)
+        for t in g[1]
+        if t in e[1]
+    ]
+    same = sum(g[0] == e[0] for g, e in zip(results["graph"], results["eager"], strict=True))
+    worst = max(diffs, default=float("inf"))
+    used = (graphs.chunk_replays - replays) if graphs is not None else 0
+    return {
+        "pass": same == len(suffixes) and worst <= atol and used >= len(suffixes),
+        "requests": len(suffixes),
+        "same_first_token": same,
+        "max_abs_logprob_diff": round(worst, 5),
+        "atol": atol,
+        "chunk_graph_replays": used,
+    }

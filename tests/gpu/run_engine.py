@@ -141,6 +141,14 @@ def numerics(hf_bf16, weights, report):
 
     report["numerics"]["graph_equals_eager"] = check = graph_equals_eager(ours, prompts[:16])
     log(f"graph == eager greedy: {check['pass']}")
+    # A chat turn after a cached system prompt: the chunk-after-context graph against the eager step.
+    from kernellab.bench.numerics import chunk_graph_matches_eager
+
+    g = torch.Generator().manual_seed(8)
+    system = torch.randint(0, 10000, (CACHED_PREFIX,), generator=g).tolist()
+    turns = [torch.randint(0, 10000, (12,), generator=g).tolist() for _ in range(8)]
+    report["numerics"]["chunk_graph_matches_eager"] = check = chunk_graph_matches_eager(ours, system, turns)
+    log(f"chunk graph ~ eager: {check}")
 
 
 def offline(weights, report, hf=None):
@@ -588,7 +596,7 @@ def main() -> int:
 def print_table(report) -> None:
     print("\n=== engine gate (H200, Qwen3-0.6B shape, bf16) ===")
     n = report["numerics"]
-    for key in ("layer_cosine", "teacher_forced", "graph_equals_eager"):
+    for key in ("layer_cosine", "teacher_forced", "graph_equals_eager", "chunk_graph_matches_eager"):
         if key in n:
             print(f"{key:24s} pass={n[key]['pass']}")
     for r in report["offline"]:
