@@ -166,6 +166,8 @@ def chunk_graph_matches_eager(engine, prefix: list[int], suffixes: list[list[int
     graphs = engine.runner.graphs
     replays = graphs.chunk_replays if graphs is not None else 0
     results: dict[str, list] = {}
+    prefix_caching = engine.block_manager.enable_prefix_caching
+    engine.block_manager.enable_prefix_caching = True  # the turns continue the cached prefix
     try:
         engine.add_request("chunk-warm", prefix + suffixes[0], params)  # the prefix into the cache
         while engine.has_unfinished_requests():
@@ -182,6 +184,7 @@ def chunk_graph_matches_eager(engine, prefix: list[int], suffixes: list[list[int
             results[name] = rows
     finally:
         engine.runner.use_graphs = graphs is not None
+        engine.block_manager.enable_prefix_caching = prefix_caching
     diffs = [
         abs(g[1][t] - e[1][t])
         for g, e in zip(results["graph"], results["eager"], strict=True)
