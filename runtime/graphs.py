@@ -100,19 +100,7 @@ class GraphRunner:
         )
 
     def _prefill_meta(self, n: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            positions=self.inputs[1, :n],
-            slot_mapping=self.inputs[2, :n],
-            num_decode_tokens=0,
-            decode_block_tables=None,
-            decode_context_lens=None,
-            prefill_block_tables=None,
-            prefill_cu_seqlens_q=None,
-            prefill_context_lens=None,
-            logits_indices=self.inputs[3, :1],
-            prefill_cu_seqlens_host=[0, n],
-            prefill_num_fresh=1,
-        )
+        return prefill_metadata(self.inputs, n)
 
     def _chunk_meta(self, n: int, c: int) -> AttentionMetadata:
         return chunk_metadata(self.inputs, self.ctx, self.ctx_cu, n, c)
@@ -253,10 +241,9 @@ class GraphRunner:
         return self.logits[("chunk", b, c)]
 
 
-def chunk_metadata(inputs: torch.Tensor, ctx: torch.Tensor, ctx_cu: torch.Tensor, n: int, c: int) -> AttentionMetadata:
-    """The metadata a (chunk ``n``, context ``c``) graph is captured with, over the static buffers: ``inputs``
-    rows (ids, positions, slots, logits row), ``ctx[:c]`` the context's slots, ``ctx_cu`` = (cu_q, cu_k)."""
-    gather = ContextGather(ctx[:c], ctx_cu[:2], ctx_cu[2:4], [0, n], [0, c])
+def prefill_metadata(inputs: torch.Tensor, n: int, gather: ContextGather | None = None) -> AttentionMetadata:
+    """One prefill chunk of ``n`` rows over the static ``inputs`` (ids, positions, slots, logits row): a fresh
+    prompt, or with ``gather`` a chunk that continues a cached context."""
     return AttentionMetadata(
         positions=inputs[1, :n],
         slot_mapping=inputs[2, :n],
@@ -268,9 +255,15 @@ def chunk_metadata(inputs: torch.Tensor, ctx: torch.Tensor, ctx_cu: torch.Tensor
         prefill_context_lens=None,
         logits_indices=inputs[3, :1],
         prefill_cu_seqlens_host=[0, n],
-        prefill_num_fresh=0,
+        prefill_num_fresh=0 if gather is not None else 1,
         prefill_gather=gather,
     )
+
+
+def chunk_metadata(inputs: torch.Tensor, ctx: torch.Tensor, ctx_cu: torch.Tensor, n: int, c: int) -> AttentionMetadata:
+    """The metadata a (chunk ``n``, context ``c``) graph is captured with, over the static buffers: ``inputs``
+    rows (ids, positions, slots, logits row), ``ctx[:c]`` the context's slots, ``ctx_cu`` = (cu_q, cu_k)."""
+    return prefill_metadata(inputs, n, ContextGather(ctx[:c], ctx_cu[:2], ctx_cu[2:4], [0, n], [0, c]))
 
 
 def fill_chunk_inputs(host: np.ndarray, host_ctx: np.ndarray, ids, start: int, slots, context_slots, b: int, c: int):
