@@ -42,6 +42,7 @@ log = logging.getLogger("kernellab.gateway")
 REQUEST_STREAM_MAXLEN = 100_000  # approximate trim; backpressure keeps the backlog far below it
 FLUSH_SETTLE_S = 0.0005  # a submit pipeline goes out once no request joined it for this long …
 FLUSH_MAX_S = 0.005  # … or this long after its first request
+FORGET_DELAY_S = 0.05  # finished output streams are unlinked with the next submit pipeline, or this much later
 
 
 def redis_client(url: str, *, timeout: float = 1.0, blocking_ms: int = 0) -> aioredis.Redis:
@@ -79,6 +80,8 @@ class Gateway:
         self.live_workers: list[Heartbeat] = []
         self._tasks: set[asyncio.Task] = set()
         self._outgoing: list = []  # (entries, meta, future) waiting for this loop turn's pipeline
+        self._forgotten: list[str] = []  # output streams of finished requests, not unlinked yet
+        self._forget_timer: asyncio.TimerHandle | None = None
         self._poller: asyncio.Task | None = None
         self._closing = asyncio.Event()
 
@@ -101,6 +104,7 @@ class Gateway:
         self._closing.set()
         await finish([self._poller], timeout=self.settings.heartbeat_interval_s + 2.0, what="readiness poller")
         await self.router.stop()
+        self._unlink_forgotten()
         await finish(list(self._tasks), timeout=2.0, what="cancel/cleanup tasks")
         await self.redis.aclose()
         await self.router.r.aclose()
@@ -238,6 +242,9 @@ class Gateway:
                 pipe.xadd(stream, fields, maxlen=REQUEST_STREAM_MAXLEN, approximate=True)
             pipe.set(meta_key, n, ex=self.settings.output_ttl_s)
         pipe.xadd(self.router.wake_key, {b"w": b"1"}, maxlen=64, approximate=True)
+        forgotten, self._forgotten = self._forgotten, []
+        if forgotten:  # rides along: no round trip of its own (lost with the pipeline if Redis fails: they expire)
+            pipe.unlink(*forgotten)
         try:
             await pipe.execute()
         except Exception as exc:
@@ -290,7 +297,19 @@ class Gateway:
         return True
 
     def forget_streams(self, engine_ids: list[str]) -> None:
-        keys = [self.keys.output(e) for e in engine_ids]
+        """Unlink a finished request's output streams (they expire anyway), with the next submit pipeline or
+        FORGET_DELAY_S later: one round trip and one task per request fewer under load."""
+        self._forgotten += [self.keys.output(e) for e in engine_ids]
+        if self._forget_timer is None:
+            self._forget_timer = asyncio.get_running_loop().call_later(FORGET_DELAY_S, self._unlink_forgotten)
+
+    def _unlink_forgotten(self) -> None:
+        if self._forget_timer is not None:
+            self._forget_timer.cancel()
+            self._forget_timer = None
+        keys, self._forgotten = self._forgotten, []
+        if not keys:
+            return
 
         async def unlink():
             with contextlib.suppress(*REDIS_DOWN):  # they expire anyway

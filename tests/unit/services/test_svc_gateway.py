@@ -1,5 +1,6 @@
 """The gateway app in-process (TestClient) against a real Redis and a worker thread with a fake engine."""
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -318,3 +319,129 @@ def test_an_internal_error_is_an_openai_500_and_the_connection_stays_usable(redi
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def _asgi_call(c, path: str, body: dict, disconnect_after_s: float) -> list[dict]:
+    """Drive the app at the ASGI level on its own event loop, as uvicorn does (ASGI spec 2.3: ``send`` after a
+    disconnect returns quietly): the body, then an ``http.disconnect`` once ``disconnect_after_s`` has passed.
+    Returns every message the app sent (a server drops those after the disconnect)."""
+    payload = json.dumps(body).encode()
+    headers = [(b"authorization", f"Bearer {KEY}".encode()), (b"content-type", b"application/json")]
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [*headers, (b"content-length", str(len(payload)).encode())],
+        "client": ("127.0.0.1", 40000),
+        "server": ("127.0.0.1", 8000),
+    }
+
+    async def run():
+        sent: list[dict] = []
+        body_sent, gone_at = False, time.monotonic() + disconnect_after_s
+
+        async def receive():
+            nonlocal body_sent
+            if not body_sent:
+                body_sent = True
+                return {"type": "http.request", "body": payload, "more_body": False}
+            await asyncio.sleep(max(0.0, gone_at - time.monotonic()))
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        await c.app(scope, receive, send)
+        return sent
+
+    return c.portal.call(run)
+
+
+def _cancels(redis_url, prefix) -> list:
+    """The cancel stream's messages, once there is one (the gateway sends cancels from a task of their own)."""
+    r, deadline = redis.Redis.from_url(redis_url), time.monotonic() + 2.0
+    while not r.xlen(Keys(prefix, MODEL).cancel) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # and no second one
+    return [from_entry(f) for _i, f in r.xrange(Keys(prefix, MODEL).cancel)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_gone_before_the_first_token_is_a_499_and_a_cancel(redis_url, prefix, tokenizer, stream):
+    """The client leaves while its request waits for a first token (a slow worker step): the gateway answers 499
+    (nothing was sent), cancels it on the worker, counts the disconnect and returns its counts."""
+    w = Worker(
+        WorkerSettings(
+            redis_url=redis_url, key_prefix=prefix, model=MODEL, heartbeat_interval_s=0.05, worker_metrics_port=0
+        ),
+        engine=FakeEngine(step_s=2.0),
+    )
+    t = threading.Thread(target=w.run, daemon=True)
+    t.start()
+    try:
+        with TestClient(create_app(gateway_settings(redis_url, prefix), tokenizer=tokenizer)) as c:
+            wait_ready(c)
+            gw = c.app.state.gateway
+            body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 5, "stream": stream}
+            sent = _asgi_call(c, "/v1/completions", body, disconnect_after_s=0.3)
+            assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+            assert [(m.reason, m.index) for m in _cancels(redis_url, prefix)] == [("closed", None)]
+            assert (
+                gw.metrics.registry.get_sample_value(
+                    "kernellab_gateway_client_disconnects_total", {"model_name": MODEL}
+                )
+                == 1.0
+            )
+            assert gw.waiting == 0 and gw.in_flight == 0 and not gw.router._subs
+    finally:
+        w.drain()
+        t.join(10)
+
+
+def test_client_gone_mid_stream_ends_the_stream_and_cancels(redis_url, prefix, tokenizer):
+    w = Worker(
+        WorkerSettings(
+            redis_url=redis_url, key_prefix=prefix, model=MODEL, heartbeat_interval_s=0.05, worker_metrics_port=0
+        ),
+        engine=FakeEngine(step_s=0.05),
+    )
+    t = threading.Thread(target=w.run, daemon=True)
+    t.start()
+    try:
+        with TestClient(create_app(gateway_settings(redis_url, prefix), tokenizer=tokenizer)) as c:
+            wait_ready(c)
+            gw = c.app.state.gateway
+            body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 200, "stream": True}
+            started = time.monotonic()
+            sent = _asgi_call(c, "/v1/completions", body, disconnect_after_s=0.5)
+            assert time.monotonic() - started < 5.0  # not the 10 s the 200 tokens take
+            assert sent[0]["status"] == 200 and b"[DONE]" not in b"".join(m.get("body", b"") for m in sent)
+            assert any(m.get("body", b"").startswith(b"data: {") for m in sent)
+            assert [m.reason for m in _cancels(redis_url, prefix)] == ["closed"]
+            assert (
+                gw.metrics.registry.get_sample_value(
+                    "kernellab_gateway_client_disconnects_total", {"model_name": MODEL}
+                )
+                == 1.0
+            )
+            assert gw.waiting == 0 and gw.in_flight == 0 and not gw.router._subs
+    finally:
+        w.drain()
+        t.join(10)
+
+
+def test_finished_requests_output_streams_are_unlinked(client, redis_url, prefix):
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(prefix, MODEL)
+    body = client.post("/v1/completions", headers=AUTH, json={"model": MODEL, "prompt": "Hi there", "max_tokens": 2})
+    first = keys.output(f"{body.json()['id']}-0")
+    deadline = time.monotonic() + 2.0  # FORGET_DELAY_S later at the latest, without another request
+    while r.exists(first):
+        assert time.monotonic() < deadline, "the finished request's output stream was never unlinked"
+        time.sleep(0.01)
