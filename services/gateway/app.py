@@ -32,7 +32,7 @@ from kernellab.services.gateway.errors import (
     Unauthorized,
     error_headers,
 )
-from kernellab.services.gateway.generation import NOT_READY, chat_delta, collect, usage_of
+from kernellab.services.gateway.generation import NOT_READY, ClientGone, chat_delta, collect, usage_of
 from kernellab.services.gateway.metrics import GatewayMetrics, HTTPMetricsMiddleware
 from kernellab.services.gateway.middleware import GenerationFastPath, InternalErrorMiddleware
 from kernellab.services.gateway.requests import prepare
@@ -45,21 +45,24 @@ log = logging.getLogger("kernellab.gateway")
 _THREAD_PREPARE_BYTES = 20_000
 
 
-class ClientGone(Exception):
-    pass
-
-
 class _Stream(StreamingResponse):
-    """A StreamingResponse that always runs ``on_close``, even when the client left before the body began."""
+    """The SSE response: always runs ``on_close``, even when the client left before the body began. It streams
+    without Starlette's per-response task group and second disconnect listener (a task, cancel scopes, a
+    ``receive`` waiter per request): the request's own watcher, kept running until the stream ends, ends the
+    body by putting ClientGone into its queue (``ResultStream.client_gone``)."""
 
-    def __init__(self, content, on_close, **kwargs):
+    def __init__(self, content, on_close, watcher: asyncio.Task, **kwargs):
         super().__init__(content, **kwargs)
         self._on_close = on_close
+        self._watcher = watcher
 
     async def __call__(self, scope, receive, send):
         try:
-            await super().__call__(scope, receive, send)
+            await self.stream_response(send)
+        except ClientGone:
+            pass
         finally:
+            self._watcher.cancel()
             self._on_close()
 
 
@@ -173,18 +176,10 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
         except (ValueError, RecursionError) as exc:  # ValueError covers UnicodeDecode/EncodeError
             raise InvalidRequestError(f"the body is not valid JSON text: {type(exc).__name__}: {exc}") from None
 
-    async def until_disconnect(request: Request) -> None:
+    async def until_disconnect(request: Request, rs) -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        raise ClientGone()
-
-    async def race(coro, watcher: asyncio.Task):
-        task = asyncio.ensure_future(coro)
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        raise ClientGone()
+        rs.client_gone()
 
     # ----------------------------------------------------------------- routes
     @app.get("/health")
@@ -272,10 +267,10 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
         else:
             p = prepare(*args, **kwargs)
         rs = await g.submit(p, started, owner=tenant)
-        watcher = asyncio.ensure_future(until_disconnect(request))
+        watcher = asyncio.ensure_future(until_disconnect(request, rs))
         handed_over = False
         try:
-            first = await race(rs.next(), watcher)
+            first = await rs.next()
             if p.stream:
                 done = {"ok": False}
 
@@ -288,16 +283,17 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
                 return _Stream(
                     stream_body(p, rs, first, done),
                     on_close,
+                    watcher,
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
-            return JSONResponse(await race(collect(p, rs, first, g_text()), watcher))
+            return JSONResponse(await collect(p, rs, first, g_text()))
         except ClientGone:
             metrics.disconnects.inc()
             return Response(status_code=499)
         finally:
-            watcher.cancel()
-            if not handed_over:
+            if not handed_over:  # else the stream cancels its watcher and closes it
+                watcher.cancel()
                 rs.close()
 
     def chunk_for(p, rs, created: int, u, sent: set, offsets: dict) -> dict | None:

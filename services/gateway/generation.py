@@ -13,7 +13,9 @@ Invariants:
   cuts and cancels it (reason ``"stop_string"``). With the real engine that cancel never fires. Why the two
   checks are not merged: runtime/request/detokenizer.py's docstring.
 - Whatever way the HTTP request ends (done, error, client gone), its subscription is dropped, the waiting and
-  in-flight counts return, and unfinished choices are cancelled on the worker.
+  in-flight counts return, and unfinished choices are cancelled on the worker. A client that goes away is a
+  ``ClientGone`` in the request's own queue (``ResultStream.client_gone``): whatever waits on the stream wakes
+  and raises it, so no task races each wait against a disconnect watcher.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ from kernellab.services.queue.protocol import ErrorMessage, OutputChunk, engine_
 # A worker ends an expired request itself; this much later the gateway gives up waiting for it.
 DEADLINE_GRACE_S = 5.0
 NOT_READY = object()  # ``ResultStream.ready()``: nothing has arrived yet
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer ended."""
 
 
 @dataclass
@@ -136,7 +142,13 @@ class ResultStream:
                 return update
         return None if not self.remaining else NOT_READY
 
+    def client_gone(self) -> None:
+        """Called by the request's disconnect watcher: the next ``next()`` / ``ready()`` raises ClientGone."""
+        self.sub.queue.put_nowait((None, ClientGone()))
+
     def _apply(self, index, msg) -> Update | None:
+        if isinstance(msg, ClientGone):
+            raise msg
         if isinstance(msg, RouterFailure):
             raise ServiceUnavailable(f"lost the connection to the queue: {msg}", code="queue_unavailable")
         st = self.choices[index]
