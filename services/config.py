@@ -124,6 +124,11 @@ class WorkerSettings(StackSettings):
     gather_burst_gap_s: float = Field(0.004, ge=0)
     gather_max_s: float = Field(0.05, ge=0)
     gather_tokens: int | None = Field(None, ge=1)
+    # The I/O thread that reads a request prepares it (parameters, validation, the engine's sequence) while the
+    # loop is in a step, so the loop only enqueues it between steps. Off: the loop prepares each as it takes it
+    # in (the behaviour before; the serving benchmark's "-loopprep" phases measure the two against each other,
+    # since the reader then holds the GIL while the step's Python launches kernels).
+    prepare_in_reader: bool = True
     # After a step that produced first tokens, wait (at most this long) until they are written to Redis.
     first_token_flush_s: float = Field(0.005, ge=0)
     step_trace: str = ""  # KERNELLAB_STEP_TRACE: a file for one JSON line per step and request (worker/trace.py)

@@ -53,6 +53,7 @@ class Incoming:
     received: float  # time.monotonic() when the I/O thread read it
     prepared: Any = None  # engine.prepare_request's result, for engine.add_prepared
     error: Exception | None = None  # or what preparing it raised (answered once the loop takes it in)
+    deferred: bool = False  # not prepared yet: the loop prepares it (WorkerSettings.prepare_in_reader off)
 
 
 @dataclass
@@ -110,7 +111,7 @@ class Worker:
             request_timeout_s=s.request_timeout_s,
             inbox=self.inbox,
             heartbeat=self.heartbeat,
-            prepare=self.prepare,
+            prepare=self.prepare if s.prepare_in_reader else self._defer,
             metrics=self.metrics,
         )
         self.active: dict[str, Active] = {}
@@ -179,6 +180,10 @@ class Worker:
         except Exception as exc:
             item.error = exc
         return item
+
+    @staticmethod
+    def _defer(d: Delivery, received: float) -> Incoming:
+        return Incoming(d, received, deferred=True)
 
     def drain(self) -> None:
         """Stop taking requests; the loop finishes what it has (up to drain_timeout_s) and returns."""
@@ -324,6 +329,8 @@ class Worker:
                 self._abort(eid, batch)
 
     def _add(self, item: Incoming, batch: WriteBatch) -> None:
+        if item.deferred:
+            item = self.prepare(item.delivery, item.received)
         d = item.delivery
         msg = d.message
         eid = msg.engine_id

@@ -137,15 +137,21 @@ def test_cancel_before_pickup_never_reaches_the_engine(ctx):
     assert w.worker.engine.added == []
 
 
-def test_bad_request_gets_an_error_and_is_acked(ctx):
+@pytest.mark.parametrize("in_reader", [True, False])
+def test_bad_request_gets_an_error_and_is_acked(ctx, in_reader):
+    """Wherever a request is prepared (the reader thread during a step, or the loop as it takes it in), a bad one
+    is answered with its error and acked, and a good one behind it still runs."""
     r, keys, start = ctx
-    start()
+    start(prepare_in_reader=in_reader)
     send(r, keys, "big", prompt=list(range(1, 300)))
     _tokens, last = collect(r, keys, "big-0")
     assert isinstance(last, ErrorMessage) and last.status == 400 and last.code == "context_length_exceeded"
     send(r, keys, "late", deadline=time.time() - 1)
     _tokens, last = collect(r, keys, "late-0")
     assert last.finish_reason == "deadline"
+    send(r, keys, "ok")
+    tokens, last = collect(r, keys, "ok-0")
+    assert tokens == expected(6) and last.finish_reason == "length"
 
 
 def test_dead_workers_request_is_resumed_seamlessly(ctx):
