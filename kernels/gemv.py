@@ -97,7 +97,6 @@ __all__ = [
     "linear",
     "silu_and_mul_linear",
     "split_for",
-    "supports_pdl",
 ]
 
 MAX_M = 16

@@ -128,8 +128,8 @@ class LLMEngine:
         deadline: float | None = None,
         output_token_ids=(),
     ) -> None:
-        if isinstance(request_id, str) and request_id in self.scheduler.requests:  # checked first, as always
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if isinstance(request_id, str):  # checked first, as always
+            self._check_new_id(request_id)
         self.add_prepared(
             self.prepare_request(
                 request_id,
@@ -195,11 +195,14 @@ class LLMEngine:
     def add_prepared(self, prepared: PreparedRequest) -> None:
         """Enqueue a ``prepare_request`` result: the only part of ``add_request`` that touches the scheduler."""
         seq = prepared.seq
-        if seq.request_id in self.scheduler.requests:
-            raise InvalidRequestError(f"request id {seq.request_id!r} is already in use", param="request_id")
+        self._check_new_id(seq.request_id)
         if prepared.detokenizer is not None:
             self._detokenizers[seq.request_id] = prepared.detokenizer
         self.scheduler.add(seq)
+
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
 
     def _grammar_state(self, spec: dict, output_token_ids):
         from kernellab.runtime.request import structured

@@ -226,13 +226,14 @@ class GraphRunner:
         self.graphs[("prefill", bucket)].replay()
         return self.logits[("prefill", bucket)]
 
-    def chunk(self, ids, start: int, slots, context_slots) -> torch.Tensor:
-        """One chunk of ``len(ids)`` tokens at positions ``start …`` whose context (cached tokens and its own,
-        ``context_slots``, already in the cache once the layer's KV write ran) it attends; logits of its last row."""
+    def chunk(self, ids, start: int, context_slots) -> torch.Tensor:
+        """One chunk of ``len(ids)`` tokens at positions ``start …`` whose context (cached tokens and its own:
+        ``context_slots``, the chunk's own last, already in the cache once the layer's KV write ran) it attends;
+        logits of its last row."""
         bucket = self.chunk_bucket(len(ids), len(context_slots))
         assert bucket is not None  # the runner replays only a captured size (it asked chunk_bucket)
         b, c = bucket
-        fill_chunk_inputs(self.host.numpy(), self.host_ctx.numpy(), ids, start, slots, context_slots, b, c)
+        fill_chunk_inputs(self.host.numpy(), self.host_ctx.numpy(), ids, start, context_slots, b, c)
         self.inputs[:, :b].copy_(self.host[:, :b], non_blocking=True)
         self.ctx[: c + 4].copy_(self.host_ctx[: c + 4], non_blocking=True)
         self.ctx_cu.copy_(self.ctx[c : c + 4])
@@ -266,14 +267,14 @@ def chunk_metadata(inputs: torch.Tensor, ctx: torch.Tensor, ctx_cu: torch.Tensor
     return prefill_metadata(inputs, n, ContextGather(ctx[:c], ctx_cu[:2], ctx_cu[2:4], [0, n], [0, c]))
 
 
-def fill_chunk_inputs(host: np.ndarray, host_ctx: np.ndarray, ids, start: int, slots, context_slots, b: int, c: int):
-    """A chunk's inputs into the host buffers of bucket (``b``, ``c``): padding rows have token 0, position 0
-    and slot -1 (no KV write; past ``cu_q``, attention leaves them out); padding context entries read slot 0,
-    past ``cu_k``. ``host_ctx[c : c + 4]`` receives (cu_q, cu_k)."""
+def fill_chunk_inputs(host: np.ndarray, host_ctx: np.ndarray, ids, start: int, context_slots, b: int, c: int):
+    """A chunk's inputs into the host buffers of bucket (``b``, ``c``); its own KV slots are the context's from
+    ``start``. Padding rows have token 0, position 0 and slot -1 (no KV write; past ``cu_q``, attention leaves
+    them out); padding context entries read slot 0, past ``cu_k``. ``host_ctx[c : c + 4]`` receives (cu_q, cu_k)."""
     n, c_len = len(ids), len(context_slots)
     host[0, :n], host[0, n:b] = ids, 0
     host[1, :n], host[1, n:b] = np.arange(start, start + n), 0
-    host[2, :n], host[2, n:b] = slots, -1
+    host[2, :n], host[2, n:b] = context_slots[start:], -1
     host[3, 0] = n - 1
     host_ctx[:c_len], host_ctx[c_len:c] = context_slots, 0
     host_ctx[c : c + 4] = (0, n, 0, c_len)

@@ -301,12 +301,8 @@ class ModelRunner:
                 return graphs.prefill(seq.token_ids[:n], slots), [seq]
             # a chunk after a cached context (a prefix-cache hit, the next chunk of a long prompt)
             if n > 1 and start > 0 and graphs.chunk_bucket(n, start + n):
-                table = seq.block_table
                 logits = graphs.chunk(
-                    seq.token_ids[start : start + n],
-                    start,
-                    _slots(table, start, n, bs),
-                    _slots(table, 0, start + n, bs),
+                    seq.token_ids[start : start + n], start, _slots(seq.block_table, 0, start + n, bs)
                 )
                 return (logits, [seq]) if out.samples(seq, n) else (None, [])
         return None

@@ -38,9 +38,8 @@ def test_padded_chunk_inputs_give_the_eager_logits(tiny_checkpoints):
     ctx_cu = torch.zeros(4, dtype=torch.int32)
     table, bs = seq.block_table, runner.block_size
     fill_chunk_inputs(
-        inputs.numpy(), ctx.numpy(), seq.token_ids[start : start + n], start, _slots(table, start, n, bs),
-        _slots(table, 0, start + n, bs), b, c,
-    )  # fmt: skip
+        inputs.numpy(), ctx.numpy(), seq.token_ids[start : start + n], start, _slots(table, 0, start + n, bs), b, c
+    )
     assert inputs[2, n:].eq(-1).all() and inputs[1, n:].eq(0).all() and ctx[start + n : c].eq(0).all()
     ctx_cu.copy_(ctx[c : c + 4])
     assert ctx_cu.tolist() == [0, n, 0, start + n]
