@@ -18,6 +18,9 @@ import time
 import uuid
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kernellab.services.config import GatewaySettings
 from kernellab.services.gateway.errors import RateLimited, ServiceUnavailable
@@ -46,9 +49,16 @@ FORGET_DELAY_S = 0.05  # finished output streams are unlinked with the next subm
 
 
 def redis_client(url: str, *, timeout: float = 1.0, blocking_ms: int = 0) -> aioredis.Redis:
-    """Fail fast when Redis is away: short connect timeout, no hidden retries."""
+    """Fail fast when Redis is away (short connect timeout), but survive its restart: after one, every
+    connection left in the pool can pass the pool's check and fail its first command ("Connection closed by
+    server") although the new Redis is up, which was one 503 per pooled connection. So a command that fails on
+    a broken connection is sent once more on a new one; a refused reconnect fails at once, and a timeout (the
+    command may have run) is never retried."""
     return aioredis.Redis.from_url(
-        url, socket_connect_timeout=timeout, socket_timeout=timeout + blocking_ms / 1000, retry=None
+        url,
+        socket_connect_timeout=timeout,
+        socket_timeout=timeout + blocking_ms / 1000,
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
     )
 
 

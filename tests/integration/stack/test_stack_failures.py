@@ -78,6 +78,21 @@ def stream_chat(stack, messages, max_tokens, record: dict, key: str, **extra):
         record[key]["error"] = repr(exc)
 
 
+def wait_first_token(stack, record: dict, key: str, timeout: float = 60) -> None:
+    """Wait for the stream's first delta; a stream that failed instead ends the wait at once, and either failure
+    reports the stream's record and the processes' log tails (what a flaky run needs to be understood)."""
+
+    def started():
+        r = record.get(key, {})
+        return r.get("deltas") or r.get("error")
+
+    try:
+        wait_for(started, timeout, f"the first token of stream {key!r}")
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}: {record.get(key)}\n{stack.log_tail(40)}") from None
+    assert record[key]["deltas"], f"stream {key!r} failed before its first token: {record[key]}\n{stack.log_tail(40)}"
+
+
 def test_kill_9_of_one_worker_mid_stream_loses_and_duplicates_nothing(stack, long_reference, structured_reference):
     wait_for(lambda: stack.ready(2), 30, "two live workers")
     record: dict = {}
@@ -131,7 +146,7 @@ def test_redis_outage_answers_503_fast_and_recovers(stack, private_redis, refere
     record: dict = {}
     t = threading.Thread(target=stream_chat, args=(stack, CHATS[1], 200, record, "inflight"))
     t.start()
-    wait_for(lambda: record.get("inflight", {}).get("deltas"), 60, "the in-flight stream's first token")
+    wait_first_token(stack, record, "inflight")
     private_redis.stop()
     try:
         start = time.monotonic()
@@ -160,7 +175,7 @@ def test_sigterm_drains_the_gateways_open_streams(stack, reference):
     record: dict = {}
     t = threading.Thread(target=stream_chat, args=(stack, CHATS[0], N, record, "draining"))
     t.start()
-    wait_for(lambda: record.get("draining", {}).get("deltas"), 60, "the stream's first token")
+    wait_first_token(stack, record, "draining")
     gateway = stack.procs["gateway"]
     os.kill(gateway.pid, signal.SIGTERM)
 
