@@ -1,6 +1,7 @@
 """The gateway app in-process (TestClient) against a real Redis and a worker thread with a fake engine."""
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -36,19 +37,28 @@ def gateway_settings(redis_url, prefix, **kw):
     return GatewaySettings(**{**base, **kw})
 
 
-@pytest.fixture
-def worker(redis_url, prefix):
+@contextlib.contextmanager
+def fake_worker(redis_url, prefix, step_s: float):
+    """A worker loop on a thread in front of the fake engine (``step_s`` per step), drained at the end."""
     w = Worker(
         WorkerSettings(
             redis_url=redis_url, key_prefix=prefix, model=MODEL, heartbeat_interval_s=0.05, worker_metrics_port=0
         ),
-        engine=FakeEngine(step_s=0.003),
+        engine=FakeEngine(step_s=step_s),
     )
     t = threading.Thread(target=w.run, daemon=True)
     t.start()
-    yield w
-    w.drain()
-    t.join(10)
+    try:
+        yield w
+    finally:
+        w.drain()
+        t.join(10)
+
+
+@pytest.fixture
+def worker(redis_url, prefix):
+    with fake_worker(redis_url, prefix, 0.003) as w:
+        yield w
 
 
 def wait_ready(c):
@@ -376,64 +386,42 @@ def _cancels(redis_url, prefix) -> list:
 def test_client_gone_before_the_first_token_is_a_499_and_a_cancel(redis_url, prefix, tokenizer, stream):
     """The client leaves while its request waits for a first token (a slow worker step): the gateway answers 499
     (nothing was sent), cancels it on the worker, counts the disconnect and returns its counts."""
-    w = Worker(
-        WorkerSettings(
-            redis_url=redis_url, key_prefix=prefix, model=MODEL, heartbeat_interval_s=0.05, worker_metrics_port=0
-        ),
-        engine=FakeEngine(step_s=2.0),
-    )
-    t = threading.Thread(target=w.run, daemon=True)
-    t.start()
-    try:
-        with TestClient(create_app(gateway_settings(redis_url, prefix), tokenizer=tokenizer)) as c:
-            wait_ready(c)
-            gw = c.app.state.gateway
-            body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 5, "stream": stream}
-            sent = _asgi_call(c, "/v1/completions", body, disconnect_after_s=0.3)
-            assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
-            assert [(m.reason, m.index) for m in _cancels(redis_url, prefix)] == [("closed", None)]
-            assert (
-                gw.metrics.registry.get_sample_value(
-                    "kernellab_gateway_client_disconnects_total", {"model_name": MODEL}
-                )
-                == 1.0
-            )
-            assert gw.waiting == 0 and gw.in_flight == 0 and not gw.router._subs
-    finally:
-        w.drain()
-        t.join(10)
+    with (
+        fake_worker(redis_url, prefix, 2.0),
+        TestClient(create_app(gateway_settings(redis_url, prefix), tokenizer=tokenizer)) as c,
+    ):
+        wait_ready(c)
+        gw = c.app.state.gateway
+        body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 5, "stream": stream}
+        sent = _asgi_call(c, "/v1/completions", body, disconnect_after_s=0.3)
+        assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+        assert [(m.reason, m.index) for m in _cancels(redis_url, prefix)] == [("closed", None)]
+        assert (
+            gw.metrics.registry.get_sample_value("kernellab_gateway_client_disconnects_total", {"model_name": MODEL})
+            == 1.0
+        )
+        assert gw.waiting == 0 and gw.in_flight == 0 and not gw.router._subs
 
 
 def test_client_gone_mid_stream_ends_the_stream_and_cancels(redis_url, prefix, tokenizer):
-    w = Worker(
-        WorkerSettings(
-            redis_url=redis_url, key_prefix=prefix, model=MODEL, heartbeat_interval_s=0.05, worker_metrics_port=0
-        ),
-        engine=FakeEngine(step_s=0.05),
-    )
-    t = threading.Thread(target=w.run, daemon=True)
-    t.start()
-    try:
-        with TestClient(create_app(gateway_settings(redis_url, prefix), tokenizer=tokenizer)) as c:
-            wait_ready(c)
-            gw = c.app.state.gateway
-            body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 200, "stream": True}
-            started = time.monotonic()
-            sent = _asgi_call(c, "/v1/completions", body, disconnect_after_s=0.5)
-            assert time.monotonic() - started < 5.0  # not the 10 s the 200 tokens take
-            assert sent[0]["status"] == 200 and b"[DONE]" not in b"".join(m.get("body", b"") for m in sent)
-            assert any(m.get("body", b"").startswith(b"data: {") for m in sent)
-            assert [m.reason for m in _cancels(redis_url, prefix)] == ["closed"]
-            assert (
-                gw.metrics.registry.get_sample_value(
-                    "kernellab_gateway_client_disconnects_total", {"model_name": MODEL}
-                )
-                == 1.0
-            )
-            assert gw.waiting == 0 and gw.in_flight == 0 and not gw.router._subs
-    finally:
-        w.drain()
-        t.join(10)
+    with (
+        fake_worker(redis_url, prefix, 0.05),
+        TestClient(create_app(gateway_settings(redis_url, prefix), tokenizer=tokenizer)) as c,
+    ):
+        wait_ready(c)
+        gw = c.app.state.gateway
+        body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 200, "stream": True}
+        started = time.monotonic()
+        sent = _asgi_call(c, "/v1/completions", body, disconnect_after_s=0.5)
+        assert time.monotonic() - started < 5.0  # not the 10 s the 200 tokens take
+        assert sent[0]["status"] == 200 and b"[DONE]" not in b"".join(m.get("body", b"") for m in sent)
+        assert any(m.get("body", b"").startswith(b"data: {") for m in sent)
+        assert [m.reason for m in _cancels(redis_url, prefix)] == ["closed"]
+        assert (
+            gw.metrics.registry.get_sample_value("kernellab_gateway_client_disconnects_total", {"model_name": MODEL})
+            == 1.0
+        )
+        assert gw.waiting == 0 and gw.in_flight == 0 and not gw.router._subs
 
 
 def test_finished_requests_output_streams_are_unlinked(client, redis_url, prefix):
