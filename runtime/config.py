@@ -134,6 +134,9 @@ class EngineConfig:
     kernels: str = "accepted"  # "accepted" | "experimental" | "none": which Triton ops the dispatcher enables
     disabled_kernels: tuple[str, ...] = ()  # ops kept on torch whatever their status (ablations)
     cuda_graphs: bool = True
+    # Steps that prefill replay CUDA graphs of the forward's row-wise pieces, captured per token bucket up to
+    # max_num_batched_tokens, with attention eager in between (runtime/graphs.py PiecewiseGraphs); needs cuda_graphs.
+    piecewise_graphs: bool = True
     # Greedy decode steps run back to back on the GPU between host syncs (vLLM's multi-step scheduling): the
     # host's per-step Python cost is paid once per window. 0 = auto: 8 with CUDA graphs, else 1.
     num_scheduler_steps: int = 0

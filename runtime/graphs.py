@@ -278,3 +278,164 @@ def fill_chunk_inputs(host: np.ndarray, host_ctx: np.ndarray, ids, start: int, c
     host[3, 0] = n - 1
     host_ctx[:c_len], host_ctx[c_len:c] = context_slots, 0
     host_ctx[c : c + 4] = (0, n, 0, c_len)
+
+
+# Token buckets of the piecewise graphs: powers of two and their midpoints up to 4,096, then every 1,024 (a large
+# step is GPU-bound, so a bucket there should pad few rows).
+PIECEWISE_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, *range(4096, 65537, 1024))
+
+
+def weak_view(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory that does not keep that memory allocated (PyTorch's CUDA-graph trees hold
+    their outputs the same way). A piece's outputs are read by the eager attention that follows it, before the
+    next piece (captured later, from the same pool) may reuse their memory: replays run in capture order."""
+    storage = t.untyped_storage()
+    weak = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(weak, t.storage_offset(), t.shape, t.stride())
+
+
+class PiecewiseGraphs:
+    """Steps that prefill (fresh prompts, chunks after a cached context, with or without decode rows) replay
+    CUDA graphs of the row-wise parts of the forward, captured per token bucket, and run attention eagerly in
+    between (vLLM's piecewise graphs). Such a step ran all ~280 launches of its forward eagerly: on the H200's host
+    a Triton launch costs ~85 µs of Python, so a 16k-token prefill step spent ~12 ms launching, on a thread that
+    the worker's I/O threads and the gateway processes compete for. Here a step launches L + 1 graphs, L
+    attention calls and L output projections.
+
+    Piece 0 embeds and runs layer 0 up to attention (norm, QKV projection, RoPE, KV write); piece i runs layer
+    i - 1's residual add, norm and MLP, then layer i up to attention; piece L ends with the final norm. Between
+    pieces i and i + 1 the step's attention reads piece i's q, k, v and the output projection writes into a
+    static buffer that piece i + 1 reads. Padding rows (bucket - T) have token 0, position 0 and slot -1 (no KV
+    write); the attention leaves them out and nothing reads their outputs.
+
+    Memory: all buckets' pieces share one graph pool and hold their outputs through ``weak_view``s, so the pool
+    holds one bucket's working set, not one per layer and bucket. Without ``capture`` (a CPU, tests) the same
+    pieces run eagerly over the same static buffers."""
+
+    def __init__(
+        self,
+        model,
+        kv_caches,
+        device,
+        max_tokens: int,
+        buckets: tuple[int, ...] = PIECEWISE_BUCKETS,
+        pool=None,
+    ):
+        self.model, self.kv_caches, self.device = model, kv_caches, device
+        self.num_layers = len(kv_caches)
+        self.buckets = (*(b for b in buckets if b < max_tokens), max_tokens)
+        n = self.buckets[-1]
+        cuda = torch.device(device).type == "cuda"
+        self.host = torch.zeros((3, n), dtype=torch.int64, pin_memory=cuda)  # ids, positions, slots
+        self.inputs = torch.zeros((3, n), dtype=torch.int64, device=device)
+        self.inputs[2].fill_(-1)  # warm-up and capture write no KV
+        dtype = model.model.embed_tokens.weight.dtype
+        self.attn_out = torch.zeros((n, model.cfg.hidden_size), dtype=dtype, device=device)
+        # The pieces' metadata: only positions and slots (RoPE, the KV write) are read inside a piece.
+        self.metas = {b: piece_metadata(self.inputs, b) for b in self.buckets}
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.qkv: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self.final: dict[int, torch.Tensor] = {}
+        self.pool = pool
+        self.copied = torch.cuda.Event() if cuda else None  # the last host → device copy of the inputs
+        self.replays = 0  # steps replayed so far (the gate checks they happen)
+        self.capture_s = 0.0  # what the capture cost (the runner records it): time, and memory it reserved
+        self.reserved_bytes = 0
+
+    def bucket(self, tokens: int) -> int | None:
+        return next((b for b in self.buckets if b >= tokens), None)
+
+    def _piece(self, b: int, i: int, residual: torch.Tensor | None):
+        """Piece ``i`` of bucket ``b``: ``(q, k, v, residual)`` of layer i, or for i = L the final hidden."""
+        m = self.model
+        if i == 0:
+            hidden = m.embed(self.inputs[0, :b])
+        else:
+            assert residual is not None  # every piece after the first continues the residual stream
+            hidden, residual = m.post_attention(i - 1, self.attn_out[:b], residual)
+        if i == self.num_layers:
+            assert residual is not None
+            return m.final_norm(hidden, residual)
+        return m.pre_attention(i, hidden, residual, self.metas[b], self.kv_caches[i])
+
+    def _attend(self, i: int, t: int, q, k, v, meta: AttentionMetadata) -> None:
+        o = self.model.attend(q[:t], k[:t], v[:t], meta, self.kv_caches[i])
+        torch.mm(o, self.model.o_proj_weight(i).t(), out=self.attn_out[:t])
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        for b in reversed(self.buckets):  # largest first: the shared pool is sized once
+            for _ in range(2):  # warm up: Triton compilation, cuBLAS's choices (no attention needed for that)
+                residual = None
+                for i in range(self.num_layers + 1):
+                    out = self._piece(b, i, residual)
+                    residual = out[3] if i < self.num_layers else None
+            torch.cuda.synchronize(self.device)
+            graphs, qkv = [], []
+            residual = None
+            for i in range(self.num_layers + 1):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = self._piece(b, i, residual)  # reads the previous piece's residual: held until now
+                self.pool = graph.pool()
+                graphs.append(graph)
+                if i < self.num_layers:
+                    q, k, v, residual = out
+                    qkv.append((weak_view(q), weak_view(k), weak_view(v)))
+                    del q, k, v  # their memory is the pool's again for the next pieces
+                else:
+                    self.final[b] = weak_view(out)
+                del out
+            self.graphs[b], self.qkv[b] = graphs, qkv
+        torch.cuda.synchronize(self.device)
+
+    def load(self, rows: np.ndarray) -> int:
+        """The step's ``(3, T)`` ids / positions / slots into the static inputs, padded to their bucket."""
+        t = rows.shape[1]
+        b = self.bucket(t)
+        assert b is not None  # the runner asks bucket() first
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copy has left the pinned buffer
+        host = self.host.numpy()
+        host[:, :t] = rows
+        host[:, t:b] = 0
+        host[2, t:b] = -1
+        self.inputs[:, :b].copy_(self.host[:, :b], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        return b
+
+    def run(self, t: int, meta: AttentionMetadata) -> torch.Tensor:
+        """The forward of a step whose ``t`` rows ``load`` put in place; ``meta``: its attention metadata.
+        Returns the final hidden states of the bucket's rows (the first ``t`` are the step's)."""
+        b = self.bucket(t)
+        assert b is not None
+        graphs = self.graphs.get(b)
+        self.replays += graphs is not None
+        residual = None
+        for i in range(self.num_layers):
+            if graphs is not None:
+                graphs[i].replay()
+                q, k, v = self.qkv[b][i]
+            else:
+                q, k, v, residual = self._piece(b, i, residual)
+            self._attend(i, t, q, k, v, meta)
+        if graphs is not None:
+            graphs[-1].replay()
+            return self.final[b]
+        return self._piece(b, self.num_layers, residual)
+
+
+def piece_metadata(inputs: torch.Tensor, b: int) -> AttentionMetadata:
+    """What the pieces of bucket ``b`` read of a step's metadata: positions and KV slots of its rows."""
+    return AttentionMetadata(
+        positions=inputs[1, :b],
+        slot_mapping=inputs[2, :b],
+        num_decode_tokens=0,
+        decode_block_tables=None,
+        decode_context_lens=None,
+        prefill_block_tables=None,
+        prefill_cu_seqlens_q=None,
+        prefill_context_lens=None,
+        logits_indices=inputs[0, :0],
+    )

@@ -89,6 +89,7 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.ops = ops
         self.model = Backbone(cfg)
+        self.decoder_layers: list[DecoderLayer] = list(cast("Iterable[DecoderLayer]", self.model.layers))
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -120,6 +121,80 @@ class CausalLM(nn.Module):
             return self.ops.silu_and_mul_linear(gate_up, down.weight)
         return self._linear(self.ops.silu_and_mul(gate_up), down)
 
+    # The forward in the pieces a piecewise CUDA graph captures (runtime/graphs.py ``PiecewiseGraphs``): everything
+    # between two attention calls is row-wise and depends on the step's token count only, so it replays from a
+    # graph captured per token bucket, while attention, which depends on the step's mix of decode rows, fresh
+    # prompts and chunks after a cached context, runs eagerly between the pieces.
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def pre_attention(
+        self,
+        index: int,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+        kv: LayerKV,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``index`` up to attention: (residual add and) norm, the QKV projection, RoPE (Qwen3: with its QK
+        norm) and the KV-cache write at ``meta.slot_mapping``. Returns ``(q, k, v, residual)``, heads unflattened."""
+        cfg, ops = self.cfg, self.ops
+        layer = self.decoder_layers[index]
+        attn = layer.self_attn
+        if residual is None:
+            residual = hidden
+            qkv = self._linear(ops.rms_norm(hidden, layer.input_layernorm.weight, cfg.rms_norm_eps), attn.qkv_proj)
+        else:
+            qkv, residual = self._add_norm_linear(hidden, residual, layer.input_layernorm, attn.qkv_proj)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        scales = {"k_scales": kv.k_scales, "v_scales": kv.v_scales}
+        if cfg.qk_norm:
+            q, k = ops.qk_norm_rope_store_kv(
+                meta.positions,
+                q,
+                k,
+                v,
+                attn.q_norm.weight,
+                attn.k_norm.weight,
+                cfg.rms_norm_eps,
+                self.cos_sin_cache,
+                kv.k,
+                kv.v,
+                meta.slot_mapping,
+                **scales,
+            )
+        else:
+            q, k = ops.rotary_embedding(meta.positions, q, k, self.cos_sin_cache)
+            ops.store_kv(k, v, kv.k, kv.v, meta.slot_mapping, **scales)
+        return q, k, v, residual
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv: LayerKV
+    ) -> torch.Tensor:
+        """Attention of the step's rows (their K/V already in the cache) → ``(T, q_size)``."""
+        o = paged_attention(self.ops, q, k, v, kv.k, kv.v, meta, self.scale, k_scales=kv.k_scales, v_scales=kv.v_scales)
+        return o.reshape(-1, self.cfg.q_size)
+
+    def o_proj_weight(self, index: int) -> torch.Tensor:
+        return self.decoder_layers[index].self_attn.o_proj.weight
+
+    def post_attention(
+        self, index: int, hidden: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``index`` after its output projection (``hidden``): residual add, norm and the MLP. Returns
+        ``(mlp output, residual)``."""
+        layer = self.decoder_layers[index]
+        gate_up, residual = self._add_norm_linear(
+            hidden, residual, layer.post_attention_layernorm, layer.mlp.gate_up_proj
+        )
+        return self._mlp(gate_up, layer.mlp), residual
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.ops.add_rms_norm(hidden, residual, self.model.norm.weight, self.cfg.rms_norm_eps)[0]
+
     @torch.inference_mode()
     def forward(
         self,
@@ -129,52 +204,16 @@ class CausalLM(nn.Module):
         collect: list | None = None,
     ) -> torch.Tensor:
         """``collect``, when given, receives the residual stream after each layer (numerics checks)."""
-        cfg, ops = self.cfg, self.ops
-        eps = cfg.rms_norm_eps
-        hidden = self.model.embed_tokens(input_ids)
-        residual = None
-        layers = cast("Iterable[DecoderLayer]", self.model.layers)  # nn.ModuleList is not generic
-        for layer, kv in zip(layers, kv_caches, strict=True):
-            k_cache, v_cache = kv.k, kv.v
-            scales = {"k_scales": kv.k_scales, "v_scales": kv.v_scales}
-            attn = layer.self_attn
-            if residual is None:
-                residual = hidden
-                qkv = self._linear(ops.rms_norm(hidden, layer.input_layernorm.weight, eps), attn.qkv_proj)
-            else:
-                qkv, residual = self._add_norm_linear(hidden, residual, layer.input_layernorm, attn.qkv_proj)
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = q.view(-1, cfg.num_heads, cfg.head_dim)
-            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            if cfg.qk_norm:
-                q, k = ops.qk_norm_rope_store_kv(
-                    meta.positions,
-                    q,
-                    k,
-                    v,
-                    attn.q_norm.weight,
-                    attn.k_norm.weight,
-                    eps,
-                    self.cos_sin_cache,
-                    k_cache,
-                    v_cache,
-                    meta.slot_mapping,
-                    **scales,
-                )
-            else:
-                q, k = ops.rotary_embedding(meta.positions, q, k, self.cos_sin_cache)
-                ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
-            o = paged_attention(ops, q, k, v, k_cache, v_cache, meta, self.scale, **scales)
-            hidden = self._linear(o.reshape(-1, cfg.q_size), attn.o_proj)
-            gate_up, residual = self._add_norm_linear(
-                hidden, residual, layer.post_attention_layernorm, layer.mlp.gate_up_proj
-            )
-            hidden = self._mlp(gate_up, layer.mlp)
+        hidden = self.embed(input_ids)
+        residual: torch.Tensor | None = None
+        for i, kv in enumerate(kv_caches):
+            q, k, v, residual = self.pre_attention(i, hidden, residual, meta, kv)
+            hidden = self._linear(self.attend(q, k, v, meta, kv), self.decoder_layers[i].self_attn.o_proj)
+            hidden, residual = self.post_attention(i, hidden, residual)
             if collect is not None:
                 collect.append(hidden + residual)
-        hidden, _ = ops.add_rms_norm(hidden, residual, self.model.norm.weight, eps)
-        return hidden
+        assert residual is not None  # a model has at least one layer
+        return self.final_norm(hidden, residual)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -13,7 +15,7 @@ from kernellab.runtime import ops as torch_ops
 from kernellab.runtime.attention import AttentionMetadata, ContextGather, LayerKV
 from kernellab.runtime.config import EngineConfig, ModelConfig
 from kernellab.runtime.dispatch import Ops, build_ops, describe_fast_path, fast_path, graph_safe
-from kernellab.runtime.graphs import GraphRunner
+from kernellab.runtime.graphs import GraphRunner, PiecewiseGraphs
 from kernellab.runtime.model import CausalLM
 from kernellab.runtime.request.block_manager import slot_of
 from kernellab.runtime.request.outputs import TokenLogprob
@@ -50,6 +52,22 @@ def _slots(table: list[int], start: int, n: int, bs: int) -> list[int]:
     if n < 64:
         return [slot_of(table, p, bs) for p in range(start, start + n)]
     return slot_of(np.asarray(table), np.arange(start, start + n), bs).tolist()
+
+
+@dataclass
+class StepPlan:
+    """A step's rows as the host plans them (``ModelRunner.plan``)."""
+
+    order: list[int]  # the scheduled entries in row order
+    sampling: list[Sequence]  # the sequences that sample, in logits order
+    rows: np.ndarray = field(default_factory=lambda: np.empty((3, 0), dtype=np.int64))  # ids, positions, slots
+    logits_rows: list[int] = field(default_factory=list)
+    dec_tables: list[list[int]] = field(default_factory=list)
+    dec_lens: list[int] = field(default_factory=list)
+    pre_tables: list[list[int]] = field(default_factory=list)
+    pre_lens: list[int] = field(default_factory=list)
+    cu: list[int] = field(default_factory=lambda: [0])  # cumulative prefill rows
+    num_fresh: int = 0  # prefill chunks with no cached context before them (ordered first)
 
 
 class ModelRunner:
@@ -109,10 +127,37 @@ class ModelRunner:
             )
             self.graphs.capture()
             self.use_graphs = True
+        self.piecewise: PiecewiseGraphs | None = None
+        self.use_piecewise = False  # steps that prefill replay piecewise graphs (False: eager; the gate's A/B)
+        if self.graphs is not None and cfg.piecewise_graphs:
+            self.piecewise = self._capture_piecewise()
+            self.use_piecewise = self.piecewise is not None
         # The widest decode window: num_scheduler_steps (0 = 8) replays on captured graphs, else single steps.
         self.max_window = min(cfg.num_scheduler_steps or 8, self.graphs.max_steps) if self.graphs is not None else 1
         self.fast_path = fast_path(ops, model_cfg.qk_norm, device, cfg.cuda_graphs, self.max_window)
+        self.fast_path["piecewise_graphs"] = self.piecewise is not None
         log.info("fast path: %s", describe_fast_path(self.fast_path))
+
+    def _capture_piecewise(self) -> PiecewiseGraphs | None:
+        assert self.graphs is not None  # the piecewise graphs share the other graphs' pool
+        t = time.perf_counter()
+        reserved = torch.cuda.memory_reserved(self.device)
+        pw = PiecewiseGraphs(
+            self.model, self.kv_caches, self.device, self.cfg.max_num_batched_tokens, pool=self.graphs.pool
+        )
+        try:
+            pw.capture()
+        except RuntimeError as exc:  # e.g. an op that cannot be captured: such steps run eagerly
+            log.warning("piecewise CUDA graphs not captured (%s): steps that prefill run eagerly", exc)
+            return None
+        self.graphs.pool = pw.pool
+        pw.capture_s = time.perf_counter() - t
+        pw.reserved_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        n = sum(len(g) for g in pw.graphs.values())
+        log.info(
+            "captured %d piecewise CUDA graphs (%d token buckets) in %.1fs", n, len(pw.graphs), time.perf_counter() - t
+        )
+        return pw
 
     @torch.inference_mode()
     def _init_random(self) -> None:
@@ -156,48 +201,57 @@ class ModelRunner:
         return max(blocks, 1)
 
     # ------------------------------------------------------------------ one step
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata, list[int], list[Sequence]]:
-        """Decode rows (one query token) first, then prefill chunks. Returns the inputs, metadata, the
-        position of each scheduled entry in that order, and the sequences that sample, in logits order."""
-        # Decode rows, then fresh prompts, then chunks that continue a cached context: attention takes the fresh
-        # ones in one batched call and only the others from the cache (a step mixing them once sent every chunk
-        # of the step through the per-sequence cache path: 157 ms for 12k tokens on the H200, where 16k fresh take ~70).
+    def plan(self, out: SchedulerOutput) -> StepPlan:
+        """The step's rows on the host: decode rows (one query token) first, then fresh prompts, then chunks that
+        continue a cached context (attention takes the fresh ones in one batched call and only the others from the
+        cache: a step mixing them once sent every chunk of the step through the per-sequence cache path, 157 ms
+        for 12k tokens on the H200 where 16k fresh take ~70). Token ids, positions and KV slots are one int64
+        ``(3, T)`` array built with numpy: a 16k-token step spent ~3.4 ms of host time turning Python lists into
+        tensors."""
+        sched = out.scheduled
         order = sorted(
-            range(len(out.scheduled)),
-            key=lambda i: (
-                out.scheduled[i][1] != 1,
-                out.scheduled[i][1] != 1 and out.scheduled[i][0].num_computed_tokens > 0,
-            ),
+            range(len(sched)),
+            key=lambda i: (sched[i][1] != 1, sched[i][1] != 1 and sched[i][0].num_computed_tokens > 0),
         )
         bs = self.block_size
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        starts, lens = np.empty(len(order), dtype=np.int64), np.empty(len(order), dtype=np.int64)
+        dec_slots: list[int] = []
+        pre_slots: list[np.ndarray] = []
         logits_rows: list[int] = []
         sampling: list[Sequence] = []
-        dec_tables, dec_lens, pre_tables, pre_lens, cu = [], [], [], [], [0]
-        num_decode = 0
-        num_fresh = 0
-        for i in order:
-            seq, n = out.scheduled[i]
+        plan = StepPlan(order=order, sampling=sampling)
+        for j, i in enumerate(order):
+            seq, n = sched[i]
             start = seq.num_computed_tokens
+            starts[j], lens[j] = start, n
             ids.extend(seq.token_ids[start : start + n])
             table = seq.block_table
-            slots.extend(_slots(table, start, n, bs))
-            positions.extend(range(start, start + n))
             if n == 1:
-                num_decode += 1
-                dec_tables.append(table)
-                dec_lens.append(start + 1)
+                dec_slots.append(slot_of(table, start, bs))
+                plan.dec_tables.append(table)
+                plan.dec_lens.append(start + 1)
             else:
-                pre_tables.append(table)
-                pre_lens.append(start + n)
-                cu.append(cu[-1] + n)
-                num_fresh += start == 0
+                pre_slots.append(slot_of(np.asarray(table), np.arange(start, start + n), bs))
+                plan.pre_tables.append(table)
+                plan.pre_lens.append(start + n)
+                plan.cu.append(plan.cu[-1] + n)
+                plan.num_fresh += start == 0
             if out.samples(seq, n):
                 logits_rows.append(len(ids) - 1)
                 sampling.append(seq)
-        dev = self.device
+        total = len(ids)
+        rows = np.empty((3, total), dtype=np.int64)
+        rows[0] = ids
+        offsets = np.cumsum(lens) - lens
+        rows[1] = np.arange(total) + np.repeat(starts - offsets, lens)
+        rows[2] = np.concatenate([np.asarray(dec_slots, dtype=np.int64), *pre_slots])
+        plan.rows, plan.logits_rows = rows, logits_rows
+        return plan
+
+    def metadata(self, plan: StepPlan, rows: torch.Tensor) -> AttentionMetadata:
+        """The step's attention metadata; ``rows``: the plan's ``(3, ≥T)`` ids/positions/slots on the device."""
+        dev, total = self.device, plan.rows.shape[1]
 
         def table_tensor(tables, graph_width=False):
             if not tables:
@@ -206,30 +260,37 @@ class ModelRunner:
             width = self.graphs.width if graph_width and self.graphs is not None else max(len(t) for t in tables)
             return torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
 
-        meta = AttentionMetadata(
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode_tokens=num_decode,
-            decode_block_tables=table_tensor(dec_tables, graph_width=True),
-            decode_context_lens=torch.tensor(dec_lens, dtype=torch.int32, device=dev) if dec_lens else None,
-            prefill_block_tables=table_tensor(pre_tables),
-            prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev) if pre_tables else None,
-            prefill_context_lens=torch.tensor(pre_lens, dtype=torch.int32, device=dev) if pre_lens else None,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
-            max_decode_context=max(dec_lens, default=0),
+        cu, f = plan.cu, plan.num_fresh
+        return AttentionMetadata(
+            positions=rows[1, :total],
+            slot_mapping=rows[2, :total],
+            num_decode_tokens=len(plan.dec_lens),
+            decode_block_tables=table_tensor(plan.dec_tables, graph_width=True),
+            decode_context_lens=torch.tensor(plan.dec_lens, dtype=torch.int32, device=dev) if plan.dec_lens else None,
+            prefill_block_tables=table_tensor(plan.pre_tables),
+            prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev) if plan.pre_tables else None,
+            prefill_context_lens=torch.tensor(plan.pre_lens, dtype=torch.int32, device=dev) if plan.pre_lens else None,
+            logits_indices=torch.tensor(plan.logits_rows, dtype=torch.long, device=dev),
+            max_decode_context=max(plan.dec_lens, default=0),
             prefill_cu_seqlens_host=cu,
-            prefill_num_fresh=num_fresh,
+            prefill_num_fresh=f,
             prefill_gather=ContextGather.build(
-                pre_tables[num_fresh:],
-                pre_lens[num_fresh:],
-                [b - a for a, b in itertools.pairwise(cu[num_fresh:])],
-                bs,
+                plan.pre_tables[f:],
+                plan.pre_lens[f:],
+                [b - a for a, b in itertools.pairwise(cu[f:])],
+                self.block_size,
                 dev,
             )
-            if len(pre_tables) > num_fresh
+            if len(plan.pre_tables) > f
             else None,
         )
-        return torch.tensor(ids, dtype=torch.long, device=dev), meta, order, sampling
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata, list[int], list[Sequence]]:
+        """The eager step's inputs: token ids, metadata, the position of each scheduled entry in the step's row
+        order, and the sequences that sample, in logits order."""
+        plan = self.plan(out)
+        rows = torch.from_numpy(plan.rows).to(self.device)
+        return rows[0], self.metadata(plan, rows), plan.order, plan.sampling
 
     def decode_window(self, out: SchedulerOutput) -> int:
         """How many greedy decode steps this batch can run back to back on the device, one host sync at the end
@@ -261,6 +322,8 @@ class ModelRunner:
             return [[steps[k][i] for k in range(a)] for i, a in enumerate(out.allowed)], {}
         graphs = self.graphs if self.use_graphs else None
         logits_and_seqs = self._execute_graph(out, graphs) if graphs is not None else None
+        if logits_and_seqs is None and self.use_piecewise and self.piecewise is not None:
+            logits_and_seqs = self._execute_piecewise(out, self.piecewise)
         if logits_and_seqs is None:
             input_ids, meta, _, sampling = self.prepare(out)
             hidden = self.model(input_ids, meta, self.kv_caches)
@@ -306,3 +369,15 @@ class ModelRunner:
                 )
                 return (logits, [seq]) if out.samples(seq, n) else (None, [])
         return None
+
+    def _execute_piecewise(self, out: SchedulerOutput, pw: PiecewiseGraphs):
+        """A step within the largest token bucket through the piecewise graphs (any mix of rows)."""
+        if pw.bucket(out.num_batched_tokens) is None:
+            return None
+        plan = self.plan(out)
+        pw.load(plan.rows)
+        meta = self.metadata(plan, pw.inputs)
+        hidden = pw.run(plan.rows.shape[1], meta)
+        if not plan.sampling:
+            return None, []
+        return self.model.compute_logits(hidden[meta.logits_indices]), plan.sampling

@@ -134,9 +134,12 @@ def graph_equals_eager(engine, prompts: list[list[int]], max_tokens: int = 64) -
     engine.block_manager.enable_prefix_caching = False
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     results = {}
+    pw = engine.runner.piecewise
+    replays = pw.replays if pw is not None else 0
     try:
         for name in ("graph", "eager"):
             engine.runner.use_graphs = name == "graph"
+            engine.runner.use_piecewise = name == "graph" and engine.runner.piecewise is not None
             for i, prompt in enumerate(prompts):
                 engine.add_request(f"{name}{i}", prompt, params)
             tokens: dict[int, list[int]] = {}
@@ -146,12 +149,14 @@ def graph_equals_eager(engine, prompts: list[list[int]], max_tokens: int = 64) -
             results[name] = tokens
     finally:
         engine.runner.use_graphs = engine.runner.graphs is not None
+        engine.runner.use_piecewise = engine.runner.piecewise is not None
         engine.block_manager.enable_prefix_caching = prefix_caching
     return {
         "pass": results["graph"] == results["eager"],
         "sequences": len(prompts),
         "tokens": max_tokens,
         "graphs_used": engine.runner.graphs is not None,
+        "piecewise_replays": (pw.replays - replays) if pw is not None else 0,  # steps that prefilled, replayed
     }
 
 
@@ -174,6 +179,7 @@ def chunk_graph_matches_eager(engine, prefix: list[int], suffixes: list[list[int
             engine.step()
         for name in ("graph", "eager"):
             engine.runner.use_graphs = name == "graph" and graphs is not None
+            engine.runner.use_piecewise = name == "graph" and engine.runner.piecewise is not None
             rows = []
             for i, suffix in enumerate(suffixes):
                 engine.add_request(f"chunk-{name}{i}", prefix + suffix, params)
@@ -184,6 +190,7 @@ def chunk_graph_matches_eager(engine, prefix: list[int], suffixes: list[list[int
             results[name] = rows
     finally:
         engine.runner.use_graphs = graphs is not None
+        engine.runner.use_piecewise = engine.runner.piecewise is not None
         engine.block_manager.enable_prefix_caching = prefix_caching
     diffs = [
         abs(g[1][t] - e[1][t])

@@ -90,6 +90,7 @@ class Worker:
                     block_size=s.block_size,
                     weight_quant=s.weight_quant,
                     kv_cache_dtype=s.kv_cache_dtype,
+                    piecewise_graphs=s.piecewise_graphs,
                 )
             )
         self.engine: Engine = engine
