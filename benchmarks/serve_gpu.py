@@ -95,6 +95,8 @@ VARIANTS = {
     "fullgather": {"KERNELLAB_GATHER_TOKENS": str(1 << 30)},
     # requests prepared by the step loop as it takes them in, not by the I/O thread during the step
     "loopprep": {"KERNELLAB_PREPARE_IN_READER": "0"},
+    # steps that prefill run eagerly instead of replaying the piecewise CUDA graphs (the behaviour before them)
+    "nopiecewise": {"KERNELLAB_PIECEWISE_GRAPHS": "0"},
 }
 GATEWAY_VARIANTS = {"slowpath": {"KERNELLAB_GATEWAY_FAST_PATH": "0"}}  # generation routes through FastAPI
 TARGETS = {"throughput_ratio_min": 0.90, "interactive_added_ttft_p50_ms_max": 5.0, "two_gpu_scaling_min": 1.85}

@@ -344,6 +344,66 @@ def profile(weights, report):
     report["profile"] = summary
 
 
+def prefill_steps(weights, report):
+    """Steps that prefill (a 64-client burst's full and quarter steps, prompts joining a decoding batch), timed one
+    at a time with the piecewise CUDA graphs and eagerly (interleaved), their logits compared, and the burst's full
+    step profiled both ways: GPU kernel time against the step's wall time says whether it is host-bound."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from kernellab.bench.steps import MIXES_H200, _Engine, _timed_step, piecewise_matches_eager, step_times
+
+    t = time.perf_counter()
+    eng = engine(weights, max_num_seqs=256, max_model_len=4096, num_kv_blocks=16384)
+    pw = eng.runner.piecewise
+    section = {
+        "engine_build_s": round(time.perf_counter() - t, 2),
+        "piecewise": None
+        if pw is None
+        else {
+            "buckets": list(pw.buckets),
+            "graphs": sum(len(g) for g in pw.graphs.values()),
+            "capture_s": round(pw.capture_s, 2),
+            "reserved_gib": round(pw.reserved_bytes / 2**30, 3),
+        },
+    }
+    report["prefill_steps"] = section
+    log(f"prefill steps: engine built in {section['engine_build_s']}s; piecewise {section['piecewise']}")
+    section["numerics"] = check = piecewise_matches_eager(eng, MIXES_H200)
+    log(
+        f"piecewise ~ eager: pass={check['pass']} max |diff| {check.get('max_abs_diff')} argmax {check.get('argmax_agree_pct')}%"
+    )
+    section["steps"] = step_times(eng, MIXES_H200, reps=6)
+    for r in section["steps"]:
+        log(
+            f"step {r['mix']:18s} {r['step_rows']:4d} rows {r['step_tokens']:6d} tok  piecewise {r.get('piecewise_ms')} ms  eager {r['eager_ms']} ms  x{r.get('speedup')}"
+        )
+    # one profiled step of the burst's full step, each way
+    name, _, prompts = MIXES_H200[0]
+    e = _Engine(eng, torch.Generator().manual_seed(11))
+    eng.block_manager.enable_prefix_caching = False
+    prof_rows = {}
+    for mode in ("piecewise", "eager") if pw is not None else ("eager",):
+        eng.runner.use_piecewise = mode == "piecewise"
+        _timed_step(e, prompts)  # warm
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            dt, _, _ = _timed_step(e, prompts)
+        kernels = [ev for ev in prof.key_averages() if ev.device_time_total > 0 and ev.cpu_time_total == 0]
+        gpu_ms = sum(ev.device_time_total for ev in kernels) / 1e3
+        top = sorted(kernels, key=lambda ev: ev.device_time_total, reverse=True)[:8]
+        prof_rows[mode] = {
+            "wall_ms_profiled": round(dt * 1e3, 3),
+            "gpu_kernel_ms": round(gpu_ms, 3),
+            "top": [
+                {"name": ev.key[:70], "cuda_ms": round(ev.device_time_total / 1e3, 3), "calls": ev.count} for ev in top
+            ],
+        }
+        log(f"profile {name} {mode}: wall {dt * 1e3:.2f} ms (profiled), GPU kernels {gpu_ms:.2f} ms")
+    eng.runner.use_piecewise = pw is not None
+    section["profile_" + name] = prof_rows
+    del eng
+
+
 def kernel_numerics(op, kernel, reference, model=None) -> dict:
     """The op against its torch reference at real model shapes (Qwen3-0.6B's by default), fresh random inputs
     each seed."""
@@ -542,7 +602,7 @@ def main() -> int:
         "--skip",
         action="append",
         default=[],
-        help="offline_sweep, profile, numerics, offline, latency, ablation, paths, fp8_kv, hf",
+        help="offline_sweep, profile, prefill_steps, numerics, offline, latency, ablation, paths, fp8_kv, hf",
     )
     ap.add_argument("--only", action="append", default=[], help="run only these sections")
     args = ap.parse_args()
@@ -569,6 +629,7 @@ def main() -> int:
     for name, fn in (
         ("offline_sweep", lambda: offline_sweep(weights, report)),
         ("profile", lambda: profile(weights, report)),
+        ("prefill_steps", lambda: prefill_steps(weights, report)),
         ("numerics", lambda: numerics(hf, weights, report)),
         ("latency", lambda: latency(weights, report, None if "hf" in args.skip else hf)),
         ("offline", lambda: offline(weights, report, None if "hf" in args.skip else hf)),
@@ -599,6 +660,11 @@ def print_table(report) -> None:
     for key in ("layer_cosine", "teacher_forced", "graph_equals_eager", "chunk_graph_matches_eager"):
         if key in n:
             print(f"{key:24s} pass={n[key]['pass']}")
+    steps = report.get("prefill_steps") or {}
+    if "numerics" in steps:
+        print(f"piecewise ~ eager         pass={steps['numerics']['pass']}")
+    for r in steps.get("steps", []):
+        print(f"step {r['mix']:20s} piecewise {r.get('piecewise_ms', '-'):>8} ms  eager {r['eager_ms']:>8} ms")
     for r in report["offline"]:
         print(f"offline {r['system']:24s} {r['workload']:18s} {r['output_tok_per_s']:>10.0f} tok/s")
     if report["latency"]:

@@ -1,0 +1,177 @@
+"""Steps that prefill, timed one at a time, and the piecewise CUDA graphs against the eager forward.
+
+A serving engine's prefill steps come in mixes: a burst of fresh prompts (the interactive TTFT), prompts joining
+a decoding batch (continuous batching under arrivals), a chat turn after a cached system prompt. ``step_times``
+builds each mix in a live engine (decode rows already decoding, then the prompts added) and times the one
+``engine.step()`` that runs it, host work and the sampler's sync included, with the runner's piecewise graphs on
+and off in alternating order. ``piecewise_matches_eager`` runs mixed steps through both forwards of the same runner
+and compares their logits (the graphs pad a step to its token bucket, so bf16 GEMMs may round differently).
+Both run on any device; off a GPU there are no piecewise graphs and only the eager side is measured."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+# (name, decode rows, prompt lengths): a 64-client burst's full step, its quarter, arrivals into a decoding batch
+MIXES_H200 = (
+    ("burst-32x512", 0, (512,) * 32),
+    ("burst-8x512", 0, (512,) * 8),
+    ("decode64+2x512", 64, (512, 512)),
+    ("decode128+1x200", 128, (200,)),
+)
+
+
+@dataclass
+class _Engine:
+    engine: object
+    gen: torch.Generator
+    counter: int = 0
+
+    def prompt(self, n: int) -> list[int]:
+        vocab = self.engine.model_config.vocab_size  # type: ignore[attr-defined]
+        return torch.randint(0, min(vocab, 10000), (n,), generator=self.gen).tolist()
+
+    def add(self, prompt_len: int, max_tokens: int) -> str:
+        from kernellab.runtime.request.sampling import SamplingParams
+
+        rid = f"steps{self.counter}"
+        self.counter += 1
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.engine.add_request(rid, self.prompt(prompt_len), params)  # type: ignore[attr-defined]
+        return rid
+
+
+def _sync(engine) -> None:
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _decoding(e: _Engine, rows: int) -> list[str]:
+    """``rows`` requests past their prefill, decoding (long outputs, so they outlive the measurement)."""
+    eng = e.engine
+    ids = [e.add(32, eng.max_model_len - 33) for _ in range(rows)]  # type: ignore[attr-defined]
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) or eng.scheduler.waiting:  # type: ignore[attr-defined]
+        eng.step()  # type: ignore[attr-defined]
+    return ids
+
+
+def _timed_step(e: _Engine, prompts: tuple[int, ...]) -> tuple[float, int, int]:
+    """Add the prompts to the engine as it stands and time the step that takes them: (seconds, rows, tokens)."""
+    eng = e.engine
+    added = [e.add(n, 2) for n in prompts]
+    _sync(eng)
+    t0 = time.perf_counter()
+    eng.step()  # type: ignore[attr-defined]
+    _sync(eng)
+    dt = time.perf_counter() - t0
+    rows, tokens = eng.last_schedule  # type: ignore[attr-defined]
+    for rid in added:
+        eng.abort(rid)  # type: ignore[attr-defined]
+    return dt, rows, tokens
+
+
+def step_times(engine, mixes=MIXES_H200, reps: int = 5, seed: int = 0) -> list[dict]:
+    """Per mix: the median wall time of the step that runs it, with piecewise graphs (where the runner has them)
+    and eagerly, alternating A B, B A, … over ``reps`` rounds; and how many replays the piecewise side made."""
+    runner = engine.runner
+    prefix_caching = engine.block_manager.enable_prefix_caching
+    engine.block_manager.enable_prefix_caching = False  # every round must compute its prompts
+    e = _Engine(engine, torch.Generator().manual_seed(seed))
+    modes = ("piecewise", "eager") if runner.piecewise is not None else ("eager",)
+    out = []
+    try:
+        for name, decode_rows, prompts in mixes:
+            live = _decoding(e, decode_rows)
+            times: dict[str, list[float]] = {m: [] for m in modes}
+            shape = None
+            replays0 = runner.piecewise.replays if runner.piecewise is not None else 0
+            for r in range(reps + 1):  # the first round warms up
+                order = modes if r % 2 == 0 else modes[::-1]
+                for mode in order:
+                    runner.use_piecewise = mode == "piecewise"
+                    dt, rows, tokens = _timed_step(e, prompts)
+                    shape = (rows, tokens)
+                    if r:
+                        times[mode].append(dt)
+            for rid in live:
+                engine.abort(rid)
+            row = {
+                "mix": name,
+                "decode_rows": decode_rows,
+                "prompts": list(prompts),
+                "step_rows": shape[0] if shape else None,
+                "step_tokens": shape[1] if shape else None,
+                **{f"{m}_ms": round(statistics.median(v) * 1e3, 3) for m, v in times.items()},
+                "reps": reps,
+            }
+            if runner.piecewise is not None:
+                row["piecewise_replays"] = runner.piecewise.replays - replays0
+                row["bucket"] = runner.piecewise.bucket(shape[1]) if shape else None
+                row["speedup"] = round(row["eager_ms"] / row["piecewise_ms"], 3)
+            out.append(row)
+    finally:
+        runner.use_piecewise = runner.piecewise is not None
+        engine.block_manager.enable_prefix_caching = prefix_caching
+    return out
+
+
+@torch.inference_mode()
+def piecewise_matches_eager(engine, mixes=MIXES_H200, seed: int = 1, atol: float = 0.1) -> dict:
+    """Each mix's step through the eager forward and through the piecewise graphs of the same runner: the final
+    hidden states of every row (relative error), the logits of every sampling row (max abs difference) and whether
+    their greedy tokens agree. Passes when the hidden states agree within 2e-2, every logit within ``atol`` (bf16
+    GEMMs of a padded bucket may round differently) and at least 99 % of the sampling rows' argmax."""
+    runner = engine.runner
+    pw = runner.piecewise
+    if pw is None:
+        return {"pass": None, "why": "no piecewise graphs on this runner"}
+    prefix_caching = engine.block_manager.enable_prefix_caching
+    engine.block_manager.enable_prefix_caching = False
+    e = _Engine(engine, torch.Generator().manual_seed(seed))
+    rows_out, agree, total, worst = [], 0, 0, 0.0
+    try:
+        for name, decode_rows, prompts in mixes:
+            live = _decoding(e, decode_rows)
+            added = [e.add(n, 2) for n in prompts]
+            out = engine.scheduler.schedule()
+            ids, meta, _, _ = runner.prepare(out)
+            model = runner.model
+            eager_hidden = model(ids, meta, runner.kv_caches)
+            eager = model.compute_logits(eager_hidden[meta.logits_indices])
+            plan = runner.plan(out)
+            t = plan.rows.shape[1]
+            pw.load(plan.rows)
+            pmeta = runner.metadata(plan, pw.inputs)
+            hidden = pw.run(t, pmeta)[:t]
+            piece = model.compute_logits(hidden[pmeta.logits_indices])
+            rel = float((hidden.float() - eager_hidden.float()).norm() / eager_hidden.float().norm())
+            diff = float((piece - eager).abs().max()) if eager.numel() else 0.0
+            same = int((piece.argmax(-1) == eager.argmax(-1)).sum())
+            rows_out.append(
+                {
+                    "mix": name,
+                    "tokens": t,
+                    "bucket": pw.bucket(t),
+                    "hidden_rel_err": rel,
+                    "sampling_rows": int(eager.shape[0]),
+                    "max_abs_logit_diff": diff,
+                    "argmax_agree": same,
+                }
+            )
+            agree, total, worst = agree + same, total + int(eager.shape[0]), max(worst, diff)
+            # undo the step: nothing advanced (it was scheduled, not run), the requests go
+            for rid in [*added, *live]:
+                engine.abort(rid)
+    finally:
+        engine.block_manager.enable_prefix_caching = prefix_caching
+    return {
+        "pass": worst <= atol and agree >= 0.99 * total and all(r["hidden_rel_err"] < 2e-2 for r in rows_out),
+        "max_abs_diff": worst,
+        "argmax_agree_pct": round(100 * agree / max(total, 1), 3),
+        "atol": atol,
+        "mixes": rows_out,
+    }
