@@ -20,7 +20,7 @@ def serve(settings: WorkerSettings) -> None:
 
     # The I/O threads need the GIL for well under a millisecond per step; by default a thread waiting for it
     # can wait the whole 5 ms switch interval while the step loop runs Python, which a client sees as latency.
-    sys.setswitchinterval(0.0005)
+    sys.setswitchinterval(settings.switch_interval_s)
     if settings.nice:
         os.nice(settings.nice)
     worker = Worker(settings)
