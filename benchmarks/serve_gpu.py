@@ -97,8 +97,6 @@ VARIANTS = {
     "loopprep": {"KERNELLAB_PREPARE_IN_READER": "0"},
     # steps that prefill run eagerly instead of replaying the piecewise CUDA graphs (the behaviour before them)
     "nopiecewise": {"KERNELLAB_PIECEWISE_GRAPHS": "0"},
-    # the request reader holds on to the GIL through a burst (the behaviour before reader_yields)
-    "noyield": {"KERNELLAB_READER_YIELDS": "0"},
     # a 0.1 ms GIL switch interval in the worker instead of 0.5 ms
     "si100": {"KERNELLAB_SWITCH_INTERVAL_S": "0.0001"},
 }

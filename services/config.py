@@ -132,13 +132,8 @@ class WorkerSettings(StackSettings):
     # in (the behaviour before; the serving benchmark's "-loopprep" phases measure the two against each other,
     # since the reader then holds the GIL while the step's Python launches kernels).
     prepare_in_reader: bool = True
-    # The reader lets go of the GIL after each request it prepares. Without it, a burst's preparation holds the
-    # GIL while the step loop wants it back after every CUDA-graph replay (which releases it), and each such wait
-    # can last the whole switch interval: an 8-prompt prefill step took 25 ms in the worker against 10.5 ms in
-    # the engine alone on the H200 while the rest of a 64-request burst arrived (docs/deploy.md).
-    reader_yields: bool = True
     # sys.setswitchinterval of the worker process: how long a thread that wants the GIL waits before the holder is
-    # asked to drop it (Python's default is 5 ms).
+    # asked to drop it (Python's default is 5 ms). 0.1 ms measured no better on the H200 (docs/deploy.md).
     switch_interval_s: float = Field(0.0005, gt=0, le=0.1)
     # After a step that produced first tokens, wait (at most this long) until they are written to Redis.
     first_token_flush_s: float = Field(0.005, ge=0)

@@ -164,7 +164,6 @@ class RedisIO:
         prepare: Callable[[Delivery, float], Any],
         metrics=None,
         outage_grace_s: float = 2.0,
-        yield_gil: bool = False,
     ):
         self.url, self.keys, self.worker_id = url, keys, worker_id
         self.max_num_seqs, self.batch_share = max_num_seqs, batch_share
@@ -173,7 +172,6 @@ class RedisIO:
         self.output_ttl_ms = output_ttl_s * 1000
         self.inbox, self.make_heartbeat, self.metrics = inbox, heartbeat, metrics
         self.prepare = prepare  # (delivery, time.monotonic() it was read) → the inbox's "add" payload
-        self.yield_gil = yield_gil  # let go of the GIL between two prepared requests (WorkerSettings.reader_yields)
         self.outage_grace_s = outage_grace_s
         self.holdings = Holdings()
         self.cancels = RecentCancels(request_timeout_s)
@@ -224,8 +222,6 @@ class RedisIO:
         for d in deliveries:
             self.holdings.add(d)
             self.inbox.put(("add", self.prepare(d, received)))
-            if self.yield_gil:
-                time.sleep(0)  # releases the GIL: a step loop waiting for it takes it now, not a switch interval later
 
     # ----------------------------------------------------------------- threads
     def _read_requests(self) -> None:

@@ -113,7 +113,6 @@ class Worker:
             inbox=self.inbox,
             heartbeat=self.heartbeat,
             prepare=self.prepare if s.prepare_in_reader else self._defer,
-            yield_gil=s.reader_yields,
             metrics=self.metrics,
         )
         self.active: dict[str, Active] = {}
