@@ -116,6 +116,7 @@ def gpu_table() -> str:
             f"| greedy CUDA-graph output == eager, same runner ({g['sequences']}×{g['tokens']} tokens) | "
             f"{'identical' if g['pass'] else 'differs'} | {'yes' if g['pass'] else 'no'} |"
         )
+    lines += prefill_step_rows(data.get("prefill_steps") or {})
     paths = data.get("paths") or {}
     targets = paths.get("targets") or {}
     if targets:
@@ -148,6 +149,31 @@ def gpu_table() -> str:
             lines.append(row + (f" {r['ttft_32_after_cached_prefix_ms']:.2f} |" if cached else ""))
     lines += fp8_rows(data.get("fp8_kv") or {})
     return "\n".join(lines)
+
+
+def prefill_step_rows(steps: dict) -> list[str]:
+    """The gate's prefill_steps section: each mix's step with piecewise CUDA graphs and eagerly, and the two
+    forwards' agreement."""
+    if not steps.get("steps"):
+        return []
+    pw, num = steps.get("piecewise") or {}, steps.get("numerics") or {}
+    lines = [
+        "",
+        f"Steps that prefill (same run, one `engine.step()` each, median of {steps['steps'][0]['reps']} alternating "
+        f"rounds): piecewise CUDA graphs ({pw.get('graphs')} graphs over {len(pw.get('buckets', []))} token buckets, "
+        f"captured in {pw.get('capture_s')} s, {pw.get('reserved_gib')} GiB) against the eager forward. Their "
+        f"logits agree: max |difference| {num.get('max_abs_diff')}, argmax {num.get('argmax_agree_pct')} % "
+        f"({'pass' if num.get('pass') else 'FAIL'}).",
+        "",
+        "| step | rows | tokens (bucket) | piecewise ms | eager ms | speed-up |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in steps["steps"]:
+        lines.append(
+            f"| {r['mix']} | {r['step_rows']} | {r['step_tokens']:,} ({r.get('bucket', 0):,}) | "
+            f"{r.get('piecewise_ms', '—')} | {r['eager_ms']} | {r.get('speedup', '—')}× |"
+        )
+    return lines
 
 
 def fp8_rows(fp8: dict) -> list[str]:
