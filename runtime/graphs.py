@@ -326,13 +326,14 @@ class PiecewiseGraphs:
         self.buckets = (*(b for b in buckets if b < max_tokens), max_tokens)
         n = self.buckets[-1]
         cuda = torch.device(device).type == "cuda"
-        self.host = torch.zeros((3, n), dtype=torch.int64, pin_memory=cuda)  # ids, positions, slots
-        self.inputs = torch.zeros((3, n), dtype=torch.int64, device=device)
+        # ids, positions, slots (and a logits row that only the fresh-prompt metadata's form needs)
+        self.host = torch.zeros((4, n), dtype=torch.int64, pin_memory=cuda)
+        self.inputs = torch.zeros((4, n), dtype=torch.int64, device=device)
         self.inputs[2].fill_(-1)  # warm-up and capture write no KV
         dtype = model.model.embed_tokens.weight.dtype
         self.attn_out = torch.zeros((n, model.cfg.hidden_size), dtype=dtype, device=device)
         # The pieces' metadata: only positions and slots (RoPE, the KV write) are read inside a piece.
-        self.metas = {b: piece_metadata(self.inputs, b) for b in self.buckets}
+        self.metas = {b: prefill_metadata(self.inputs, b) for b in self.buckets}
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.qkv: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         self.final: dict[int, torch.Tensor] = {}
@@ -397,10 +398,10 @@ class PiecewiseGraphs:
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has left the pinned buffer
         host = self.host.numpy()
-        host[:, :t] = rows
-        host[:, t:b] = 0
+        host[:3, :t] = rows
+        host[:3, t:b] = 0
         host[2, t:b] = -1
-        self.inputs[:, :b].copy_(self.host[:, :b], non_blocking=True)
+        self.inputs[:3, :b].copy_(self.host[:3, :b], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
         return b
@@ -424,18 +425,3 @@ class PiecewiseGraphs:
             graphs[-1].replay()
             return self.final[b]
         return self._piece(b, self.num_layers, residual)
-
-
-def piece_metadata(inputs: torch.Tensor, b: int) -> AttentionMetadata:
-    """What the pieces of bucket ``b`` read of a step's metadata: positions and KV slots of its rows."""
-    return AttentionMetadata(
-        positions=inputs[1, :b],
-        slot_mapping=inputs[2, :b],
-        num_decode_tokens=0,
-        decode_block_tables=None,
-        decode_context_lens=None,
-        prefill_block_tables=None,
-        prefill_cu_seqlens_q=None,
-        prefill_context_lens=None,
-        logits_indices=inputs[0, :0],
-    )

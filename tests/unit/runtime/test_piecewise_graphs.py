@@ -13,6 +13,10 @@ from kernellab.runtime.graphs import PiecewiseGraphs, weak_view
 from kernellab.runtime.request.sampling import SamplingParams
 
 
+def tiny_engine(checkpoint, **kw) -> LLMEngine:
+    return LLMEngine(model=str(checkpoint), device="cpu", dtype="float32", num_kv_blocks=128, max_model_len=256, **kw)
+
+
 def mixed_step(eng: LLMEngine, gen: torch.Generator):
     """A scheduled step holding decode rows, a fresh prompt and a chunk after a cached prefix."""
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -106,14 +110,7 @@ def test_a_staggered_workload_decodes_the_same_through_the_pieces(tiny_checkpoin
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outputs = {}
     for mode in ("eager", "pieces"):
-        eng = LLMEngine(
-            model=str(tiny_checkpoints["qwen3"]),
-            device="cpu",
-            dtype="float32",
-            num_kv_blocks=128,
-            max_model_len=256,
-            max_num_batched_tokens=96,
-        )
+        eng = tiny_engine(tiny_checkpoints["qwen3"], max_num_batched_tokens=96)
         pw = attach_pieces(eng) if mode == "pieces" else None
         tokens: dict[str, list[int]] = {}
         for i, p in enumerate(prompts):
@@ -135,15 +132,7 @@ def test_step_bench_and_numerics_check_run_on_the_cpu(tiny_checkpoints):
     timed; with (uncaptured) pieces both sides, and the two forwards' logits agree."""
     from kernellab.bench.steps import piecewise_matches_eager, step_times
 
-    eng = LLMEngine(
-        model=str(tiny_checkpoints["qwen3"]),
-        device="cpu",
-        dtype="float32",
-        num_kv_blocks=128,
-        max_model_len=256,
-        max_num_seqs=16,
-        max_num_batched_tokens=96,
-    )
+    eng = tiny_engine(tiny_checkpoints["qwen3"], max_num_seqs=16, max_num_batched_tokens=96)
     mixes = (("burst-2x20", 0, (20, 20)), ("decode4+1x30", 4, (30,)))
     plain = step_times(eng, mixes, reps=1)
     assert [r["mix"] for r in plain] == ["burst-2x20", "decode4+1x30"] and "piecewise_ms" not in plain[0]
