@@ -46,12 +46,13 @@ def resolve_dtype(dtype: str, device: torch.device, preferred: str = "bfloat16")
     return torch.float32
 
 
-def _slots(table: list[int], start: int, n: int, bs: int) -> list[int]:
-    """KV slots of positions ``start .. start + n - 1``: vectorized for prompt chunks (a 16k-token prefill step
-    spent ~3 ms of host time in a per-token loop), a plain loop for the few tokens where numpy's call costs more."""
+def _slots(table: list[int], start: int, n: int, bs: int) -> np.ndarray:
+    """KV slots (int64) of positions ``start .. start + n - 1``: vectorized for prompt chunks (a 16k-token prefill
+    step spent ~3 ms of host time in a per-token loop), a plain loop for the few tokens where numpy's call costs
+    more."""
     if n < 64:
-        return [slot_of(table, p, bs) for p in range(start, start + n)]
-    return slot_of(np.asarray(table), np.arange(start, start + n), bs).tolist()
+        return np.array([slot_of(table, p, bs) for p in range(start, start + n)], dtype=np.int64)
+    return slot_of(np.asarray(table, dtype=np.int64), np.arange(start, start + n), bs)
 
 
 @dataclass
@@ -138,6 +139,12 @@ class ModelRunner:
         self.fast_path["piecewise_graphs"] = self.piecewise is not None
         log.info("fast path: %s", describe_fast_path(self.fast_path))
 
+    def graphs_on(self, on: bool) -> None:
+        """Replay the captured graphs (whole-step and piecewise) where they exist, or run every step eagerly (the
+        same runner: the graph == eager checks)."""
+        self.use_graphs = on and self.graphs is not None
+        self.use_piecewise = on and self.piecewise is not None
+
     def _capture_piecewise(self) -> PiecewiseGraphs | None:
         assert self.graphs is not None  # the piecewise graphs share the other graphs' pool
         t = time.perf_counter()
@@ -154,9 +161,7 @@ class ModelRunner:
         pw.capture_s = time.perf_counter() - t
         pw.reserved_bytes = torch.cuda.memory_reserved(self.device) - reserved
         n = sum(len(g) for g in pw.graphs.values())
-        log.info(
-            "captured %d piecewise CUDA graphs (%d token buckets) in %.1fs", n, len(pw.graphs), time.perf_counter() - t
-        )
+        log.info("captured %d piecewise CUDA graphs (%d token buckets) in %.1fs", n, len(pw.graphs), pw.capture_s)
         return pw
 
     @torch.inference_mode()
@@ -232,7 +237,7 @@ class ModelRunner:
                 plan.dec_tables.append(table)
                 plan.dec_lens.append(start + 1)
             else:
-                pre_slots.append(slot_of(np.asarray(table), np.arange(start, start + n), bs))
+                pre_slots.append(_slots(table, start, n, bs))
                 plan.pre_tables.append(table)
                 plan.pre_lens.append(start + n)
                 plan.cu.append(plan.cu[-1] + n)
@@ -359,9 +364,7 @@ class ModelRunner:
             seq, n = sched[0]
             start = seq.num_computed_tokens
             if n > 1 and start == 0 and out.samples(seq, n) and graphs.prefill_bucket(n):
-                table = seq.block_table
-                slots = _slots(table, 0, n, bs)
-                return graphs.prefill(seq.token_ids[:n], slots), [seq]
+                return graphs.prefill(seq.token_ids[:n], _slots(seq.block_table, 0, n, bs)), [seq]
             # a chunk after a cached context (a prefix-cache hit, the next chunk of a long prompt)
             if n > 1 and start > 0 and graphs.chunk_bucket(n, start + n):
                 logits = graphs.chunk(

@@ -138,8 +138,7 @@ def graph_equals_eager(engine, prompts: list[list[int]], max_tokens: int = 64) -
     replays = pw.replays if pw is not None else 0
     try:
         for name in ("graph", "eager"):
-            engine.runner.use_graphs = name == "graph"
-            engine.runner.use_piecewise = name == "graph" and engine.runner.piecewise is not None
+            engine.runner.graphs_on(name == "graph")
             for i, prompt in enumerate(prompts):
                 engine.add_request(f"{name}{i}", prompt, params)
             tokens: dict[int, list[int]] = {}
@@ -148,8 +147,7 @@ def graph_equals_eager(engine, prompts: list[list[int]], max_tokens: int = 64) -
                     tokens.setdefault(int(out.request_id.removeprefix(name)), []).extend(out.new_token_ids)
             results[name] = tokens
     finally:
-        engine.runner.use_graphs = engine.runner.graphs is not None
-        engine.runner.use_piecewise = engine.runner.piecewise is not None
+        engine.runner.graphs_on(True)
         engine.block_manager.enable_prefix_caching = prefix_caching
     return {
         "pass": results["graph"] == results["eager"],
@@ -178,8 +176,7 @@ def chunk_graph_matches_eager(engine, prefix: list[int], suffixes: list[list[int
         while engine.has_unfinished_requests():
             engine.step()
         for name in ("graph", "eager"):
-            engine.runner.use_graphs = name == "graph" and graphs is not None
-            engine.runner.use_piecewise = name == "graph" and engine.runner.piecewise is not None
+            engine.runner.graphs_on(name == "graph")
             rows = []
             for i, suffix in enumerate(suffixes):
                 engine.add_request(f"chunk-{name}{i}", prefix + suffix, params)
@@ -189,8 +186,7 @@ def chunk_graph_matches_eager(engine, prefix: list[int], suffixes: list[list[int
                         rows.append((out.new_token_ids[0], dict(lp.top) if lp else {}))
             results[name] = rows
     finally:
-        engine.runner.use_graphs = graphs is not None
-        engine.runner.use_piecewise = engine.runner.piecewise is not None
+        engine.runner.graphs_on(True)
         engine.block_manager.enable_prefix_caching = prefix_caching
     diffs = [
         abs(g[1][t] - e[1][t])

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernellab.bench.latency import _random_prompt, _sync
+
 # (name, decode rows, prompt lengths): a 64-client burst's full step, its quarter, arrivals into a decoding batch
 MIXES_H200 = (
     ("burst-32x512", 0, (512,) * 32),
@@ -31,23 +33,15 @@ class _Engine:
     gen: torch.Generator
     counter: int = 0
 
-    def prompt(self, n: int) -> list[int]:
-        vocab = self.engine.model_config.vocab_size  # type: ignore[attr-defined]
-        return torch.randint(0, min(vocab, 10000), (n,), generator=self.gen).tolist()
-
     def add(self, prompt_len: int, max_tokens: int) -> str:
         from kernellab.runtime.request.sampling import SamplingParams
 
         rid = f"steps{self.counter}"
         self.counter += 1
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        self.engine.add_request(rid, self.prompt(prompt_len), params)  # type: ignore[attr-defined]
+        vocab = self.engine.model_config.vocab_size  # type: ignore[attr-defined]
+        self.engine.add_request(rid, _random_prompt(prompt_len, vocab, self.gen), params)  # type: ignore[attr-defined]
         return rid
-
-
-def _sync(engine) -> None:
-    if engine.runner.device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _decoding(e: _Engine, rows: int) -> list[str]:
@@ -63,10 +57,10 @@ def _timed_step(e: _Engine, prompts: tuple[int, ...]) -> tuple[float, int, int]:
     """Add the prompts to the engine as it stands and time the step that takes them: (seconds, rows, tokens)."""
     eng = e.engine
     added = [e.add(n, 2) for n in prompts]
-    _sync(eng)
+    _sync(eng.runner.device)  # type: ignore[attr-defined]
     t0 = time.perf_counter()
     eng.step()  # type: ignore[attr-defined]
-    _sync(eng)
+    _sync(eng.runner.device)  # type: ignore[attr-defined]
     dt = time.perf_counter() - t0
     rows, tokens = eng.last_schedule  # type: ignore[attr-defined]
     for rid in added:
