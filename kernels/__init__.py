@@ -29,6 +29,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "silu_and_mul_linear": ("gemv", "silu_and_mul_linear"),
     "add_rms_norm_linear": ("gemv", "add_rms_norm_linear"),
     "paged_decode_attention": ("paged_attention", "paged_decode_attention"),
+    "paged_decode_attention_qk_norm_rope": ("paged_attention", "paged_decode_attention_qk_norm_rope"),
     "argmax": ("argmax", "argmax"),
 }
 

@@ -69,10 +69,39 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import cached_empty, cached_zeros, cdiv, next_pow2, num_sms, require, use_pdl
 from .kv_cache import check_cache
+from .rope import _norm_rope_heads
 
-__all__ = ["num_splits", "paged_decode_attention"]
+__all__ = ["num_splits", "paged_decode_attention", "paged_decode_attention_qk_norm_rope"]
 
 _LOG2E = 1.4426950408889634
+# The fewest context tokens one slice takes (see "Trade-offs tried"): below it, publishing a partial and merging
+# it costs more than walking a few more tiles in the same program.
+MIN_SLICE_TOKENS = 64
+
+
+@triton.jit
+def _attend_tile(q, k, v, ks, vs, t_mask, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, FP8: tl.constexpr):
+    """One tile of keys/values into the online softmax ``(m_i, l_i, acc)`` (base 2); FP8 tiles come widened to q's
+    dtype with their per-token scales ``ks``/``vs``."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+    if FP8:
+        s = s * ks[None, :]
+    s = tl.where(t_mask[None, :], s, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    pv = p
+    if FP8:
+        pv = p * vs[None, :]
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -88,9 +117,22 @@ def _paged_decode_kernel(
     cnt_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    kn_ptr,
+    vn_ptr,
+    qw_ptr,
+    kw_ptr,
+    cs_ptr,
+    slot_ptr,
+    eps,
+    stride_knb,
+    stride_knh,
+    stride_vnb,
+    stride_vnh,
+    stride_cs,
     qk_scale,
     block_size,
     n_splits,
+    min_slice,
     n_q_heads,
     n_kv_heads,
     head_dim,
@@ -112,11 +154,14 @@ def _paged_decode_kernel(
     S_PAD: tl.constexpr,
     IEEE: tl.constexpr,
     FP8: tl.constexpr,
+    ROPE: tl.constexpr = False,
+    HALF: tl.constexpr = 64,
     PDL: tl.constexpr = False,
 ):
     if PDL:  # see _common.use_pdl; every program waits, even a slice that exits at once (the chain's order)
         gdc_launch_dependents()
-        gdc_wait()
+        if not ROPE:  # the fused form waits after loading its first tile (below)
+            gdc_wait()
     b = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -125,7 +170,7 @@ def _paged_decode_kernel(
         # Slices are cut from this sequence's own length, not the launch's bound (the graph's widest context):
         # ceil(ctx / S) tokens each, in whole tiles. A short context needs few slices; the rest exit here,
         # before any load, and take no part in the merge.
-        per_split = tl.cdiv(tl.cdiv(ctx, n_splits), BLOCK_N) * BLOCK_N
+        per_split = tl.maximum(tl.cdiv(tl.cdiv(ctx, n_splits), BLOCK_N) * BLOCK_N, min_slice)
         n_active = tl.cdiv(ctx, per_split)
     else:
         per_split = ctx
@@ -138,25 +183,93 @@ def _paged_decode_kernel(
         g_mask = g < GROUP
         d_mask = d < head_dim
         heads = hk * GROUP + g
-        q = tl.load(
-            q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
-            mask=g_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )
-
+        walk_end = end
+        loop_start = start
         m_i = tl.full([G_PAD], -float("inf"), dtype=tl.float32)
         l_i = tl.zeros([G_PAD], dtype=tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
         table = block_tables_ptr + b.to(tl.int64) * stride_bt
-        for t0 in range(start, end, BLOCK_N):
+        if ROPE:
+            # q, k and v are this step's raw projections: the group's q heads and the new token's k get Qwen3's
+            # QK-norm and RoPE here (rope.py's code and roundings), the first slice writes the new k and v to the
+            # cache, and the slice that ends the context attends the new token from registers, not the cache.
+            # Every cache row read here is an older token's, written by an earlier step (which ended before this
+            # one began), so the slice's first tile is loaded before waiting for the QKV projection (PDL): its
+            # latency overlaps that kernel instead of following it.
+            walk_end = tl.minimum(end, ctx - 1)
+            t = start + tl.arange(0, BLOCK_N)
+            t_mask = t < walk_end
+            block = tl.load(table + t // block_size, mask=t_mask, other=0).to(tl.int64)
+            row = block * stride_cb + (t % block_size) * stride_co + hk * stride_ch
+            kv_mask = t_mask[:, None] & d_mask[None, :]
+            k_first = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v_first = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if PDL:
+                gdc_wait()
+            act_ty = q_ptr.dtype.element_ty
+            pos = (ctx - 1).to(tl.int64)
+            dh = tl.arange(0, HALF)
+            cos = tl.load(cs_ptr + pos * stride_cs + dh).to(act_ty).to(tl.float32)[None, :]
+            sin = tl.load(cs_ptr + pos * stride_cs + HALF + dh).to(act_ty).to(tl.float32)[None, :]
+            q1, q2, _ = _norm_rope_heads(
+                q_ptr + b.to(tl.int64) * stride_qb + (hk * GROUP) * stride_qh,
+                stride_qh,
+                GROUP,
+                qw_ptr,
+                cos,
+                sin,
+                eps,
+                G_PAD,
+                HALF,
+                HALF,
+                True,
+            )
+            q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (G_PAD, 2 * HALF))
+            k1, k2, _ = _norm_rope_heads(
+                kn_ptr + b.to(tl.int64) * stride_knb + hk * stride_knh,
+                stride_knh,
+                1,
+                kw_ptr,
+                cos,
+                sin,
+                eps,
+                1,
+                HALF,
+                HALF,
+                True,
+            )
+            k_new = tl.reshape(tl.permute(tl.join(k1, k2), (0, 2, 1)), (1, 2 * HALF))
+            v_new = tl.load(vn_ptr + b.to(tl.int64) * stride_vnb + hk * stride_vnh + d, mask=d_mask, other=0.0)
+            if split == 0:
+                slot = tl.load(slot_ptr + b).to(tl.int64)
+                if slot >= 0:
+                    new_row = (slot // block_size) * stride_cb + (slot % block_size) * stride_co + hk * stride_ch
+                    tl.store(k_cache_ptr + new_row + dh[None, :], k1)
+                    tl.store(k_cache_ptr + new_row + HALF + dh[None, :], k2)
+                    tl.store(v_cache_ptr + new_row + d, v_new, mask=d_mask)
+            if start < walk_end:  # (a one-token context has no cached tile)
+                m_i, l_i, acc = _attend_tile(
+                    q, k_first, v_first, l_i, l_i, t_mask, m_i, l_i, acc, qk_scale, IEEE, False
+                )
+            loop_start = start + BLOCK_N
+        else:
+            q = tl.load(
+                q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :],
+                other=0.0,
+            )
+
+        for t0 in range(loop_start, walk_end, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
-            t_mask = t < end
+            t_mask = t < walk_end
             block = tl.load(table + t // block_size, mask=t_mask, other=0).to(tl.int64)
             row = block * stride_cb + (t % block_size) * stride_co + hk * stride_ch
             kv_mask = t_mask[:, None] & d_mask[None, :]
             # K and V are both issued before any arithmetic: their latencies overlap instead of adding up
             k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            ks = l_i  # unused without FP8
+            vs = l_i
             if FP8:
                 # FP8 rows widen exactly to q's dtype; their per-token scales multiply the scores' columns (K) and
                 # the probabilities' columns (V) instead of a dequantized copy of the tile
@@ -165,25 +278,17 @@ def _paged_decode_kernel(
                 vs = tl.load(v_scale_ptr + srow, mask=t_mask, other=0.0)
                 k = k.to(q.dtype)
                 v = v.to(q.dtype)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-            else:
-                s = tl.dot(q, tl.trans(k)) * qk_scale
-            if FP8:
-                s = s * ks[None, :]
-            s = tl.where(t_mask[None, :], s, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            pv = p
-            if FP8:
-                pv = p * vs[None, :]
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k, v, ks, vs, t_mask, m_i, l_i, acc, qk_scale, IEEE, FP8)
+        if ROPE:  # noqa: SIM102 (a constexpr guard: the tensor test must not be compiled without ROPE)
+            if end == ctx:  # the new token, from registers (its cache row may not be written yet)
+                s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale
+                m_new = tl.maximum(m_i, s_new)
+                alpha = tl.exp2(m_i - m_new)
+                p_new = tl.exp2(s_new - m_new)
+                l_i = l_i * alpha + p_new
+                pv_new = p_new.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+                acc = acc * alpha[:, None] + pv_new
+                m_i = m_new
 
         out_mask = g_mask[:, None] & d_mask[None, :]
         out_rows = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
@@ -223,6 +328,9 @@ def _paged_decode_kernel(
         else:
             o = acc / l_i[:, None]
             tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    if ROPE and PDL:  # noqa: SIM102 (a constexpr guard) — an idle slice still waits: the grid ends after its producer
+        if split >= n_active:
+            gdc_wait()
 
 
 def num_splits(batch: int, kv_heads: int, max_context: int, block_n: int, device: torch.device) -> int:
@@ -246,6 +354,7 @@ def paged_decode_attention(
     max_context_len: int | None = None,
     splits: int | None = None,
     block_n: int = 64,
+    min_slice: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
     k_scales: torch.Tensor | None = None,
@@ -253,9 +362,65 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Decode attention of ``q: (B, Hq, D)`` over the paged caches; returns ``(B, Hq, D)`` in q's dtype.
 
-    ``max_context_len`` (a host int, optional) only sizes the split; it must be ≥ every context length. An FP8
+    ``max_context_len`` (a host int, optional) only sizes the split; it must be ≥ every context length.
+    ``min_slice``: the fewest tokens a slice takes (rounded up to whole ``block_n`` tiles; default
+    ``MIN_SLICE_TOKENS``), so a short context runs in one program without the merge. An FP8
     cache (``float8_e4m3fn``) comes with ``k_scales, v_scales: (num_blocks, block_size, Hk)`` fp32.
     """
+    return _decode(
+        q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, block_n, min_slice,
+        num_warps, num_stages, k_scales, v_scales, None,
+    )  # fmt: skip
+
+
+def paged_decode_attention_qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    max_context_len: int | None = None,
+    splits: int | None = None,
+    block_n: int = 64,
+    min_slice: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """A decode step's attention from its raw q/k/v projections (Qwen3): ``qk_norm_rope_store_kv`` at positions
+    ``context_lens - 1``, then ``paged_decode_attention``, in one launch (reference
+    ``ops.paged_decode_attention_qk_norm_rope``). ``q: (B, Hq, D)``, ``k, v: (B, Hk, D)`` may be strided views
+    of the fused QKV row (unit stride along D); the new token's k and v are written at ``slot_mapping`` (slots
+    < 0: not written) and attended from registers. bf16/fp16 caches; D a power of two."""
+    B, D = q.shape[0], q.shape[2]
+    Hk = k_cache.shape[2]
+    require(D >= 16 and D & (D - 1) == 0, "head_dim must be a power of two")
+    require(k_cache.dtype == q.dtype, "the fused op writes caches of q's dtype (no FP8)")
+    for name, t in (("k", k), ("v", v)):
+        require(t.shape == (B, Hk, D) and t.stride(2) == 1 and t.dtype == q.dtype, f"{name} must be (B, Hk, D)")
+    require(q_norm_weight.shape == (D,) and k_norm_weight.shape == (D,), "norm weights must be (head_dim,)")
+    require(cos_sin_cache.shape[-1] == D and cos_sin_cache.stride(-1) == 1, "cos_sin_cache must be (P, head_dim)")
+    require(slot_mapping.shape == (B,), "slot_mapping must be (B,)")
+    rope = (k, v, q_norm_weight, k_norm_weight, cos_sin_cache, slot_mapping, eps)
+    return _decode(
+        q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, block_n, min_slice,
+        num_warps, num_stages, None, None, rope,
+    )  # fmt: skip
+
+
+def _decode(
+    q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, block_n, min_slice,
+    num_warps, num_stages, k_scales, v_scales, rope,
+):  # fmt: skip
     B, Hq, D = q.shape
     _, block_size, Hk, Dc = k_cache.shape
     require(Dc == D and v_cache.shape == k_cache.shape, "caches must be (num_blocks, block_size, Hk, D)")
@@ -295,9 +460,14 @@ def paged_decode_attention(
         ml_ws,
         counters,
         *(scales if scales is not None else (out, out)),  # unused when FP8=False
+        *(rope[:6] if rope is not None else (q, q, q, q, q, q)),  # unused when ROPE=False
+        rope[6] if rope is not None else 0.0,
+        *((rope[0].stride(0), rope[0].stride(1), rope[1].stride(0), rope[1].stride(1)) if rope else (0, 0, 0, 0)),
+        rope[4].stride(0) if rope is not None else 0,
         scale * _LOG2E,
         block_size,
         n_split,
+        cdiv(MIN_SLICE_TOKENS if min_slice is None else max(min_slice, 1), block_n) * block_n,
         Hq,
         Hk,
         D,
@@ -316,9 +486,12 @@ def paged_decode_attention(
         S_PAD=next_pow2(n_split),
         IEEE=q.dtype == torch.float32,
         FP8=scales is not None,
+        ROPE=rope is not None,
+        HALF=D // 2,
         PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
+        enable_fp_fusion=rope is None,  # the fused QK-norm + RoPE keeps every rounding of rope.py (see there)
     )
     return out

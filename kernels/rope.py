@@ -119,6 +119,7 @@ def _qk_rope_kernel(
     kw_ptr,
     q_out_ptr,
     k_out_ptr,
+    v_out_ptr,
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
@@ -138,6 +139,8 @@ def _qk_rope_kernel(
     stride_qoh,
     stride_kot,
     stride_koh,
+    stride_vot,
+    stride_voh,
     stride_cb,
     stride_co,
     stride_ch,
@@ -151,6 +154,7 @@ def _qk_rope_kernel(
     NORM: tl.constexpr,
     STORE: tl.constexpr,
     FP8: tl.constexpr,
+    V_OUT: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     if PDL:  # see _common.use_pdl
@@ -179,6 +183,11 @@ def _qk_rope_kernel(
     tl.store(ko, k1, mask=kmask)
     tl.store(ko + HALF, k2, mask=kmask)
 
+    if V_OUT:  # a dense copy of v for the prefill attention (every row, padding included)
+        vp = v_ptr + t * stride_vt + hk[:, None] * stride_vh + d[None, :]
+        vo = v_out_ptr + t * stride_vot + hk[:, None] * stride_voh + d[None, :]
+        tl.store(vo, tl.load(vp, mask=kmask, other=0.0), mask=kmask)
+        tl.store(vo + HALF, tl.load(vp + HALF, mask=kmask, other=0.0), mask=kmask)
     if STORE:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
@@ -207,7 +216,22 @@ def _check_heads(name: str, t: torch.Tensor, T: int, D: int) -> None:
 
 
 def _launch(
-    positions, q, k, v, q_w, k_w, eps, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out, k_out, k_scales, v_scales
+    positions,
+    q,
+    k,
+    v,
+    q_w,
+    k_w,
+    eps,
+    cos_sin_cache,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    q_out,
+    k_out,
+    k_scales,
+    v_scales,
+    v_out=None,
 ):
     T, Hq, D = q.shape
     Hk = k.shape[1]
@@ -227,6 +251,10 @@ def _launch(
         k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
     _check_heads("q_out", q_out, T, D)
     _check_heads("k_out", k_out, T, D)
+    if v_out is not None:
+        _check_heads("v", v, T, D)
+        _check_heads("v_out", v_out, T, D)
+        require(v_out.shape == v.shape and v_out.dtype == v.dtype, "v_out must be like v")
     store = k_cache is not None
     if store:
         _check_heads("v", v, T, D)
@@ -255,6 +283,7 @@ def _launch(
         k_w if norm else k,
         q_out,
         k_out,
+        v_out if v_out is not None else k_out,
         k_cache,
         v_cache,
         slot_mapping,
@@ -274,6 +303,7 @@ def _launch(
         q_out.stride(1),
         k_out.stride(0),
         k_out.stride(1),
+        *(v_out.stride()[:2] if v_out is not None else (0, 0)),
         *cache_strides,
         *scale_strides,
         cos_sin_cache.stride(0),
@@ -284,6 +314,7 @@ def _launch(
         NORM=norm,
         STORE=store,
         FP8=scales is not None,
+        V_OUT=v_out is not None,
         PDL=pdl,
         num_warps=4,
         enable_fp_fusion=False,  # keep every bf16 rounding of the reference (see Precision)
@@ -357,11 +388,14 @@ def qk_norm_rope_store_kv(
     k_out: torch.Tensor | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    v_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``qk_norm_rope`` and then ``store_kv(k_rot, v, k_cache, v_cache, slot_mapping)``, in one pass.
 
     Slots < 0 are skipped (padding tokens). An FP8 cache gets each (token, head) row quantized as
-    ``kv_cache.store_kv`` does, its scale in ``k_scales`` / ``v_scales``. Returns ``(q_rot, k_rot)``.
+    ``kv_cache.store_kv`` does, its scale in ``k_scales`` / ``v_scales``. ``v_out`` (optional, ``(T, Hk, D)``):
+    also a dense copy of v, every row (the prefill attention's input: v itself is a strided view into the fused
+    QKV projection, which cuDNN's attention does not take). Returns ``(q_rot, k_rot)``.
     """
     return _launch(
         positions,
@@ -379,4 +413,5 @@ def qk_norm_rope_store_kv(
         k_out,
         k_scales,
         v_scales,
+        v_out,
     )

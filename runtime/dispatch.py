@@ -37,6 +37,7 @@ REPLACEABLE = (
     "silu_and_mul_linear",
     "add_rms_norm_linear",
     "paged_decode_attention",
+    "paged_decode_attention_qk_norm_rope",
     "argmax",
 )
 _TORCH_ONLY = ("paged_prefill_attention", "varlen_causal_attention")  # the model's other ops: always the reference
@@ -62,6 +63,7 @@ class Ops:
     silu_and_mul_linear: Op
     add_rms_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     paged_decode_attention: Op
+    paged_decode_attention_qk_norm_rope: Op
     argmax: Op
     paged_prefill_attention: Op
     varlen_causal_attention: Op
@@ -75,7 +77,9 @@ def ops_on_path(qk_norm: bool) -> tuple[str, ...]:
     rope_kv = ("qk_norm_rope_store_kv",) if qk_norm else ("rotary_embedding", "store_kv")
     mlp = ("silu_and_mul", "linear", "silu_and_mul_linear")  # the fused op at one row (batch-1 decode)
     norms = ("rms_norm", "add_rms_norm", "add_rms_norm_linear")  # the last: at one row, the norm in the GEMV
-    return (*norms, *rope_kv, *mlp, "paged_decode_attention", "argmax")
+    # Qwen3's decode steps: the QK-norm + RoPE + KV write inside the decode attention (one launch fewer a layer)
+    fused = ("paged_decode_attention_qk_norm_rope",) if qk_norm else ()
+    return (*norms, *rope_kv, *mlp, "paged_decode_attention", *fused, "argmax")
 
 
 def load_status(path: Path = STATUS_FILE) -> dict[str, dict]:

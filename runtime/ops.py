@@ -335,11 +335,39 @@ def qk_norm_rope_store_kv(
     *,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    v_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3's attention prologue in one op: ``qk_norm_rope`` then ``store_kv`` of the rotated k and v."""
+    """Qwen3's attention prologue in one op: ``qk_norm_rope`` then ``store_kv`` of the rotated k and v (and a
+    dense copy of v into ``v_out`` where given)."""
     q, k = qk_norm_rope(positions, q, k, q_norm_weight, k_norm_weight, eps, cos_sin_cache)
     store_kv(k, v, k_cache, v_cache, slot_mapping, k_scales=k_scales, v_scales=v_scales)
+    if v_out is not None:
+        v_out.copy_(v)
     return q, k
+
+
+def paged_decode_attention_qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """A decode step's attention from its raw projections: ``qk_norm_rope_store_kv`` of each row at position
+    ``context_lens - 1``, then ``paged_decode_attention`` (Qwen3's decode layer, one op for the fused kernel)."""
+    positions = context_lens.long() - 1
+    q, _ = qk_norm_rope_store_kv(
+        positions, q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping
+    )
+    return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 _PADDED: dict = {}

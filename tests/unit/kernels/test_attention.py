@@ -74,16 +74,55 @@ def test_paged_decode_attention_group_and_odd_head_dim(Hq, Hk, D, gen):
     assert_close(y, ref, 1e-5, 1e-5, "paged decode")
 
 
-def test_paged_decode_slices_follow_the_real_context(gen):
+@pytest.mark.parametrize("min_slice", [None, 40, 1000])
+def test_paged_decode_slices_follow_the_real_context(min_slice, gen):
     """A launch sized for a wide context (a decode graph's bound, many slices) on short real contexts: each
     sequence uses only the slices its length needs, the rest exit, and the merge counters are left at zero for
-    the next call (three calls with new lengths each)."""
+    the next call (three calls with new lengths each). ``min_slice``: slices of at least that many tokens (40 →
+    three 16-token tiles), so short contexts run unsplit and longer ones in fewer, longer slices."""
     Hq, Hk, D = 4, 2, 32
     for lens in ([1, 5, 100, 300], [64, 2, 17, 129], [300, 300, 1, 16]):
         q, kc, vc, tables, ctx = _paged_case(lens, Hq, Hk, D, 16, torch.float32, gen)
         wide = torch.full((len(lens), 256), -1, dtype=torch.int32)  # room for 4,096 tokens, as a graph reserves
         wide[:, : tables.shape[1]] = tables
         out = poisoned(q.shape, torch.float32, "cpu")
-        y = paged_decode_attention(q, kc, vc, wide, ctx, D**-0.5, out=out, splits=32, block_n=16)
+        y = paged_decode_attention(q, kc, vc, wide, ctx, D**-0.5, out=out, splits=32, block_n=16, min_slice=min_slice)
         ref = ops.paged_decode_attention(q, kc.nan_to_num(), vc.nan_to_num(), tables, ctx, D**-0.5)
         assert_close(y, ref, 1e-5, 1e-5, f"paged decode {lens}")
+
+
+@pytest.mark.parametrize(
+    "lens, splits, min_slice", [([1, 17, 50, 3], None, None), ([300, 2, 64, 129], 32, None), ([300, 65], 32, 40)]
+)
+def test_paged_decode_attention_qk_norm_rope(lens, splits, min_slice, gen):
+    """The fused decode op against its reference (QK-norm + RoPE + KV write, then paged decode attention): the same
+    output, the new token written at its slot (a slot < 0 left alone), every other cache row untouched. q/k/v are
+    strided views of one fused projection row, as the model passes them."""
+    from kernellab.kernels.paged_attention import paged_decode_attention_qk_norm_rope
+
+    Hq, Hk, D, bs = 4, 2, 32, 16
+    B = len(lens)
+    _, kc, vc, tables, ctx = _paged_case(lens, Hq, Hk, D, bs, torch.float32, gen)
+    kc, vc = kc.nan_to_num(), vc.nan_to_num()
+    qkv = torch.randn(B, (Hq + 2 * Hk) * D, generator=gen)
+    q, k, v = (x.view(B, -1, D) for x in qkv.split([Hq * D, Hk * D, Hk * D], dim=-1))
+    slots = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(lens)])
+    slots[-1] = -1  # a padding row: nothing written, its cache row keeps the old value
+    qw = 1 + 0.2 * torch.randn(D, generator=gen)
+    kw = 1 + 0.2 * torch.randn(D, generator=gen)
+    cos_sin = ops.rope_cos_sin_cache(D, 512, 1e6)
+    wide = torch.full((B, 64), -1, dtype=torch.int32)
+    wide[:, : tables.shape[1]] = tables
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    ref = ops.paged_decode_attention_qk_norm_rope(
+        q, k, v, qw, kw, 1e-6, cos_sin, kc_ref, vc_ref, slots, tables, ctx, D**-0.5
+    )
+    out = poisoned((B, Hq, D), torch.float32, "cpu")
+    y = paged_decode_attention_qk_norm_rope(
+        q, k, v, qw, kw, 1e-6, cos_sin, kc, vc, slots, wide, ctx, D**-0.5, out=out, splits=splits, block_n=16,
+        min_slice=min_slice,
+    )  # fmt: skip
+    # the padding row attends its new token from registers but the reference reads its (unwritten) cache row
+    assert_close(y[:-1], ref[:-1], 1e-5, 1e-5, "fused decode")
+    assert_close(kc, kc_ref, 1e-5, 1e-5, "k cache")  # the written rows as rope.py writes them, others untouched
+    assert torch.equal(vc, vc_ref)

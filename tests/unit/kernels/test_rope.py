@@ -78,6 +78,27 @@ def test_qk_norm_rope_store_kv(block_size, dtype, atol, rtol, gen):
     assert torch.equal(v_cache.nan_to_num(7.0), v_cache_ref.nan_to_num(7.0))
 
 
+def test_qk_norm_rope_store_kv_dense_v(gen):
+    """``v_out``: every row of v (padding rows too) copied dense from a strided view of a fused QKV row, as the
+    prefill attention takes it; the rest as without it."""
+    T, Hq, Hk, D, bs = 7, 4, 2, 32, 16
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D, generator=gen).to(torch.bfloat16)
+    q, k, v = (x.view(T, -1, D) for x in qkv.split([Hq * D, Hk * D, Hk * D], dim=-1))
+    pos = torch.randint(0, MAX_POS, (T,), generator=gen)
+    cache = ops.rope_cos_sin_cache(D, MAX_POS, 1e6)
+    w = torch.ones(D, dtype=torch.bfloat16)
+    slots = torch.arange(T)
+    slots[3] = -1
+    caches = [poisoned((2, bs, Hk, D), torch.bfloat16, "cpu") for _ in range(4)]
+    v_out, v_ref = poisoned(v.shape, torch.bfloat16, "cpu"), poisoned(v.shape, torch.bfloat16, "cpu")
+    qr, kr = qk_norm_rope_store_kv(pos, q, k, v, w, w, 1e-6, cache, caches[0], caches[1], slots, v_out=v_out)
+    q_ref, k_ref = ops.qk_norm_rope_store_kv(pos, q, k, v, w, w, 1e-6, cache, caches[2], caches[3], slots, v_out=v_ref)
+    assert torch.equal(v_out, v) and torch.equal(v_ref, v)
+    assert_close(qr, q_ref, 2e-2, 2e-2, "q")
+    assert_close(kr, k_ref, 2e-2, 2e-2, "k")
+    assert torch.equal(caches[1].nan_to_num(7.0), caches[3].nan_to_num(7.0))
+
+
 def test_rotary_in_place(gen):
     q, k, _ = _qkv(4, 2, 2, 32, torch.float32, gen)
     pos = torch.arange(4)

@@ -23,6 +23,7 @@ STATUS = {
         "silu_and_mul_linear",
         "add_rms_norm_linear",
         "paged_decode_attention",
+        "paged_decode_attention_qk_norm_rope",
         "argmax",
     )
 } | {"store_kv": {"status": "experimental", "reason": "not measured on this path"}}
@@ -119,3 +120,46 @@ def test_batch1_decode_takes_the_fused_gemv_and_keeps_its_tokens(op, tiny_checkp
     # the five decode steps (the 20-row prefill takes the two kernels)
     assert fused == {(): per_step * 5, (op,): 0}
     assert tokens[()] == tokens[(op,)] and len(tokens[()]) == 6
+
+
+@pytest.mark.skipif(not os.environ.get("TRITON_INTERPRET"), reason="runs the Triton kernels under the interpreter")
+def test_decode_attention_takes_the_qk_norm_rope_and_keeps_its_tokens(tiny_checkpoints):
+    """Decode steps of the tiny 2-layer Qwen3 (batch 2): with the fused op, each layer's QK-norm, RoPE and KV write
+    run inside the decode attention (no separate rope launch at decode); the greedy tokens equal those of the
+    engine with the op off (the two kernels), which still prefill the prompts the same way."""
+    from kernellab.kernels.compile_check import record_launches
+    from kernellab.kernels.testing import patch_interpreter
+    from kernellab.runtime.request.sampling import SamplingParams
+
+    patch_interpreter()
+    op = "paged_decode_attention_qk_norm_rope"
+    tokens, launches_by = {}, {}
+    for disabled in ((), (op,)):
+        eng = LLMEngine(
+            model=str(tiny_checkpoints["qwen3"]),
+            device="cpu",
+            dtype="bfloat16",
+            backend="triton",
+            kernels="experimental",
+            disabled_kernels=disabled,
+            num_kv_blocks=32,
+            max_model_len=128,
+        )
+        assert (op in eng.runner.model.ops.enabled) == (not disabled)
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        eng.add_request("a", list(range(5, 25)), params)
+        eng.add_request("b", list(range(40, 47)), params)
+        out: dict[str, list[int]] = {}
+        with record_launches() as launches:
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        tokens[disabled] = out
+        launches_by[disabled] = (
+            sum(1 for x in launches if x["kernel"] == "_paged_decode_kernel" and x["constexprs"].get("ROPE")),
+            sum(1 for x in launches if x["kernel"] == "_qk_rope_kernel"),
+        )
+    # 5 decode steps × 2 layers: fused attention launches; the rope kernel runs only for the prefill step
+    assert launches_by[()] == (10, 2)
+    assert launches_by[(op,)] == (0, 12)
+    assert tokens[()] == tokens[(op,)] and all(len(t) == 6 for t in tokens[()].values())
