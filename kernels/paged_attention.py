@@ -77,6 +77,9 @@ _LOG2E = 1.4426950408889634
 # The fewest context tokens one slice takes (see "Trade-offs tried"): below it, publishing a partial and merging
 # it costs more than walking a few more tiles in the same program.
 MIN_SLICE_TOKENS = 64
+# The fused QK-norm + RoPE form is compiled without FMA contraction, keeping every rounding of rope.py (its
+# "Precision"); True lets the backend contract the whole kernel's multiply-adds (the gate's A/B setting).
+ROPE_FP_FUSION = False
 
 
 @triton.jit
@@ -492,6 +495,7 @@ def _decode(
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
-        enable_fp_fusion=rope is None,  # the fused QK-norm + RoPE keeps every rounding of rope.py (see there)
+        enable_fp_fusion=rope is None
+        or ROPE_FP_FUSION,  # the fused QK-norm + RoPE keeps every rounding of rope.py (see there)
     )
     return out

@@ -13,6 +13,12 @@ from kernellab.runtime.attention import AttentionMetadata, LayerKV, paged_attent
 from kernellab.runtime.config import ModelConfig
 from kernellab.runtime.dispatch import Ops
 
+# Decode steps of at most this many rows take the fused QK-norm + RoPE + KV-write attention (``decode_attention``).
+# The H200 gate at fb84893 (fused at every batch) measured batch-1 ITL 8.4 % [6.2, 10.6] faster with it and the
+# 64-row decode step's throughput 3.1 % [2.2, 3.9] slower, so larger batches keep the two kernels. 16 lies between
+# the two measured sizes; where the two forms cross is not measured yet (latency_anatomy.py --decode-ab).
+FUSED_DECODE_MAX_ROWS = 16
+
 if TYPE_CHECKING:
     from kernellab.runtime.quant import Int4Pair, Int4Weight
 
@@ -184,6 +190,7 @@ class CausalLM(nn.Module):
             self.cfg.qk_norm
             and "paged_decode_attention_qk_norm_rope" in self.ops.enabled
             and meta.num_decode_tokens == rows > 0
+            and rows <= FUSED_DECODE_MAX_ROWS
             and kv.k_scales is None
         )
 

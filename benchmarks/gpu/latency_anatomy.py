@@ -300,6 +300,41 @@ def variant(model: str, min_slice: int, fused: bool = True) -> dict:
     return row
 
 
+def decode_ab(model: str, specs: list[str]) -> list[dict]:
+    """The fused decode attention's settings against the unfused ops: batch-1 ITL at 128 and the decode step at 64
+    sequences (the gate ablation's throughput batch), one engine per setting. A spec: ``off`` (unfused),
+    ``fused`` or ``fused-fma`` (FMA contraction allowed) at every batch, or with ``@N`` only up to N decode rows."""
+    from kernellab.bench.latency import engine_decode_step, engine_itl
+    from kernellab.kernels import paged_attention
+    from kernellab.runtime import model as model_mod
+
+    rows = []
+    default_limit = model_mod.FUSED_DECODE_MAX_ROWS
+    for spec in specs:
+        name, _, limit = spec.partition("@")
+        paged_attention.ROPE_FP_FUSION = name == "fused-fma"
+        model_mod.FUSED_DECODE_MAX_ROWS = int(limit) if limit else 1 << 30
+        off = ("paged_decode_attention_qk_norm_rope",) if name == "off" else ()
+        eng = _engine(model, disabled_kernels=off, max_num_seqs=64)
+        engine_itl(eng, 128, new_tokens=16)
+        itl = statistics.median(engine_itl(eng, 128, new_tokens=96)) * 1e3
+        engine_decode_step(eng, 64, new_tokens=32)
+        dec = engine_decode_step(eng, 64, new_tokens=128)
+        row = {
+            "spec": spec,
+            "itl128_ms": round(itl, 4),
+            "decode64_step_ms": dec["step_ms"],
+            "tok_per_s": dec["tok_per_s"],
+        }
+        print("decode_ab", json.dumps(row), flush=True)
+        rows.append(row)
+        del eng
+        torch.cuda.empty_cache()
+    paged_attention.ROPE_FP_FUSION = False
+    model_mod.FUSED_DECODE_MAX_ROWS = default_limit
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -310,6 +345,7 @@ def main() -> int:
         help="decode attention minimum slices to sweep, e.g. 64:nofuse,64,256 (nofuse: unfused RoPE)",
     )
     ap.add_argument("--min-slice", type=int, default=0, help="the main engine's decode attention minimum slice")
+    ap.add_argument("--decode-ab", default="", help="e.g. off,fused,fused-fma,fused@16 (decode_ab) then stop")
     ap.add_argument("--traces", action="store_true", help="also profiler timelines (they slow what they trace)")
     ap.add_argument("--window16", action="store_true", help="also batch-1 ITL with decode windows of 16")
     args = ap.parse_args()
@@ -318,6 +354,12 @@ def main() -> int:
 
     report: dict = {"schema": "kernellab.gpu.latency_anatomy/v1", "provenance": provenance("cuda"), "model": args.model}
     report["errors"] = []
+    if args.decode_ab:
+        report["decode_ab"] = decode_ab(args.model, args.decode_ab.split(","))
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"latency_anatomy_decode_ab_{args.model}.json").write_text(json.dumps(report, indent=2))
+        return 0
     from kernellab.kernels import paged_attention as pa
 
     default_min_slice = pa.MIN_SLICE_TOKENS

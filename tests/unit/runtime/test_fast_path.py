@@ -123,7 +123,7 @@ def test_batch1_decode_takes_the_fused_gemv_and_keeps_its_tokens(op, tiny_checkp
 
 
 @pytest.mark.skipif(not os.environ.get("TRITON_INTERPRET"), reason="runs the Triton kernels under the interpreter")
-def test_decode_attention_takes_the_qk_norm_rope_and_keeps_its_tokens(tiny_checkpoints):
+def test_decode_attention_takes_the_qk_norm_rope_and_keeps_its_tokens(tiny_checkpoints, monkeypatch):
     """Decode steps of the tiny 2-layer Qwen3 (batch 2): with the fused op, each layer's QK-norm, RoPE and KV write
     run inside the decode attention (no separate rope launch at decode); the greedy tokens equal those of the
     engine with the op off (the two kernels), which still prefill the prompts the same way."""
@@ -133,7 +133,7 @@ def test_decode_attention_takes_the_qk_norm_rope_and_keeps_its_tokens(tiny_check
 
     patch_interpreter()
     op = "paged_decode_attention_qk_norm_rope"
-    tokens, launches_by = {}, {}
+    tokens, launches_by, engines = {}, {}, {}
     for disabled in ((), (op,)):
         eng = LLMEngine(
             model=str(tiny_checkpoints["qwen3"]),
@@ -154,7 +154,7 @@ def test_decode_attention_takes_the_qk_norm_rope_and_keeps_its_tokens(tiny_check
             while eng.has_unfinished_requests():
                 for o in eng.step():
                     out.setdefault(o.request_id, []).extend(o.new_token_ids)
-        tokens[disabled] = out
+        tokens[disabled], engines[disabled] = out, eng
         launches_by[disabled] = (
             sum(1 for x in launches if x["kernel"] == "_paged_decode_kernel" and x["constexprs"].get("ROPE")),
             sum(1 for x in launches if x["kernel"] == "_qk_rope_kernel"),
@@ -163,3 +163,15 @@ def test_decode_attention_takes_the_qk_norm_rope_and_keeps_its_tokens(tiny_check
     assert launches_by[()] == (10, 2)
     assert launches_by[(op,)] == (0, 12)
     assert tokens[()] == tokens[(op,)] and all(len(t) == 6 for t in tokens[()].values())
+    # decode batches above the fused form's row limit keep the two kernels
+    from kernellab.runtime import model as model_mod
+
+    monkeypatch.setattr(model_mod, "FUSED_DECODE_MAX_ROWS", 1)
+    eng = engines[()]
+    eng.add_request("c", list(range(5, 25)), params)
+    eng.add_request("d", list(range(40, 47)), params)
+    with record_launches() as launches:
+        while eng.has_unfinished_requests():
+            eng.step()
+    decode = [x for x in launches if x["kernel"] == "_paged_decode_kernel"]
+    assert decode and not any(x["constexprs"].get("ROPE") for x in decode)
