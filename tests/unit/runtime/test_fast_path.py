@@ -80,6 +80,20 @@ def test_the_engine_logs_its_fast_path_at_startup(tiny_checkpoints, caplog):
     assert "CUDA graphs off (device cpu)" in line and "store_kv" in line
 
 
+def triton_qwen3(tiny_checkpoints, disabled: tuple[str, ...]) -> LLMEngine:
+    """The tiny 2-layer Qwen3 on the CPU with every Triton kernel (interpreter) but ``disabled``."""
+    return LLMEngine(
+        model=str(tiny_checkpoints["qwen3"]),
+        device="cpu",
+        dtype="bfloat16",
+        backend="triton",
+        kernels="experimental",
+        disabled_kernels=disabled,
+        num_kv_blocks=32,
+        max_model_len=128,
+    )
+
+
 # fused op → (the GEMV constexpr it sets, its launches per batch-1 decode step of the tiny 2-layer Qwen3): the
 # SwiGLU in each layer's down projection; the residual add + norm in each projection that follows one (the
 # first layer's input norm has no residual to add: 1 + 2)
@@ -99,16 +113,7 @@ def test_batch1_decode_takes_the_fused_gemv_and_keeps_its_tokens(op, tiny_checkp
     flag, per_step = FUSED_GEMV[op]
     tokens, fused = {}, {}
     for disabled in ((), (op,)):
-        eng = LLMEngine(
-            model=str(tiny_checkpoints["qwen3"]),
-            device="cpu",
-            dtype="bfloat16",
-            backend="triton",
-            kernels="experimental",
-            disabled_kernels=disabled,
-            num_kv_blocks=32,
-            max_model_len=128,
-        )
+        eng = triton_qwen3(tiny_checkpoints, disabled)
         assert (op in eng.runner.model.ops.enabled) == (not disabled)
         eng.add_request("r", list(range(5, 25)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
         out = []
@@ -135,16 +140,7 @@ def test_decode_attention_takes_the_qk_norm_rope_and_keeps_its_tokens(tiny_check
     op = "paged_decode_attention_qk_norm_rope"
     tokens, launches_by, engines = {}, {}, {}
     for disabled in ((), (op,)):
-        eng = LLMEngine(
-            model=str(tiny_checkpoints["qwen3"]),
-            device="cpu",
-            dtype="bfloat16",
-            backend="triton",
-            kernels="experimental",
-            disabled_kernels=disabled,
-            num_kv_blocks=32,
-            max_model_len=128,
-        )
+        eng = triton_qwen3(tiny_checkpoints, disabled)
         assert (op in eng.runner.model.ops.enabled) == (not disabled)
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
         eng.add_request("a", list(range(5, 25)), params)
