@@ -13,7 +13,7 @@ import functools
 import torch
 
 from kernellab.kernels.attention import causal_attention
-from kernellab.kernels.paged_attention import paged_decode_attention
+from kernellab.kernels.paged_attention import paged_decode_attention, paged_decode_attention_qk_norm_rope
 from kernellab.runtime import ops
 
 from .harness import HEAD_DIM, HK, HQ, Case, main_for, randn
@@ -48,6 +48,20 @@ def flash_reference(q, k, v, scale, group):
         enable_gqa=True,
     )
     return o[0].transpose(0, 1)
+
+
+def fused_decode_inputs(lens, Hq, Hk, D, block_size, device):
+    """A decode step's raw q/k/v rows (views of one fused projection row), Qwen3's norm weights and RoPE table,
+    and the slots of each sequence's new token: ``paged_decode_attention_qk_norm_rope``'s arguments."""
+    _, k_cache, v_cache, tables, ctx, scale = paged_inputs(lens, Hq, Hk, D, block_size, device)
+    B = len(lens)
+    qkv = randn(B, (Hq + 2 * Hk) * D, device=device)
+    q, k, v = (x.view(B, -1, D) for x in qkv.split([Hq * D, Hk * D, Hk * D], dim=-1))
+    last = ctx.long() - 1
+    slots = tables.gather(1, (last // block_size)[:, None])[:, 0].long() * block_size + last % block_size
+    w = 1 + 0.1 * randn(2, D, device=device)
+    cos_sin = ops.rope_cos_sin_cache(D, max(lens), 1e6, device=device)
+    return q, k, v, w[0], w[1], 1e-6, cos_sin, k_cache, v_cache, slots, tables, ctx, scale
 
 
 def decode_bytes(lens, Hq, Hk, D, max_blocks):
@@ -113,6 +127,30 @@ def cases(device: str, real: bool) -> list[Case]:
                     group="paged_attention",
                 )
             )
+    # The decode attention with Qwen3's QK-norm, RoPE and KV write inside (batch-1 decode steps take it); its
+    # reference is the two-op form: the norm/RoPE/KV-write kernel's torch reference, then the decode attention's.
+    fused = (
+        {"B=1,ctx=128": [128], "B=1,ctx=2048": [2048], "B=64,ctx=1024": [1024] * 64} if real else {"B=3": [1, 17, 50]}
+    )
+    for label, lens in fused.items():
+        max_blocks = -(-max(lens) // BLOCK)
+        out.append(
+            Case(
+                "paged_decode_attention_qk_norm_rope",
+                f"{label},Hq={Hq},Hk={Hk},D={D},bs={BLOCK}",
+                "bf16",
+                functools.partial(fused_decode_inputs, lens, Hq, Hk, D, BLOCK, device),
+                paged_decode_attention_qk_norm_rope,
+                ops.paged_decode_attention_qk_norm_rope,
+                bytes=decode_bytes(lens, Hq, Hk, D, max_blocks) + len(lens) * (Hq + 2 * Hk) * D * 2,
+                atol=2e-2,
+                rtol=2e-2,
+                compile_ref=False,
+                ref_graph=False,
+                group="paged_attention",
+                notes="reference: ops.qk_norm_rope_store_kv then ops.paged_decode_attention (a host sync)",
+            )
+        )
     for i, T in enumerate((2048, 4096) if real else (40,)):
         pairs = T * (T + 1) // 2
 
