@@ -134,6 +134,24 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
+    def _qkv(
+        self, index: int, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``index``'s (residual add and) input norm and QKV projection: ``(q, k, v, residual)``, heads
+        unflattened, views of the one fused projection row."""
+        cfg = self.cfg
+        layer = self.decoder_layers[index]
+        if residual is None:
+            residual = hidden
+            normed = self.ops.rms_norm(hidden, layer.input_layernorm.weight, cfg.rms_norm_eps)
+            qkv = self._linear(normed, layer.self_attn.qkv_proj)
+        else:
+            qkv, residual = self._add_norm_linear(hidden, residual, layer.input_layernorm, layer.self_attn.qkv_proj)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        heads = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
+        q, k, v = (x.view(-1, h, cfg.head_dim) for x, h in zip((q, k, v), heads, strict=True))
+        return q, k, v, residual
+
     def pre_attention(
         self,
         index: int,
@@ -145,17 +163,8 @@ class CausalLM(nn.Module):
         """Layer ``index`` up to attention: (residual add and) norm, the QKV projection, RoPE (Qwen3: with its QK
         norm) and the KV-cache write at ``meta.slot_mapping``. Returns ``(q, k, v, residual)``, heads unflattened."""
         cfg, ops = self.cfg, self.ops
-        layer = self.decoder_layers[index]
-        attn = layer.self_attn
-        if residual is None:
-            residual = hidden
-            qkv = self._linear(ops.rms_norm(hidden, layer.input_layernorm.weight, cfg.rms_norm_eps), attn.qkv_proj)
-        else:
-            qkv, residual = self._add_norm_linear(hidden, residual, layer.input_layernorm, attn.qkv_proj)
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        attn = self.decoder_layers[index].self_attn
+        q, k, v, residual = self._qkv(index, hidden, residual)
         scales = {"k_scales": kv.k_scales, "v_scales": kv.v_scales}
         if cfg.qk_norm:
             # Steps that prefill on a GPU get v dense from the same kernel: the prefill attention (cuDNN's) needs it
@@ -200,18 +209,12 @@ class CausalLM(nn.Module):
         """A decode step's layer ``index`` up to its output projection in two launches (the QKV projection with
         its norm, then attention with Qwen3's QK-norm, RoPE and the KV write inside). Returns ``(o, residual)``."""
         cfg = self.cfg
-        layer = self.decoder_layers[index]
-        attn = layer.self_attn
-        if residual is None:
-            residual = hidden
-            qkv = self._linear(self.ops.rms_norm(hidden, layer.input_layernorm.weight, cfg.rms_norm_eps), attn.qkv_proj)
-        else:
-            qkv, residual = self._add_norm_linear(hidden, residual, layer.input_layernorm, attn.qkv_proj)
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        attn = self.decoder_layers[index].self_attn
+        q, k, v, residual = self._qkv(index, hidden, residual)
         o = self.ops.paged_decode_attention_qk_norm_rope(
-            q.view(-1, cfg.num_heads, cfg.head_dim),
-            k.view(-1, cfg.num_kv_heads, cfg.head_dim),
-            v.view(-1, cfg.num_kv_heads, cfg.head_dim),
+            q,
+            k,
+            v,
             attn.q_norm.weight,
             attn.k_norm.weight,
             cfg.rms_norm_eps,
