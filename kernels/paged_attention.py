@@ -83,6 +83,28 @@ ROPE_FP_FUSION = False
 
 
 @triton.jit
+def _load_tile(table, t0, end, k_cache_ptr, v_cache_ptr, block_size, stride_cb, stride_co, stride_ch, hk, d, d_mask,
+               BLOCK_N: tl.constexpr):  # fmt: skip
+    """The K and V rows of context tokens ``t0 .. t0 + BLOCK_N - 1`` below ``end`` for KV head ``hk``, gathered
+    through the block table; also the tokens, their mask and their blocks (an FP8 cache's scales sit by block)."""
+    t = t0 + tl.arange(0, BLOCK_N)
+    t_mask = t < end
+    block = tl.load(table + t // block_size, mask=t_mask, other=0).to(tl.int64)
+    row = block * stride_cb + (t % block_size) * stride_co + hk * stride_ch
+    kv_mask = t_mask[:, None] & d_mask[None, :]
+    # K and V are both issued before any arithmetic: their latencies overlap instead of adding up
+    k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    return t, t_mask, block, k, v
+
+
+@triton.jit
+def _join_halves(x1, x2, ROWS: tl.constexpr, HALF: tl.constexpr):
+    """``[ROWS, HALF]`` first and second halves of head vectors → ``[ROWS, 2·HALF]``."""
+    return tl.reshape(tl.permute(tl.join(x1, x2), (0, 2, 1)), (ROWS, 2 * HALF))
+
+
+@triton.jit
 def _attend_tile(q, k, v, ks, vs, t_mask, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, FP8: tl.constexpr):
     """One tile of keys/values into the online softmax ``(m_i, l_i, acc)`` (base 2); FP8 tiles come widened to q's
     dtype with their per-token scales ``ks``/``vs``."""
@@ -200,13 +222,10 @@ def _paged_decode_kernel(
             # one began), so the slice's first tile is loaded before waiting for the QKV projection (PDL): its
             # latency overlaps that kernel instead of following it.
             walk_end = tl.minimum(end, ctx - 1)
-            t = start + tl.arange(0, BLOCK_N)
-            t_mask = t < walk_end
-            block = tl.load(table + t // block_size, mask=t_mask, other=0).to(tl.int64)
-            row = block * stride_cb + (t % block_size) * stride_co + hk * stride_ch
-            kv_mask = t_mask[:, None] & d_mask[None, :]
-            k_first = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            v_first = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            _, first_mask, _, k_first, v_first = _load_tile(
+                table, start, walk_end, k_cache_ptr, v_cache_ptr, block_size, stride_cb, stride_co, stride_ch, hk, d,
+                d_mask, BLOCK_N,
+            )  # fmt: skip
             if PDL:
                 gdc_wait()
             act_ty = q_ptr.dtype.element_ty
@@ -227,7 +246,7 @@ def _paged_decode_kernel(
                 HALF,
                 True,
             )
-            q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (G_PAD, 2 * HALF))
+            q = _join_halves(q1, q2, G_PAD, HALF)
             k1, k2, _ = _norm_rope_heads(
                 kn_ptr + b.to(tl.int64) * stride_knb + hk * stride_knh,
                 stride_knh,
@@ -241,7 +260,7 @@ def _paged_decode_kernel(
                 HALF,
                 True,
             )
-            k_new = tl.reshape(tl.permute(tl.join(k1, k2), (0, 2, 1)), (1, 2 * HALF))
+            k_new = _join_halves(k1, k2, 1, HALF)
             v_new = tl.load(vn_ptr + b.to(tl.int64) * stride_vnb + hk * stride_vnh + d, mask=d_mask, other=0.0)
             if split == 0:
                 slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -252,7 +271,7 @@ def _paged_decode_kernel(
                     tl.store(v_cache_ptr + new_row + d, v_new, mask=d_mask)
             if start < walk_end:  # (a one-token context has no cached tile)
                 m_i, l_i, acc = _attend_tile(
-                    q, k_first, v_first, l_i, l_i, t_mask, m_i, l_i, acc, qk_scale, IEEE, False
+                    q, k_first, v_first, l_i, l_i, first_mask, m_i, l_i, acc, qk_scale, IEEE, False
                 )
             loop_start = start + BLOCK_N
         else:
@@ -263,14 +282,10 @@ def _paged_decode_kernel(
             )
 
         for t0 in range(loop_start, walk_end, BLOCK_N):
-            t = t0 + tl.arange(0, BLOCK_N)
-            t_mask = t < walk_end
-            block = tl.load(table + t // block_size, mask=t_mask, other=0).to(tl.int64)
-            row = block * stride_cb + (t % block_size) * stride_co + hk * stride_ch
-            kv_mask = t_mask[:, None] & d_mask[None, :]
-            # K and V are both issued before any arithmetic: their latencies overlap instead of adding up
-            k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            t, t_mask, block, k, v = _load_tile(
+                table, t0, walk_end, k_cache_ptr, v_cache_ptr, block_size, stride_cb, stride_co, stride_ch, hk, d,
+                d_mask, BLOCK_N,
+            )  # fmt: skip
             ks = l_i  # unused without FP8
             vs = l_i
             if FP8:

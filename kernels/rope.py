@@ -183,20 +183,20 @@ def _qk_rope_kernel(
     tl.store(ko, k1, mask=kmask)
     tl.store(ko + HALF, k2, mask=kmask)
 
-    if V_OUT:  # a dense copy of v for the prefill attention (every row, padding included)
+    if V_OUT or STORE:  # v's two halves, loaded once for both uses
         vp = v_ptr + t * stride_vt + hk[:, None] * stride_vh + d[None, :]
+        v1 = tl.load(vp, mask=kmask, other=0.0)
+        v2 = tl.load(vp + HALF, mask=kmask, other=0.0)
+    if V_OUT:  # a dense copy of v for the prefill attention (every row, padding included)
         vo = v_out_ptr + t * stride_vot + hk[:, None] * stride_voh + d[None, :]
-        tl.store(vo, tl.load(vp, mask=kmask, other=0.0), mask=kmask)
-        tl.store(vo + HALF, tl.load(vp + HALF, mask=kmask, other=0.0), mask=kmask)
+        tl.store(vo, v1, mask=kmask)
+        tl.store(vo + HALF, v2, mask=kmask)
     if STORE:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
             row = (slot // block_size) * stride_cb + (slot % block_size) * stride_co
             kc = k_cache_ptr + row + hk[:, None] * stride_ch + d[None, :]
-            vp = v_ptr + t * stride_vt + hk[:, None] * stride_vh + d[None, :]
             vc = v_cache_ptr + row + hk[:, None] * stride_ch + d[None, :]
-            v1 = tl.load(vp, mask=kmask, other=0.0)
-            v2 = tl.load(vp + HALF, mask=kmask, other=0.0)
             if FP8:
                 # one scale per (token, head) over both halves: the row's amax is the larger half's
                 srow = (slot // block_size) * stride_sb + (slot % block_size) * stride_so + hk
@@ -251,13 +251,13 @@ def _launch(
         k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
     _check_heads("q_out", q_out, T, D)
     _check_heads("k_out", k_out, T, D)
-    if v_out is not None:
+    store = k_cache is not None
+    if store or v_out is not None:
         _check_heads("v", v, T, D)
+    if v_out is not None:
         _check_heads("v_out", v_out, T, D)
         require(v_out.shape == v.shape and v_out.dtype == v.dtype, "v_out must be like v")
-    store = k_cache is not None
     if store:
-        _check_heads("v", v, T, D)
         require(k_cache.shape == v_cache.shape and k_cache.shape[2:] == (Hk, D), "caches must be (N, bs, Hk, D)")
         require(k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "caches must share a dense layout")
         require(slot_mapping.shape == (T,), "slot_mapping must be (T,)")

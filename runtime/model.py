@@ -170,7 +170,8 @@ class CausalLM(nn.Module):
             # Steps that prefill on a GPU get v dense from the same kernel: the prefill attention (cuDNN's) needs it
             # so, and a separate copy cost a launch and 6 µs a layer at 2,048 tokens on the H200. Decode reads the
             # cache.
-            v_out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if self._dense_v(meta, v) else None
+            dense_v = v.is_cuda and meta.num_decode_tokens < v.shape[0]
+            v_out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dense_v else None
             q, k = ops.qk_norm_rope_store_kv(
                 meta.positions,
                 q,
@@ -227,10 +228,6 @@ class CausalLM(nn.Module):
             self.scale,
         )
         return o.reshape(-1, cfg.q_size), residual
-
-    @staticmethod
-    def _dense_v(meta: AttentionMetadata, v: torch.Tensor) -> bool:
-        return v.is_cuda and meta.num_decode_tokens < v.shape[0]
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv: LayerKV

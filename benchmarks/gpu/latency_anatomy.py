@@ -261,40 +261,25 @@ def itl_parts(eng, context: int = 128, steps: int = 8, reps: int = 12) -> dict:
     }
 
 
-def greedy_tokens(eng, prompts: list[list[int]], n: int) -> list[list[int]]:
-    from kernellab.runtime.request.sampling import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request(f"greedy{i}", p, params)
-    out: dict[str, list[int]] = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
-    return [out[f"greedy{i}"] for i in range(len(prompts))]
-
-
 def variant(model: str, min_slice: int, fused: bool = True) -> dict:
     """Batch-1 ITL at contexts 128 and 2,048 with one setting of the decode attention's minimum slice (and with or
     without the fused QK-norm + RoPE + KV write in it), and whether the graph replays decode the same greedy tokens
     as eager single steps."""
     from kernellab.bench.latency import engine_itl
+    from kernellab.bench.numerics import graph_equals_eager
     from kernellab.kernels import paged_attention
 
+    default_min_slice = paged_attention.MIN_SLICE_TOKENS
     paged_attention.MIN_SLICE_TOKENS = min_slice  # read at each launch, so before the graphs are captured
     off = () if fused else ("paged_decode_attention_qk_norm_rope",)
     eng = _engine(model, disabled_kernels=off)
-    eng.block_manager.enable_prefix_caching = False  # the eager rerun computes its prompts, as the graphed run did
     row: dict = {"min_slice": min_slice, "fused_rope_attention": fused}
     for ctx in (128, 2048):
         engine_itl(eng, ctx, new_tokens=16)
         row[f"itl{ctx}_ms_p50"] = round(statistics.median(engine_itl(eng, ctx, new_tokens=96)) * 1e3, 4)
     prompt = torch.randint(0, 10000, (300,), generator=torch.Generator().manual_seed(11)).tolist()
-    graphed = greedy_tokens(eng, [prompt], 40)
-    eng.runner.graphs_on(False)
-    eager = greedy_tokens(eng, [prompt], 40)
-    eng.runner.graphs_on(True)
-    row["graph_equals_eager"] = graphed == eager
+    row["graph_equals_eager"] = graph_equals_eager(eng, [prompt], max_tokens=40)["pass"]
+    paged_attention.MIN_SLICE_TOKENS = default_min_slice
     del eng
     torch.cuda.empty_cache()
     return row
@@ -354,15 +339,12 @@ def main() -> int:
 
     report: dict = {"schema": "kernellab.gpu.latency_anatomy/v1", "provenance": provenance("cuda"), "model": args.model}
     report["errors"] = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     if args.decode_ab:
         report["decode_ab"] = decode_ab(args.model, args.decode_ab.split(","))
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         (out / f"latency_anatomy_decode_ab_{args.model}.json").write_text(json.dumps(report, indent=2))
         return 0
-    from kernellab.kernels import paged_attention as pa
-
-    default_min_slice = pa.MIN_SLICE_TOKENS
     if args.variants:
         report["variants"] = []
         for v in args.variants.split(","):
@@ -374,9 +356,10 @@ def main() -> int:
                 row = {"variant": v, "error": repr(exc)}
             print("variant", json.dumps(row), flush=True)
             report["variants"].append(row)
-    from kernellab.kernels import paged_attention
+    if args.min_slice:
+        from kernellab.kernels import paged_attention
 
-    paged_attention.MIN_SLICE_TOKENS = args.min_slice or default_min_slice
+        paged_attention.MIN_SLICE_TOKENS = args.min_slice
     eng = _engine(args.model)
     report["fast_path"] = eng.fast_path
     engine_ttft(eng, 2048, reps=1)
@@ -406,8 +389,6 @@ def main() -> int:
     for k, v in report.items():
         if k not in ("provenance",):
             print(k, json.dumps(v))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / f"latency_anatomy_{args.model}.json").write_text(json.dumps(report, indent=2))
     return 0
 
