@@ -82,3 +82,19 @@ def test_stop_strings_never_leak_past_the_stop(ours, stop, include, expected):
         assert len(streamed) <= len(expected)  # nothing past the stop is ever shown
     assert streamed + detok.flush() == expected
     assert detok.stopped
+
+
+def test_transformers_loads_from_the_repository_root():
+    """The repository root holds a top-level ``kernels/`` folder (``kernellab.kernels``). Run from the root, as
+    pytest and ``python -c`` are, it comes first on ``sys.path``; a transformers that imports the Hub's ``kernels``
+    distribution at load (5.25 does) would import this folder instead and fail. The pin in pyproject.toml keeps
+    such a release out; this is what breaks if the pin is lifted without renaming the folder."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    assert (root / "kernels" / "__init__.py").is_file()
+    code = "import transformers.integrations.hub_kernels, transformers.models.auto; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
