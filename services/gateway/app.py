@@ -34,7 +34,7 @@ from kernellab.services.gateway.errors import (
 )
 from kernellab.services.gateway.generation import NOT_READY, ClientGone, chat_delta, collect, usage_of
 from kernellab.services.gateway.metrics import GatewayMetrics, HTTPMetricsMiddleware
-from kernellab.services.gateway.middleware import GenerationFastPath, InternalErrorMiddleware
+from kernellab.services.gateway.middleware import GatewayApp, GenerationFastPath, InternalErrorMiddleware
 from kernellab.services.gateway.requests import prepare
 from kernellab.services.gateway.state import Gateway
 from kernellab.services.gateway.utility import detokenize_request, tokenize_request
@@ -106,12 +106,12 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
             if metrics_server is not None:
                 metrics_server.stop()
 
-    app = FastAPI(title="kernellab", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    if settings.gateway_fast_path:  # added first: the innermost, inside the metrics and the 500 handler
-        app.add_middleware(
-            GenerationFastPath,
-            routes={"/v1/chat/completions": "chat", "/v1/completions": "completion"},
-            handler=lambda kind, request: generate(kind, request),
+    app = GatewayApp(title="kernellab", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    if settings.gateway_fast_path:  # served ahead of the middleware below, doing their work for its two routes
+        app.fast_path = GenerationFastPath(
+            {"/v1/chat/completions": "chat", "/v1/completions": "completion"},
+            lambda kind, request: generate(kind, request),
+            metrics,
         )
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
     app.add_middleware(InternalErrorMiddleware)  # added last: outside the metrics, which count the 500

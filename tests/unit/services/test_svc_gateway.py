@@ -326,6 +326,25 @@ def test_an_internal_error_is_an_openai_500_and_the_connection_stays_usable(redi
             # The same connection answers the next request.
             status, body = _http(sock, {"model": MODEL, "prompt": "hello", "max_tokens": 3}, "/v1/completions")
             assert status == 200 and body["usage"]["completion_tokens"] == 3
+            status, body = _http(sock, {"model": MODEL, "prompt": "hi", "max_tokens": -1}, "/v1/completions")
+            assert status == 400 and body["error"]["param"] == "max_tokens"
+        # The generation routes are served ahead of the middleware stack (GenerationFastPath), and still counted
+        # by route template and status, as the metrics middleware counts every other route.
+        registry = app.state.gateway.metrics.registry
+
+        def count(route: str, status: str) -> float:
+            labels = {"route": route, "method": "POST", "status": status}
+            return registry.get_sample_value("kernellab_gateway_http_requests_total", labels) or 0.0
+
+        assert count("/v1/chat/completions", "500") == 1
+        assert count("/v1/completions", "400") == 1
+        assert count("/v1/completions", "200") >= 2
+        assert (
+            registry.get_sample_value(
+                "kernellab_gateway_http_request_duration_seconds_count", {"route": "/v1/chat/completions"}
+            )
+            == 1
+        )
     finally:
         server.should_exit = True
         thread.join(10)
