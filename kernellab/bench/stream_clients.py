@@ -18,6 +18,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 CPU_SATURATED = 0.9  # a client process busier than this share of one core may have delayed what it timed
@@ -174,9 +175,18 @@ def _client_process(host: str, port: int, requests: list[tuple[int, bytes]], pip
         raise
 
 
-def run_clients(host: str, port: int, requests: list[bytes], processes: int, timeout_s: float = 600.0) -> dict:
+def run_clients(
+    host: str,
+    port: int,
+    requests: list[bytes],
+    processes: int,
+    timeout_s: float = 600.0,
+    on_start: Callable[[], object] | None = None,
+) -> dict:
     """Send every request at once from ``processes`` client processes; returns ``{"t0", "records" (in request
-    order), "clients": [{"cpu_s", "wall_s", "cpu_util"}], "max_client_cpu_util", "clients_saturated"}``."""
+    order), "clients": [{"cpu_s", "wall_s", "cpu_util"}], "max_client_cpu_util", "clients_saturated"}``.
+    ``on_start``: called once every connection is open and warmed, just before the shared start instant (a
+    server-side meter that must leave the warm-up out starts there)."""
     ctx = mp.get_context("spawn")
     processes = max(1, min(processes, len(requests)))
     shares = [[(i, raw) for i, raw in enumerate(requests) if i % processes == k] for k in range(processes)]
@@ -194,6 +204,8 @@ def run_clients(host: str, port: int, requests: list[bytes], processes: int, tim
             msg = pipe.recv()
             if msg != "ready":
                 raise RuntimeError(f"client process failed: {msg}")
+        if on_start is not None:
+            on_start()
         t0 = time.perf_counter() + 0.05
         for pipe in pipes:
             pipe.send(t0)

@@ -28,6 +28,7 @@ class FakeEngine:
         self.config = config
         self.model_name = getattr(config, "model", "")
         self.step_s = float(os.environ.get("FAKE_STEP_S", "0.01")) if step_s is None else step_s
+        self.max_model_len = int(os.environ.get("FAKE_MAX_MODEL_LEN", type(self).max_model_len))
         self.seqs: dict[str, _Seq] = {}
         self.generation_tokens = 0
         self.prompt_tokens = 0

@@ -53,3 +53,21 @@ def test_structured_stack_benchmark_gpu_path_runs_on_the_cpu(tmp_path):
     )
     assert [p["kind"] for p in art["phases"]] == ["plain", "json_schema"]
     assert all(p["requests"] == 4 and p["completion_tokens"] > 0 for p in art["phases"])
+
+
+def test_gateway_burst_benchmark_runs_on_the_cpu(tmp_path):
+    """``benchmarks/gateway_burst.py``, small: a burst through a one-process tier and the stand-in worker; every
+    request got exactly its tokens, the tier's CPU was metered and the worker's trace joined."""
+    art, proc = run_benchmark(
+        "gateway_burst.py",
+        *("--gateway-processes", "1", "--variants", "base", "--clients", "8", "--rounds", "2"),
+        *("--prompt-tokens", "24", "--max-tokens", "3"),
+        output=tmp_path / "burst.json",
+        schema="kernellab.bench.gateway_burst/v1",
+    )
+    s = art["summary"]["g1-base"]
+    assert s["bad"] == 0 and s["rounds_counted"] == 1
+    assert s["gateway_cpu_ms_per_request"] > 0
+    assert 0 <= s["received_first_ms"] <= s["received_p50_ms"] <= s["received_last_ms"]
+    assert all(r["parts_median_ms"]["to_worker_read"] is not None for r in art["runs"]["g1-base"])
+    assert "g1-base" in proc.stdout
