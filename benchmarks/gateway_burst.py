@@ -13,7 +13,9 @@ Per phase (gateway process count × ``--variants``, phases interleaved round by 
 - the gateway tier's CPU per request, from the burst's start to its last byte (``/proc/<pid>/task/*/schedstat``
   of the supervisor and its children: nanoseconds, not clock ticks; the connections' warm-up is outside it),
 - when the worker's I/O thread read the burst's requests (first, median, last; ms after the burst's start),
-- the TTFT and its parts (``kernellab.bench.timeline``: to the worker, queued, step, delivery).
+- the TTFT and its parts (``kernellab.bench.timeline``: to the worker, queued, step, delivery), split further with
+  the gateway's request trace (``KERNELLAB_GATEWAY_TRACE``): HTTP in, admission, the submit pipeline's wait, Redis
+  to the worker; the step's end to the gateway's router, and the router to the client.
 
 Variants: ``base`` (the configuration as shipped) and ``slowpath`` (generation routes through FastAPI's
 middleware and router, ``KERNELLAB_GATEWAY_FAST_PATH=0``).
@@ -33,7 +35,7 @@ import time
 from pathlib import Path
 
 from kernellab.bench.stream_clients import completion_request, run_clients
-from kernellab.bench.timeline import read_trace, timeline
+from kernellab.bench.timeline import GATEWAY_SPLIT, read_gateway_trace, read_trace, timeline
 from kernellab.services.processes import Processes, free_port, wait_ready
 
 SCHEMA = "kernellab.bench.gateway_burst/v1"
@@ -73,6 +75,7 @@ class Tier:
         self.workdir = workdir
         self.procs = Processes(workdir / "logs")
         self.trace = workdir / "trace.jsonl"
+        self.gateway_trace = workdir / "gateway_trace.jsonl"
         self.port = free_port()
         url = self.procs.start_redis(free_port(), shutil.which("redis-server") or "redis-server")
         env = dict(
@@ -94,7 +97,12 @@ class Tier:
         )
         kl = [sys.executable, "-m", "kernellab"]
         self.procs.spawn("worker", [*kl, "worker", "--metrics-port", str(free_port())], worker_env, cwd=ROOT)
-        gateway_env = dict(env, KERNELLAB_GATEWAY_PROCESSES=str(processes), **env_extra)
+        gateway_env = dict(
+            env,
+            KERNELLAB_GATEWAY_PROCESSES=str(processes),
+            KERNELLAB_GATEWAY_TRACE=str(self.gateway_trace),
+            **env_extra,
+        )
         self.gateway = self.procs.spawn(
             "gateway", [*kl, "gateway", "--port", str(self.port), "--metrics-port", "0"], gateway_env, cwd=ROOT
         )
@@ -139,7 +147,8 @@ def burst(tier: Tier, round_id: int, args) -> dict:
     bad = [r.index for r in recs if r.error or r.completion_tokens != args.max_tokens]
     steps, adds, received = read_trace(tier.trace, t0 - 0.5)
     joined = [{"sent": r.sent, "first": r.first, "rid": f"{r.response_id}:0"} for r in recs]
-    tl = timeline(steps, adds, joined, t0, received=received)
+    gateway = read_gateway_trace(tier.gateway_trace, t0 - 0.5)
+    tl = timeline(steps, adds, joined, t0, received=received, gateway=gateway)
     ttft = [(r.first - r.sent) * 1e3 for r in recs if r.first is not None]
     return {
         "round": round_id,
@@ -167,6 +176,7 @@ def summarize(rounds: list[dict]) -> dict:
         "received_last_ms": med([r["received_ms"][2] for r in counted if r["received_ms"]]),
         "ttft_p50_ms": med([r["ttft_p50_ms"] for r in counted]),
         "delivery_ms": med([r["parts_median_ms"]["delivery"] for r in counted]),
+        "gateway_parts_ms": {k: med([r["parts_median_ms"].get(k) for r in counted]) for k in GATEWAY_SPLIT},
         "bad": sum(r["bad"] for r in rounds),
     }
 
@@ -236,6 +246,9 @@ def main() -> int:
             f"{name:<16} {s['gateway_cpu_ms_per_request']:>10} {s['received_first_ms']:>10} "
             f"{s['received_p50_ms']:>9} {s['received_last_ms']:>9} {s['ttft_p50_ms']:>9} {s['bad']}"
         )
+    print(f"\nmedian parts, ms: {', '.join(GATEWAY_SPLIT)}")
+    for name, s in summary.items():
+        print(f"{name:<16} " + " ".join(f"{s['gateway_parts_ms'][k]}" for k in GATEWAY_SPLIT))
     print(f"wrote {path}")
     return 1 if any(s["bad"] for s in summary.values()) else 0
 

@@ -295,6 +295,7 @@ class StackProcs:
         self.redis = None
         self.workers: list[subprocess.Popen] = []
         self.gateway = None
+        self.gateway_trace: Path | None = None  # the current tier's request trace
 
     def _spawn(self, name: str, cmd: list[str], env: dict) -> subprocess.Popen:
         return self.processes.spawn(name, cmd, env, cwd=self.workdir)
@@ -321,8 +322,10 @@ class StackProcs:
     def start_gateway(self, processes: int, overrides: dict | None = None) -> None:
         port = free_port()
         self.metrics_urls["gateway"] = f"http://127.0.0.1:{port}/metrics"
+        self.gateway_trace = self.workdir / f"gateway-trace-g{processes}-{time.monotonic_ns()}.jsonl"
         env = dict(
             self.env,
+            KERNELLAB_GATEWAY_TRACE=str(self.gateway_trace),
             KERNELLAB_HOST=self.host,
             KERNELLAB_PORT=str(self.port),
             KERNELLAB_GATEWAY_PROCESSES=str(processes),
@@ -430,7 +433,7 @@ def ttft_sums(stack: StackProcs) -> dict[str, tuple[float, float]]:
 
 def stack_run(stack: StackProcs, model: str, requests, processes: int, timeout_s: float) -> dict:
     from kernellab.bench.stream_clients import completion_request, run_clients
-    from kernellab.bench.timeline import read_trace, timeline
+    from kernellab.bench.timeline import read_gateway_trace, read_trace, timeline
 
     raws = [completion_request(stack.host, stack.port, model, p, n) for p, n in requests]
     before = ttft_sums(stack)
@@ -458,7 +461,8 @@ def stack_run(stack: StackProcs, model: str, requests, processes: int, timeout_s
     if len(stack.traces) == 1:  # one worker: its trace holds every request of the run
         time.sleep(0.3)  # the worker writes its trace when it goes idle
         steps, adds, received = read_trace(next(iter(stack.traces.values())), out["t0"] - 0.5)
-        s["timeline"] = timeline(steps, adds, recs, out["t0"], received=received)
+        gateway = read_gateway_trace(stack.gateway_trace, out["t0"] - 0.5) if stack.gateway_trace else None
+        s["timeline"] = timeline(steps, adds, recs, out["t0"], received=received, gateway=gateway)
     s.update(
         clients=out["clients"],
         max_client_cpu_util=out["max_client_cpu_util"],
@@ -741,6 +745,8 @@ def compute_figures(runs: list[dict], gpus: int) -> dict:
 
 
 def print_table(a: dict) -> None:
+    from kernellab.bench.timeline import GATEWAY_SPLIT
+
     f = a["figures"]
     print(
         f"\n{'run':22}{'workload':14}{'tok/s':>10}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'E2E p50':>10}"
@@ -767,6 +773,19 @@ def print_table(a: dict) -> None:
                 + "".join(f"{m[k] if m.get(k) is not None else float('nan'):{w}.2f}" for k, w in columns)
                 + f"   {r['timeline']['steps'][:4]}; {arrivals.get('received_ms')} / {arrivals.get('taken_ms')}"
             )
+        gated = [r for r in timed if "http_in" in r["timeline"]["median_ms"]]
+        if gated:
+            print(
+                f"\nthe gateway's share (its request trace), medians in ms: read = http in + admit + flush + redis read; "
+                f"delivery = to gateway + gateway out\n{'run':22}"
+                + "".join(f"{k.replace('_', ' '):>12}" for k in GATEWAY_SPLIT)
+            )
+            for r in gated:
+                m = r["timeline"]["median_ms"]
+                print(
+                    f"{r['phase']:22}"
+                    + "".join(f"{m[k] if m.get(k) is not None else float('nan'):12.2f}" for k in GATEWAY_SPLIT)
+                )
     print(
         f"\nstack/engine throughput {f.get('throughput_ratio')} (target ≥ {TARGETS['throughput_ratio_min']}); "
         f"interactive TTFT p50 added {f.get('interactive_added_ttft_p50_ms')} ms (≤ "

@@ -75,6 +75,7 @@ class GatewaySettings(StackSettings):
     # loop, Redis clients and output router; one supervisor serves their merged metrics. max_waiting is split
     # among them. One Python process frames a few thousand SSE events a second: docs/deploy.md says how many.
     gateway_processes: int = Field(1, ge=1, le=64)
+    gateway_trace: str = ""  # KERNELLAB_GATEWAY_TRACE: a file for one JSON line per request (gateway/trace.py)
     # KERNELLAB_GATEWAY_FAST_PATH: the two generation routes skip FastAPI's routing and exception layers (app.py
     # GenerationFastPath); false serves them through FastAPI like every other route (the before of its A/B).
     gateway_fast_path: bool = True

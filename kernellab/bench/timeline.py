@@ -18,6 +18,13 @@ flight, or the loop's take-in of the requests before it). ``arrivals`` gives, fo
 spread of those two instants after t0 (ms: min, median, max): a burst that reaches the worker together but is
 taken in over several steps shows there, one that reaches it late shows in ``received_ms``.
 
+With the gateway's request trace (``KERNELLAB_GATEWAY_TRACE``, ``read_gateway_trace``) the stack's parts split
+again (medians, ms): ``to_worker_read`` into ``http_in`` (client send → the gateway's route began), ``admit`` (→ it
+joined a submit pipeline: validation, tokenization), ``flush`` (→ that pipeline went out) and ``redis_read`` (→ the
+worker's I/O thread read it); ``delivery`` into ``to_gateway`` (the step's end → the gateway's output router read
+the first token: the worker's emit and Redis) and ``gateway_out`` (→ the client read it: the gateway's stream and
+SSE write, the socket, the client).
+
 ``steps`` lists the run's first steps (those ending after t0): start (ms after t0), duration (ms), rows,
 tokens, and how many first tokens each made: a stack whose first steps differ from the engine's in size or
 timing shows it there.
@@ -31,6 +38,7 @@ from pathlib import Path
 
 PARTS = ("to_worker", "queued", "step", "delivery")  # add up to the TTFT
 SPLIT = ("to_worker_read", "inbox")  # add up to to_worker
+GATEWAY_SPLIT = ("http_in", "admit", "flush", "redis_read", "to_gateway", "gateway_out")  # with a gateway trace
 
 
 def read_trace(path: str | Path, since: float) -> tuple[list[dict], dict[str, float], dict[str, float]]:
@@ -59,6 +67,23 @@ def read_trace(path: str | Path, since: float) -> tuple[list[dict], dict[str, fl
     return steps, adds, received
 
 
+def read_gateway_trace(path: str | Path, since: float) -> dict[str, dict[str, float]]:
+    """{request id: its times} from a gateway request trace (every process of the tier), requests that began at
+    or after ``since``."""
+    out: dict[str, dict[str, float]] = {}
+    p = Path(path)
+    if not p.exists():
+        return out
+    for line in p.read_text().splitlines():
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if ev.get("in", 0.0) >= since and "rid" in ev:
+            out[ev["rid"]] = ev
+    return out
+
+
 def _median(values: list[float]) -> float | None:
     return round(statistics.median(values), 3) if values else None
 
@@ -74,12 +99,15 @@ def timeline(
     t0: float,
     first_steps: int = 8,
     received: dict[str, float] | None = None,
+    gateway: dict[str, dict[str, float]] | None = None,
 ) -> dict:
     """records: {"rid", "sent", "first"} (perf_counter seconds; rid as in the trace's ``first`` lists).
-    ``received``: the worker's receive times (``read_trace``); without them the split parts are None."""
+    ``received``: the worker's receive times (``read_trace``); without them the split parts are None.
+    ``gateway``: the gateway's request trace (``read_gateway_trace``); with it ``median_ms`` also holds the
+    GATEWAY_SPLIT parts."""
     received = received or {}
     made_first = {rid: s for s in steps for rid in s.get("first", ())}
-    parts: dict[str, list[float]] = {k: [] for k in (*PARTS, *SPLIT)}
+    parts: dict[str, list[float]] = {k: [] for k in (*PARTS, *SPLIT, *(GATEWAY_SPLIT if gateway is not None else ()))}
     arrivals: dict[str, list[float]] = {"received_ms": [], "taken_ms": []}
     joined = 0
     for r in records:
@@ -96,6 +124,15 @@ def timeline(
             parts["to_worker_read"].append((got - r["sent"]) * 1e3)
             parts["inbox"].append((taken - got) * 1e3)
             arrivals["received_ms"].append((got - t0) * 1e3)
+        g = (gateway or {}).get(str(r.get("rid")).rsplit(":", 1)[0])
+        if g is not None and all(k in g for k in ("in", "enq", "sent", "routed")):
+            parts["http_in"].append((g["in"] - r["sent"]) * 1e3)
+            parts["admit"].append((g["enq"] - g["in"]) * 1e3)
+            parts["flush"].append((g["sent"] - g["enq"]) * 1e3)
+            if got is not None:
+                parts["redis_read"].append((got - g["sent"]) * 1e3)
+            parts["to_gateway"].append((g["routed"] - end) * 1e3)
+            parts["gateway_out"].append((r["first"] - g["routed"]) * 1e3)
     ordered = sorted((s for s in steps if s["t"] + s["dt"] >= t0), key=lambda s: s["t"])  # this run's steps
     return {
         "requests_joined": joined,

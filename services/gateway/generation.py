@@ -104,6 +104,7 @@ class ResultStream:
         self.remaining = len(self.choices)
         self.first_token_at: float | None = None
         self.closed = False
+        self.stamps: dict[str, float] | None = None  # the gateway trace's times (Gateway.submit), when tracing
 
     @property
     def completion_tokens(self) -> int:
@@ -204,6 +205,10 @@ class ResultStream:
                 for i in index:
                     self.g.cancel(self.p.request_id, i, "closed")
         self.g.forget_streams([engine_request_id(self.p.request_id, i) for i in self.choices])
+        if self.stamps is not None and self.g.trace is not None:
+            self.g.trace.request(
+                self.p.request_id, {**self.stamps, "routed": self.sub.first_read, "first": self.first_token_at}
+            )
 
 
 async def collect(p: Prepared, rs: ResultStream, first: Update | None, token_text: R.TokenText) -> dict:

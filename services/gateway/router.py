@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import TYPE_CHECKING, Any, cast
 
 import redis.asyncio as aioredis
@@ -42,6 +43,7 @@ class Subscription:
     def __init__(self, streams: dict[str, int]):
         self.streams = streams  # stream key → choice index
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.first_read: float | None = None  # perf_counter() of the read that brought its first message
 
 
 class OutputRouter:
@@ -124,6 +126,7 @@ class OutputRouter:
                 await asyncio.sleep(0.1)
                 continue
             self.healthy, backoff = True, 0.05
+            now = time.perf_counter()
             # RESP2 (the client's protocol): [[stream, [(entry id, fields), ...]], ...]
             for key, entries in cast("list[list[Any]]", reply or []):
                 key = key.decode() if isinstance(key, bytes) else key
@@ -135,6 +138,8 @@ class OutputRouter:
                     continue
                 self._last[key] = entries[-1][0]
                 index = sub.streams[key]
+                if sub.first_read is None:
+                    sub.first_read = now
                 for _eid, fields in entries:
                     try:
                         sub.queue.put_nowait((index, from_entry(fields)))

@@ -29,6 +29,7 @@ from kernellab.services.gateway.metrics import GatewayMetrics
 from kernellab.services.gateway.requests import Prepared
 from kernellab.services.gateway.responses import TokenText
 from kernellab.services.gateway.router import REDIS_DOWN, OutputRouter
+from kernellab.services.gateway.trace import RequestTrace
 from kernellab.services.queue.aio import finish, raise_if_cancelling
 from kernellab.services.queue.keys import GROUP, Keys
 from kernellab.services.queue.protocol import (
@@ -89,7 +90,8 @@ class Gateway:
         self.redis_ok = False
         self.live_workers: list[Heartbeat] = []
         self._tasks: set[asyncio.Task] = set()
-        self._outgoing: list = []  # (entries, meta, future) waiting for this loop turn's pipeline
+        self._outgoing: list = []  # (entries, meta, future, trace stamps) waiting for the next submit pipeline
+        self.trace = RequestTrace(settings.gateway_trace) if settings.gateway_trace else None
         self._forgotten: list[str] = []  # output streams of finished requests, not unlinked yet
         self._forget_timer: asyncio.TimerHandle | None = None
         self._poller: asyncio.Task | None = None
@@ -118,6 +120,8 @@ class Gateway:
         await finish(list(self._tasks), timeout=2.0, what="cancel/cleanup tasks")
         await self.redis.aclose()
         await self.router.r.aclose()
+        if self.trace is not None:
+            self.trace.close()
 
     def _spawn(self, coro) -> None:
         """Fire and forget (cancels, cleanup): never awaited by a request that may itself be cancelled."""
@@ -207,8 +211,9 @@ class Gateway:
         ]
         self.waiting += 1  # counted before the await, so a burst cannot slip past max_waiting
         self.in_flight += 1
+        stamps = {"in": started, "enq": time.perf_counter()} if self.trace is not None else None
         try:
-            await self._enqueue(entries, (self.keys.meta(p.request_id), f"{len(p.choices)}:{owner}"))
+            await self._enqueue(entries, (self.keys.meta(p.request_id), f"{len(p.choices)}:{owner}"), stamps)
         except BaseException as exc:
             self.waiting -= 1
             self.in_flight -= 1
@@ -219,13 +224,15 @@ class Gateway:
             raise
         self.metrics.queue_depth.set(self.waiting)
         self.metrics.in_flight.set(self.in_flight)
-        return ResultStream(self, p, sub, deadline, started)
+        rs = ResultStream(self, p, sub, deadline, started)
+        rs.stamps = stamps
+        return rs
 
-    async def _enqueue(self, entries: list, meta: tuple[str, str]) -> None:
+    async def _enqueue(self, entries: list, meta: tuple[str, str], stamps: dict | None = None) -> None:
         """Requests submitted in the same event-loop turn share one pipeline, so a burst of clients reaches
         the workers in one read, and so in one engine step, instead of trickling in one round trip apart."""
         future = asyncio.get_running_loop().create_future()
-        self._outgoing.append((entries, meta, future))
+        self._outgoing.append((entries, meta, future, stamps))
         if len(self._outgoing) == 1:
             now = time.perf_counter()
             asyncio.get_running_loop().call_soon(self._flush_when_settled, now, now, 1)
@@ -247,7 +254,7 @@ class Gateway:
 
     async def _send(self, batch: list) -> None:
         pipe = self.redis.pipeline(transaction=False)
-        for entries, (meta_key, n), _future in batch:
+        for entries, (meta_key, n), _future, _stamps in batch:
             for stream, fields in entries:
                 pipe.xadd(stream, fields, maxlen=REQUEST_STREAM_MAXLEN, approximate=True)
             pipe.set(meta_key, n, ex=self.settings.output_ttl_s)
@@ -255,14 +262,19 @@ class Gateway:
         forgotten, self._forgotten = self._forgotten, []
         if forgotten:  # rides along: no round trip of its own (lost with the pipeline if Redis fails: they expire)
             pipe.unlink(*forgotten)
+        stamped = [st for *_, st in batch if st is not None]
+        sent = time.perf_counter()
         try:
             await pipe.execute()
         except Exception as exc:
-            for *_, future in batch:
+            for _e, _m, future, _st in batch:
                 if not future.done():
                     future.set_exception(exc)
             return
-        for *_, future in batch:
+        acked = time.perf_counter()
+        for st in stamped:
+            st["sent"], st["acked"] = sent, acked
+        for _e, _m, future, _st in batch:
             if not future.done():
                 future.set_result(None)
 

@@ -40,6 +40,13 @@ def test_serve_gpu_benchmark_runs_end_to_end_on_the_cpu(tmp_path):
         assert all(parts[k] is not None and parts[k] >= -1.0 for k in parts), parts
         assert r["timeline"]["steps"] and all(len(s) == 5 for s in r["timeline"]["steps"])
     assert "TTFT parts" in proc.stdout
+    # The stack's runs also carry the gateway's request trace, joined: read and delivery split at the gateway.
+    from kernellab.bench.timeline import GATEWAY_SPLIT
+
+    for r in (r for r in timed if r["phase"].startswith("stack-")):
+        parts = r["timeline"]["median_ms"]
+        assert all(parts.get(k) is not None and parts[k] >= -1.0 for k in GATEWAY_SPLIT), parts
+    assert "the gateway's share" in proc.stdout
 
 
 def test_structured_stack_benchmark_gpu_path_runs_on_the_cpu(tmp_path):
