@@ -401,6 +401,45 @@ def batch_table() -> str:
     )
 
 
+def burst_table() -> str:
+    data = load("results/gateway_burst_cpu.json")
+    if not data:
+        return "_no gateway burst artifact yet (`python benchmarks/gateway_burst.py`)_"
+    p, w = data["provenance"], data["workload"]
+    rows = [
+        f"`results/gateway_burst_cpu.json` — {p['cpu']}, {p['cpu_count']} cores, commit `{p['commit'][:12]}`, "
+        f"{p['date']}. {w['clients']} streaming completions written at once ({w['prompt_tokens']}-token prompts, "
+        f"{w['max_tokens']} tokens out) through the gateway tier to one worker running {w['engine']}; medians over "
+        f"{data['rounds_counted'] if 'rounds_counted' in data else w['rounds'] - 1} rounds.",
+        "",
+        "| gateway processes | generation routes | tier CPU per request | worker read the burst (first / p50 / last) "
+        "| TTFT p50 |",
+        "| ---: | --- | ---: | --- | ---: |",
+    ]
+    label = {"base": "fast path", "slowpath": "through FastAPI"}
+    for ph in data["phases"]:
+        s = data["summary"][ph["name"]]
+        rows.append(
+            f"| {ph['gateway_processes']} | {label.get(ph['variant'], ph['variant'])} | "
+            f"{s['gateway_cpu_ms_per_request']:.3f} ms | {s['received_first_ms']:.1f} / {s['received_p50_ms']:.1f} / "
+            f"{s['received_last_ms']:.1f} ms | {s['ttft_p50_ms']:.1f} ms |"
+        )
+    parts = ("http_in", "admit", "flush", "redis_read", "to_gateway", "gateway_out")
+    rows += [
+        "",
+        "Where a request's time went, medians in ms (the gateway's request trace joined with the worker's step trace; "
+        "docs/deploy.md names the parts):",
+        "",
+        "| gateway processes | generation routes | " + " | ".join(p.replace("_", " ") for p in parts) + " |",
+        "| ---: | --- |" + " ---: |" * len(parts),
+    ]
+    for ph in data["phases"]:
+        g = data["summary"][ph["name"]].get("gateway_parts_ms") or {}
+        cells = " | ".join(f"{g[k]:.1f}" if g.get(k) is not None else "" for k in parts)
+        rows.append(f"| {ph['gateway_processes']} | {label.get(ph['variant'], ph['variant'])} | {cells} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     text = README.read_text()
     for name, fn in (
@@ -410,6 +449,7 @@ def main() -> None:
         ("GPUSERVE", gpu_serve_table),
         ("STRUCTURED", structured_table),
         ("BATCH", batch_table),
+        ("BURST", burst_table),
     ):
         block = f"<!-- BEGIN {name} TABLE -->\n{fn()}\n<!-- END {name} TABLE -->"
         pattern = re.compile(rf"<!-- BEGIN {name} TABLE -->.*?<!-- END {name} TABLE -->", re.S)
