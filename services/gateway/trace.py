@@ -16,17 +16,30 @@ to the same file: one ``os.write`` per line with ``O_APPEND``, so lines never in
 from __future__ import annotations
 
 import json
+import logging
 import os
+
+log = logging.getLogger("kernellab.gateway")
 
 
 class RequestTrace:
+    """A diagnostic: a failed write (disk full, file gone) turns it off with one warning, never fails a request."""
+
     def __init__(self, path: str):
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._pid = os.getpid()
 
     def request(self, request_id: str, stamps: dict[str, float]) -> None:
+        if self._fd is None:
+            return
         line = {"rid": request_id, "pid": self._pid, **{k: round(v, 6) for k, v in stamps.items() if v is not None}}
-        os.write(self._fd, (json.dumps(line) + "\n").encode())
+        try:
+            os.write(self._fd, (json.dumps(line) + "\n").encode())
+        except OSError as exc:
+            log.warning("gateway trace off: %s", exc)
+            self.close()
 
     def close(self) -> None:
-        os.close(self._fd)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
