@@ -36,6 +36,7 @@ from kernellab.services.queue.protocol import ErrorMessage, OutputChunk, engine_
 # A worker ends an expired request itself; this much later the gateway gives up waiting for it.
 DEADLINE_GRACE_S = 5.0
 NOT_READY = object()  # ``ResultStream.ready()``: nothing has arrived yet
+_DEADLINE = object()  # put into a stream's queue when its deadline (plus the grace) has passed
 
 
 class ClientGone(Exception):
@@ -104,6 +105,11 @@ class ResultStream:
         self.remaining = len(self.choices)
         self.first_token_at: float | None = None
         self.closed = False
+        # One timer for the whole request (not an asyncio.timeout per wait, which cost a timer handle and its
+        # rescheduling on every event): at the deadline a marker in the queue wakes whatever waits on it.
+        self._deadline_timer = asyncio.get_running_loop().call_later(
+            max(0.0, self.deadline - time.time()), self.sub.queue.put_nowait, (None, _DEADLINE)
+        )
         self.stamps: dict[str, float] | None = None  # the gateway trace's times (Gateway.submit), when tracing
 
     @property
@@ -120,14 +126,7 @@ class ResultStream:
     async def next(self) -> Update | None:
         while self.remaining:
             q = self.sub.queue
-            if q.empty():
-                try:
-                    async with asyncio.timeout(max(0.0, self.deadline - time.time())):
-                        index, msg = await q.get()
-                except TimeoutError:
-                    raise DeadlineExceeded() from None
-            else:
-                index, msg = q.get_nowait()
+            index, msg = q.get_nowait() if not q.empty() else await q.get()
             update = self._apply(index, msg)
             if update is not None:
                 return update
@@ -150,6 +149,8 @@ class ResultStream:
     def _apply(self, index, msg) -> Update | None:
         if isinstance(msg, ClientGone):
             raise msg
+        if msg is _DEADLINE:
+            raise DeadlineExceeded()
         if isinstance(msg, RouterFailure):
             raise ServiceUnavailable(f"lost the connection to the queue: {msg}", code="queue_unavailable")
         st = self.choices[index]
@@ -195,6 +196,7 @@ class ResultStream:
         if self.closed:
             return
         self.closed = True
+        self._deadline_timer.cancel()
         self.g.release(self)
         unfinished = [i for i, c in self.choices.items() if not c.finished]
         if unfinished:

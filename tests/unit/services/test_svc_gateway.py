@@ -452,3 +452,37 @@ def test_finished_requests_output_streams_are_unlinked(client, redis_url, prefix
     while r.exists(first):
         assert time.monotonic() < deadline, "the finished request's output stream was never unlinked"
         time.sleep(0.01)
+
+
+def test_a_worker_that_never_answers_ends_in_a_504_at_the_deadline(redis_url, prefix, tokenizer, monkeypatch):
+    """A live worker (its heartbeat is fresh) that never writes a token: the gateway's own deadline timer ends the
+    request with 504 deadline_exceeded, streaming or not, instead of holding the client forever."""
+    from kernellab.services.gateway import generation
+    from kernellab.services.queue.protocol import Heartbeat, encode
+
+    monkeypatch.setattr(generation, "DEADLINE_GRACE_S", 0.0)
+    keys, r, stop = Keys(prefix, MODEL), redis.Redis.from_url(redis_url), threading.Event()
+
+    def beat():
+        while not stop.is_set():
+            r.set(
+                keys.heartbeat("silent"), encode(Heartbeat("silent", MODEL, time.time(), max_model_len=2048)), px=5000
+            )
+            r.zadd(keys.workers, {"silent": time.time()})
+            stop.wait(0.1)
+
+    beater = threading.Thread(target=beat, daemon=True)
+    beater.start()
+    try:
+        settings = gateway_settings(redis_url, prefix, request_timeout_s=0.4)
+        with TestClient(create_app(settings, tokenizer=tokenizer)) as c:
+            wait_ready(c)
+            for stream in (False, True):
+                t = time.monotonic()
+                body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": stream}
+                resp = c.post("/v1/completions", headers=AUTH, json=body)
+                is_openai_error(resp, 504, "deadline_exceeded")
+                assert 0.3 < time.monotonic() - t < 5.0
+    finally:
+        stop.set()
+        beater.join(5)
