@@ -201,8 +201,8 @@ def main() -> int:
     started = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="gateway-burst-"))
     runs: dict[str, list[dict]] = {f"g{g}-{v}": [] for g, v in phases}
+    tiers: dict[str, Tier] = {}
     try:
-        tiers = {}
         for g, v in phases:
             name = f"g{g}-{v}"
             t = time.perf_counter()
@@ -217,7 +217,7 @@ def main() -> int:
                     f"received {r['received_ms']} ms, TTFT p50 {r['ttft_p50_ms']} ms, bad {r['bad']}"
                 )
     finally:
-        for tier in locals().get("tiers", {}).values():
+        for tier in tiers.values():
             tier.stop()
     from kernellab.results import provenance, write
 

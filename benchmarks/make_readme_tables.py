@@ -410,7 +410,7 @@ def burst_table() -> str:
         f"`results/gateway_burst_cpu.json` — {p['cpu']}, {p['cpu_count']} cores, commit `{p['commit'][:12]}`, "
         f"{p['date']}. {w['clients']} streaming completions written at once ({w['prompt_tokens']}-token prompts, "
         f"{w['max_tokens']} tokens out) through the gateway tier to one worker running {w['engine']}; medians over "
-        f"{data['rounds_counted'] if 'rounds_counted' in data else w['rounds'] - 1} rounds.",
+        f"{w['rounds'] - 1} rounds.",
         "",
         "| gateway processes | generation routes | tier CPU per request | worker read the burst (first / p50 / last) "
         "| TTFT p50 |",
@@ -424,7 +424,8 @@ def burst_table() -> str:
             f"{s['gateway_cpu_ms_per_request']:.3f} ms | {s['received_first_ms']:.1f} / {s['received_p50_ms']:.1f} / "
             f"{s['received_last_ms']:.1f} ms | {s['ttft_p50_ms']:.1f} ms |"
         )
-    parts = ("http_in", "admit", "flush", "redis_read", "to_gateway", "gateway_out")
+    from kernellab.bench.timeline import GATEWAY_SPLIT as parts
+
     rows += [
         "",
         "Where a request's time went, medians in ms (the gateway's request trace joined with the worker's step trace; "

@@ -34,7 +34,12 @@ from kernellab.services.gateway.errors import (
 )
 from kernellab.services.gateway.generation import NOT_READY, ClientGone, chat_delta, collect, usage_of
 from kernellab.services.gateway.metrics import GatewayMetrics, HTTPMetricsMiddleware
-from kernellab.services.gateway.middleware import GatewayApp, GenerationFastPath, InternalErrorMiddleware
+from kernellab.services.gateway.middleware import (
+    GatewayApp,
+    GenerationFastPath,
+    InternalErrorMiddleware,
+    internal_error,
+)
 from kernellab.services.gateway.requests import prepare
 from kernellab.services.gateway.state import Gateway
 from kernellab.services.gateway.utility import detokenize_request, tokenize_request
@@ -137,7 +142,7 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception):
         log.exception("unexpected error")
-        return JSONResponse(KernellabError(f"internal error: {type(exc).__name__}").to_openai(), status_code=500)
+        return JSONResponse(internal_error(exc), status_code=500)
 
     # ----------------------------------------------------------------- helpers
     def check_auth(request: Request) -> str:

@@ -87,7 +87,15 @@ def usage_of(p: Prepared, rs: ResultStream) -> dict:
 class ResultStream:
     """Updates of every choice of a request, in arrival order; ``None`` once all have finished."""
 
-    def __init__(self, gateway, p: Prepared, sub: Subscription, deadline: float, started: float):
+    def __init__(
+        self,
+        gateway,
+        p: Prepared,
+        sub: Subscription,
+        deadline: float,
+        started: float,
+        stamps: dict[str, float] | None = None,
+    ):
         self.g, self.p, self.sub = gateway, p, sub
         self.deadline = deadline + DEADLINE_GRACE_S
         self.started = started
@@ -110,7 +118,7 @@ class ResultStream:
         self._deadline_timer = asyncio.get_running_loop().call_later(
             max(0.0, self.deadline - time.time()), self.sub.queue.put_nowait, (None, _DEADLINE)
         )
-        self.stamps: dict[str, float] | None = None  # the gateway trace's times (Gateway.submit), when tracing
+        self.stamps = stamps  # the gateway trace's times (Gateway.submit), when the gateway traces
 
     @property
     def completion_tokens(self) -> int:
@@ -207,7 +215,7 @@ class ResultStream:
                 for i in index:
                     self.g.cancel(self.p.request_id, i, "closed")
         self.g.forget_streams([engine_request_id(self.p.request_id, i) for i in self.choices])
-        if self.stamps is not None and self.g.trace is not None:
+        if self.stamps is not None:
             self.g.trace.request(
                 self.p.request_id, {**self.stamps, "routed": self.sub.first_read, "first": self.first_token_at}
             )

@@ -73,6 +73,11 @@ class GatewayMetrics:
             "kernellab_gateway_cancels", "Cancel messages sent to workers, by reason", ["reason"], registry=r
         )
 
+    def http(self, route: str, method: str, status: int, seconds: float) -> None:
+        """One HTTP request counted by route template and status, timed to its last byte."""
+        self.requests.labels(route, method, str(status)).inc()
+        self.latency.labels(route).observe(seconds)
+
 
 class HTTPMetricsMiddleware:
     def __init__(self, app, metrics: GatewayMetrics):
@@ -94,7 +99,5 @@ class HTTPMetricsMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            route = scope.get("route")
-            path = getattr(route, "path", None) or "other"
-            self.metrics.requests.labels(path, scope.get("method", ""), str(status)).inc()
-            self.metrics.latency.labels(path).observe(time.perf_counter() - start)
+            path = getattr(scope.get("route"), "path", None) or "other"
+            self.metrics.http(path, scope.get("method", ""), status, time.perf_counter() - start)

@@ -17,6 +17,11 @@ from kernellab.services.gateway.errors import error_headers
 log = logging.getLogger("kernellab.gateway")
 
 
+def internal_error(exc: Exception) -> dict:
+    """The OpenAI error object of an unexpected exception (500): its type, never its message."""
+    return KernellabError(f"internal error: {type(exc).__name__}").to_openai()
+
+
 class InternalErrorMiddleware:
     """An unexpected exception becomes an OpenAI error object (500) on a connection that stays usable.
 
@@ -44,7 +49,7 @@ class InternalErrorMiddleware:
             if started:
                 raise
             log.exception("unexpected error")
-            body = json.dumps(KernellabError(f"internal error: {type(exc).__name__}").to_openai()).encode()
+            body = json.dumps(internal_error(exc)).encode()
             await send(
                 {
                     "type": "http.response.start",
@@ -94,15 +99,11 @@ class GenerationFastPath:
                 response = JSONResponse(exc.to_openai(), status_code=exc.status_code, headers=error_headers(exc))
             except Exception as exc:  # nothing was sent yet: an OpenAI 500, and the connection stays usable
                 log.exception("unexpected error")
-                response = JSONResponse(
-                    KernellabError(f"internal error: {type(exc).__name__}").to_openai(), status_code=500
-                )
+                response = JSONResponse(internal_error(exc), status_code=500)
             status = response.status_code
             await response(scope, receive, send)  # an exception here may follow a sent start: it goes on
         finally:
-            path = scope["route"].path
-            self.metrics.requests.labels(path, "POST", str(status)).inc()
-            self.metrics.latency.labels(path).observe(time.perf_counter() - start)
+            self.metrics.http(scope["route"].path, "POST", status, time.perf_counter() - start)
 
 
 class GatewayApp(FastAPI):

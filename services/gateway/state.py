@@ -224,9 +224,7 @@ class Gateway:
             raise
         self.metrics.queue_depth.set(self.waiting)
         self.metrics.in_flight.set(self.in_flight)
-        rs = ResultStream(self, p, sub, deadline, started)
-        rs.stamps = stamps
-        return rs
+        return ResultStream(self, p, sub, deadline, started, stamps)
 
     async def _enqueue(self, entries: list, meta: tuple[str, str], stamps: dict | None = None) -> None:
         """Requests submitted in the same event-loop turn share one pipeline, so a burst of clients reaches
