@@ -781,10 +781,12 @@ def print_table(a: dict) -> None:
                 + "".join(f"{k.replace('_', ' '):>12}" for k in GATEWAY_SPLIT)
             )
             for r in gated:
-                m = r["timeline"]["median_ms"]
+                m, arrivals = r["timeline"]["median_ms"], r["timeline"].get("arrivals", {})
                 print(
                     f"{r['phase']:22}"
                     + "".join(f"{m[k] if m.get(k) is not None else float('nan'):12.2f}" for k in GATEWAY_SPLIT)
+                    + f"   routes began / pipelines out {arrivals.get('gateway_in_ms')} / "
+                    + f"{arrivals.get('gateway_sent_ms')}"
                 )
     print(
         f"\nstack/engine throughput {f.get('throughput_ratio')} (target ≥ {TARGETS['throughput_ratio_min']}); "

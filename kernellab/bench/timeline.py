@@ -15,7 +15,8 @@ The four add up to the TTFT. ``to_worker`` splits in two where the trace has the
 ``recv`` of its ``add`` lines; older traces have none, and then both are None): ``to_worker_read`` (client send →
 the worker's I/O thread has read it from Redis) and ``inbox`` (→ the step loop takes it in: behind the step in
 flight, or the loop's take-in of the requests before it). ``arrivals`` gives, for the joined requests, the
-spread of those two instants after t0 (ms: min, median, max): a burst that reaches the worker together but is
+spread of those two instants after t0 (ms: min, median, max; with a gateway trace also of the instants its routes
+began, ``gateway_in_ms``, and its submit pipelines went out, ``gateway_sent_ms``): a burst that reaches the worker together but is
 taken in over several steps shows there, one that reaches it late shows in ``received_ms``.
 
 With the gateway's request trace (``KERNELLAB_GATEWAY_TRACE``, ``read_gateway_trace``) the stack's parts split
@@ -109,6 +110,8 @@ def timeline(
     made_first = {rid: s for s in steps for rid in s.get("first", ())}
     parts: dict[str, list[float]] = {k: [] for k in (*PARTS, *SPLIT, *(GATEWAY_SPLIT if gateway is not None else ()))}
     arrivals: dict[str, list[float]] = {"received_ms": [], "taken_ms": []}
+    if gateway is not None:  # when the tier's routes began, and when their submit pipelines went out
+        arrivals.update(gateway_in_ms=[], gateway_sent_ms=[])
     joined = 0
     for r in records:
         s, taken = made_first.get(r.get("rid")), adds.get(r.get("rid"))
@@ -133,6 +136,8 @@ def timeline(
                 parts["redis_read"].append((got - g["sent"]) * 1e3)
             parts["to_gateway"].append((g["routed"] - end) * 1e3)
             parts["gateway_out"].append((r["first"] - g["routed"]) * 1e3)
+            arrivals["gateway_in_ms"].append((g["in"] - t0) * 1e3)
+            arrivals["gateway_sent_ms"].append((g["sent"] - t0) * 1e3)
     ordered = sorted((s for s in steps if s["t"] + s["dt"] >= t0), key=lambda s: s["t"])  # this run's steps
     return {
         "requests_joined": joined,
