@@ -786,7 +786,8 @@ def print_table(a: dict) -> None:
                     f"{r['phase']:22}"
                     + "".join(f"{m[k] if m.get(k) is not None else float('nan'):12.2f}" for k in GATEWAY_SPLIT)
                     + f"   routes began / pipelines out {arrivals.get('gateway_in_ms')} / "
-                    + f"{arrivals.get('gateway_sent_ms')}"
+                    + f"{arrivals.get('gateway_sent_ms')}; processes, fewest, most requests "
+                    + f"{r['timeline'].get('gateway_load')}"
                 )
     print(
         f"\nstack/engine throughput {f.get('throughput_ratio')} (target ≥ {TARGETS['throughput_ratio_min']}); "
