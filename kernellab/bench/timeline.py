@@ -142,6 +142,11 @@ def timeline(
             arrivals["gateway_sent_ms"].append((g["sent"] - t0) * 1e3)
     ordered = sorted((s for s in steps if s["t"] + s["dt"] >= t0), key=lambda s: s["t"])  # this run's steps
     out: dict = {}
+    if arrivals["received_ms"]:  # the worker's reads: [ms after t0, requests] for each distinct receive instant
+        reads: dict[float, int] = {}
+        for t in arrivals["received_ms"]:
+            reads[round(t, 3)] = reads.get(round(t, 3), 0) + 1
+        out["reads"] = [[round(t, 2), n] for t, n in sorted(reads.items())]
     if per_process:  # how evenly the tier's processes shared the burst: [processes, fewest, most requests]
         out["gateway_load"] = [len(per_process), min(per_process.values()), max(per_process.values())]
     return out | {

@@ -48,6 +48,7 @@ def test_serve_gpu_benchmark_runs_end_to_end_on_the_cpu(tmp_path):
         assert all(parts.get(k) is not None and parts[k] >= -1.0 for k in GATEWAY_SPLIT), parts
         began, out = r["timeline"]["arrivals"]["gateway_in_ms"], r["timeline"]["arrivals"]["gateway_sent_ms"]
         assert 0 <= began[0] <= began[1] <= began[2] and began[0] <= out[0] and began[2] <= out[2], (began, out)
+        assert sum(n for _ms, n in r["timeline"]["reads"]) == r["timeline"]["requests_joined"]  # each read once
         used, fewest, most = r["timeline"]["gateway_load"]
         assert 1 <= used <= 2 and 1 <= fewest <= most <= r["timeline"]["requests_joined"]  # the g2 tier's processes
     assert "the gateway's share" in proc.stdout
