@@ -102,7 +102,6 @@ VARIANTS = {
 }
 GATEWAY_VARIANTS = {
     "slowpath": {"KERNELLAB_GATEWAY_FAST_PATH": "0"},  # generation routes through FastAPI
-    "nice5": {"KERNELLAB_GATEWAY_NICE": "5"},  # gateway processes below Redis and the worker on the CPU
 }
 TARGETS = {"throughput_ratio_min": 0.90, "interactive_added_ttft_p50_ms_max": 5.0, "two_gpu_scaling_min": 1.85}
 

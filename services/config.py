@@ -75,10 +75,6 @@ class GatewaySettings(StackSettings):
     # loop, Redis clients and output router; one supervisor serves their merged metrics. max_waiting is split
     # among them. One Python process frames a few thousand SSE events a second: docs/deploy.md says how many.
     gateway_processes: int = Field(1, ge=1, le=64)
-    # KERNELLAB_GATEWAY_NICE: niceness of each gateway process (0: unchanged). A burst keeps every process of a
-    # tier busy at once; on a host whose cores they fill, a positive value lets Redis and the worker's threads,
-    # which every request passes through, run first (docs/deploy.md).
-    gateway_nice: int = Field(0, ge=0, le=19)
     gateway_trace: str = ""  # KERNELLAB_GATEWAY_TRACE: a file for one JSON line per request (gateway/trace.py)
     # KERNELLAB_GATEWAY_FAST_PATH: the two generation routes skip FastAPI's routing and exception layers (app.py
     # GenerationFastPath); false serves them through FastAPI like every other route (the before of its A/B).

@@ -84,16 +84,10 @@ def _die_with_parent() -> None:
         pass
 
 
-def _renice(settings: GatewaySettings) -> None:
-    if settings.gateway_nice:
-        os.nice(settings.gateway_nice)
-
-
 def _child(settings: GatewaySettings, index: int) -> None:
     _die_with_parent()
     _configure_logging(settings)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the supervisor decides
-    _renice(settings)
     serve_one(settings, _listen_socket(settings.host, settings.port))
 
 
@@ -213,7 +207,6 @@ def serve(settings: GatewaySettings) -> None:
     _configure_logging(settings)
     if settings.gateway_processes > 1:
         raise SystemExit(supervise(settings))
-    _renice(settings)
     serve_one(settings)
 
 

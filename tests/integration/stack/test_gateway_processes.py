@@ -23,14 +23,12 @@ ROOT = Path(__file__).resolve().parents[3]
 
 @pytest.fixture()
 def tier(private_redis, tmp_path):
-    """Two gateway processes (at niceness +3) in front of one worker running the deterministic test engine (no
-    model load)."""
+    """Two gateway processes in front of one worker running the deterministic test engine (no model load)."""
     s = Stack(
         private_redis.url,
         tmp_path,
         workers=1,
         KERNELLAB_GATEWAY_PROCESSES="2",
-        KERNELLAB_GATEWAY_NICE="3",
         KERNELLAB_ENGINE="tests.support.fake_engine:FakeEngine",
         FAKE_STEP_S="0.005",
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -70,10 +68,6 @@ def complete_many(s: Stack, n: int) -> list[str]:
 
 def test_requests_are_served_by_the_tier_and_metrics_merge(tier):
     assert len(children(tier)) == 2
-    # KERNELLAB_GATEWAY_NICE lowers the serving processes' priority, not the supervisor's.
-    base = psutil.Process().nice()
-    assert [c.nice() for c in children(tier)] == [min(19, base + 3)] * 2
-    assert psutil.Process(tier.procs["gateway"].pid).nice() == base
     before = metric(tier.gateway_metrics(), "kernellab_gateway_http_requests_total", route="/v1/completions")
     texts = complete_many(tier, 16)
     assert all(texts)
