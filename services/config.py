@@ -128,6 +128,10 @@ class WorkerSettings(StackSettings):
     gather_burst_gap_s: float = Field(0.004, ge=0)
     gather_max_s: float = Field(0.05, ge=0)
     gather_tokens: int | None = Field(None, ge=1)
+    # A quiet gap does not end the gather while the request reader is busy with a read (decoding and preparing
+    # the tens of requests one XREADGROUP of a burst returns can outlast the gap, and the first step then ran
+    # the burst's first request alone); gather_max_s still bounds it. Off: the gap alone decides (before).
+    gather_follows_reader: bool = True
     # The I/O thread that reads a request prepares it (parameters, validation, the engine's sequence) while the
     # loop is in a step, so the loop only enqueues it between steps. Off: the loop prepares each as it takes it
     # in (the behaviour before; the serving benchmark's "-loopprep" phases measure the two against each other,

@@ -181,6 +181,11 @@ class RedisIO:
         self.stopping = threading.Event()
         self.redis_ok = threading.Event()
         self.refreshes = 0  # completed ownership refreshes (the step loop waits for one after a stall)
+        # True unless the request reader is parked in its idle blocking read (or waiting for room, or for Redis):
+        # it holds entries not yet in the inbox, or is looking for more right after handing some over. A burst's
+        # later reads (decoding and preparing tens of requests) can outlast the loop's first gather gap; while
+        # this is set, the loop's gather keeps waiting (WorkerSettings.gather_max_s bounds it).
+        self.reading = False
         self._threads: list[threading.Thread] = []
 
     def _queue(self, blocking_ms: int = 0) -> WorkerQueue:
@@ -234,6 +239,7 @@ class RedisIO:
                 q = q or self._queue(blocking_ms=1000)
                 room = self.max_num_seqs - self.holdings.count()
                 if room <= 0:
+                    self.reading = False
                     self.holdings.wait_for_room(self.max_num_seqs, 0.5)
                     continue
                 batch_room = max(0, min(room, int(self.max_num_seqs * self.batch_share) - self.holdings.count("batch")))
@@ -241,14 +247,18 @@ class RedisIO:
                 if len(got) < room and batch_room:
                     got += q.read(["batch"], min(batch_room, room - len(got)), None)
                 if not got:  # idle: wait for the next entry of either stream, then read greedily again
+                    self.reading = False
                     got = q.read(["interactive", "batch"] if batch_room else ["interactive"], 1, 1000)
+                    self.reading = bool(got)  # more of a burst may be right behind it: look before parking
                 received = time.monotonic()
                 self.redis_ok.set()
                 self._deliver(got, received)
             except _REDIS_DOWN as exc:
+                self.reading = False
                 self._down("read", exc)
                 q = None
                 self.stopping.wait(0.5)
+        self.reading = False
 
     def _read_cancels(self) -> None:
         q: WorkerQueue | None = None

@@ -43,6 +43,7 @@ from kernellab.services.worker.trace import StepTrace
 log = logging.getLogger("kernellab.worker")
 
 PRIORITY_VALUE = {"interactive": 0, "batch": 1}  # the engine runs lower values first
+READER_POLL_S = 0.0002  # a gather past its quiet gap looks this often whether the request reader is done
 
 
 @dataclass
@@ -295,11 +296,18 @@ class Worker:
         # delays it: later arrivals join the next step (the loop takes them in between steps).
         target = min(s.gather_tokens or s.max_num_batched_tokens // 4, s.max_num_batched_tokens)
         gathered = self._new_prompt_tokens()
-        while gap > 0 and (left := end - time.monotonic()) > 0 and gathered < target:
+        last = time.monotonic()
+        while gap > 0 and (left := end - (now := time.monotonic())) > 0 and gathered < target:
+            wait = last + gap - now
+            if wait <= 0:  # a quiet gap; but a reader still busy with a read holds (or is fetching) more of it
+                if not (s.gather_follows_reader and self.io.reading):
+                    break
+                wait = READER_POLL_S
             try:
-                item = self.inbox.get(timeout=min(gap, left))
+                item = self.inbox.get(timeout=min(wait, left))
             except queue.Empty:
-                break
+                continue
+            last = time.monotonic()
             before = len(self.active)
             self._handle(item, batch)
             if item[0] == "add" and len(self.active) == before + 1:  # counted as it comes, not re-summed

@@ -275,3 +275,54 @@ def test_step_trace_records_each_request_and_the_step_that_made_its_first_token(
     assert sorted(firsts) == ["req-trace-0:0", "req-trace-1:0"]  # each first token once
     assert all(e["dt"] >= 0 and e["emit_dt"] >= 0 for e in steps)
     assert [e["t"] for e in steps] == sorted(e["t"] for e in steps)
+
+
+@pytest.mark.parametrize("follows", [True, False])
+def test_gather_waits_for_a_busy_reader_past_its_quiet_gap(redis_url, prefix, follows):
+    """A burst's later read can take longer than the first gather gap to decode and prepare; while the request
+    reader says it is busy the gather keeps waiting (bounded by gather_max_s), so what it hands over joins the
+    first step. With gather_follows_reader off the gap alone decides and the late request is left out."""
+    w = Worker(
+        settings(
+            redis_url,
+            prefix,
+            max_num_batched_tokens=10_000,
+            gather_gap_s=0.05,
+            gather_burst_gap_s=0.05,
+            gather_max_s=5.0,
+            gather_follows_reader=follows,
+        ),
+        engine=FakeEngine(step_s=0),
+    )
+    w.inbox.put(("add", w.prepare(_delivery("first", 10), time.monotonic())))
+    w._drain_inbox(block=False)
+    w.io.reading = True  # as the reader thread sets it while it holds a read's entries
+
+    def reader():
+        time.sleep(0.3)  # six quiet gaps
+        w.inbox.put(("add", w.prepare(_delivery("late", 10), time.monotonic())))
+        w.io.reading = False
+
+    feeder = threading.Thread(target=reader)
+    t = time.monotonic()
+    feeder.start()
+    w._gather(burst=False)
+    took = time.monotonic() - t
+    feeder.join()
+    taken = {eid.rsplit("-", 1)[0] for eid in w.active}
+    if follows:
+        assert taken == {"first", "late"} and 0.3 <= took < 4.0
+    else:
+        assert taken == {"first"} and took < 0.25
+
+
+def test_the_reader_is_not_busy_while_parked_in_its_idle_read(ctx):
+    """A stuck ``reading`` would hold every idle worker's gather to gather_max_s: it must clear once the reader
+    has handed a request over and found nothing more."""
+    r, keys, start = ctx
+    w = start()
+    wait_for(lambda: not w.worker.io.reading)
+    send(r, keys, "solo", max_tokens=3)
+    tokens, _last = collect(r, keys, "solo-0")
+    assert tokens == expected(3)
+    wait_for(lambda: not w.worker.io.reading, timeout=2.0)
