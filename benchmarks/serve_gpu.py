@@ -97,7 +97,7 @@ VARIANTS = {
     "loopprep": {"KERNELLAB_PREPARE_IN_READER": "0"},
     # steps that prefill run eagerly instead of replaying the piecewise CUDA graphs (the behaviour before them)
     "nopiecewise": {"KERNELLAB_PIECEWISE_GRAPHS": "0"},
-    # the gather ends at its quiet gap even while the request reader is busy with a read (before 6cd5e6b)
+    # the gather ends at its quiet gap even while the request reader is busy with a read (the behaviour before)
     "noreaderwait": {"KERNELLAB_GATHER_FOLLOWS_READER": "0"},
     # a 0.1 ms GIL switch interval in the worker instead of 0.5 ms
     "si100": {"KERNELLAB_SWITCH_INTERVAL_S": "0.0001"},
