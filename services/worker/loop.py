@@ -299,13 +299,15 @@ class Worker:
         last = time.monotonic()
         while gap > 0 and (left := end - (now := time.monotonic())) > 0 and gathered < target:
             wait = last + gap - now
-            if wait <= 0:  # a quiet gap; but a reader still busy with a read holds (or is fetching) more of it
-                if not (s.gather_follows_reader and self.io.reading):
-                    break
-                wait = READER_POLL_S
+            final = wait <= 0 and not (s.gather_follows_reader and self.io.reading)
             try:
-                item = self.inbox.get(timeout=min(wait, left))
+                if final:  # quiet, and the reader is parked: it may have handed over its last item just before
+                    item = self.inbox.get_nowait()
+                else:  # within the gap, or past it while the reader still holds (or fetches) more
+                    item = self.inbox.get(timeout=min(wait if wait > 0 else READER_POLL_S, left))
             except queue.Empty:
+                if final:
+                    break
                 continue
             last = time.monotonic()
             before = len(self.active)
