@@ -18,6 +18,7 @@ from kernellab.runtime.request.registry import ModelSpec, resolve_model
 from kernellab.runtime.request.sampling import SamplingParams
 from kernellab.runtime.request.scheduler import Scheduler
 from kernellab.runtime.request.sequence import Sequence
+from kernellab.runtime.request.token_ids import TokenIds
 
 if TYPE_CHECKING:
     from kernellab.runtime.request.structured import GrammarState
@@ -162,7 +163,13 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if not prompt:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        if not _valid_token_ids([*prompt, *output_token_ids], vocab):
+        if isinstance(prompt_token_ids, TokenIds):  # unpacked from the wire: non-negative ints, maximum known
+            valid = prompt_token_ids.max_id < vocab and (
+                not output_token_ids or _valid_token_ids(list(output_token_ids), vocab)
+            )
+        else:
+            valid = _valid_token_ids([*prompt, *output_token_ids], vocab)
+        if not valid:
             raise InvalidRequestError(f"token ids must be integers in [0, {vocab})", param="prompt")
         total = len(prompt) + len(output_token_ids)
         if total >= self.max_model_len:

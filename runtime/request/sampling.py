@@ -132,8 +132,7 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, data: dict) -> SamplingParams:
-        names = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in data.items() if k in names}
+        kwargs = {k: v for k, v in data.items() if k in _NAMES}  # unknown keys (a newer writer's) are ignored
         bias = kwargs.get("logit_bias")
         if isinstance(bias, dict):  # JSON (batch files, RunPod input) has string keys; msgpack keeps ints
             try:
@@ -144,3 +143,4 @@ class SamplingParams:
 
 
 _FIELDS = fields(SamplingParams)
+_NAMES = frozenset(f.name for f in _FIELDS)

@@ -9,6 +9,9 @@ Hops:
 Invariants:
 - Every encoded message is a msgpack map carrying ``v`` (``PROTOCOL_VERSION``) and ``k`` (its kind); ``decode``
   rejects another version or kind with ``ProtocolError`` instead of guessing.
+- ``RequestMessage.prompt_token_ids`` travels packed (little-endian uint32 bytes) when every id fits, else as a
+  list; ``decode`` reads both (a packed prompt becomes a ``TokenIds`` list that carries its maximum). Workers of
+  a version that reads the packed form must be up before gateways that write it.
 - ``OutputChunk.seq`` is the output index of its first token. The chunks of one choice, read in stream order
   and deduplicated by ``seq``, give every emitted token exactly once, even when a reclaiming worker and a dying
   one both wrote the same tokens.
@@ -20,6 +23,8 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, ClassVar, TypeVar, overload
 
 import msgpack
+
+from kernellab.runtime.request.token_ids import pack_token_ids, unpack_token_ids
 
 if TYPE_CHECKING:
     from redis.typing import EncodableT, FieldT
@@ -128,6 +133,10 @@ def encode(message: Message) -> bytes:
     body = {"v": PROTOCOL_VERSION, "k": message.kind}
     for f in _FIELDS[type(message)]:
         body[f.name] = getattr(message, f.name)
+    if isinstance(message, RequestMessage):  # packed (runtime/request/token_ids.py) where every id fits
+        packed = pack_token_ids(message.prompt_token_ids)
+        if packed is not None:
+            body["prompt_token_ids"] = packed
     return msgpack.packb(body, use_bin_type=True)
 
 
@@ -156,6 +165,11 @@ def decode(data: bytes, expect: type | tuple[type, ...] | None = None) -> Messag
     for f in _FIELDS[cls]:
         if f.name in body:
             kwargs[f.name] = body[f.name]
+    if cls is RequestMessage and isinstance(kwargs.get("prompt_token_ids"), bytes):
+        try:
+            kwargs["prompt_token_ids"] = unpack_token_ids(kwargs["prompt_token_ids"])
+        except ValueError as exc:
+            raise ProtocolError(f"malformed request message: {exc}") from None
     try:
         return cls(**kwargs)
     except TypeError as exc:  # a required field is missing

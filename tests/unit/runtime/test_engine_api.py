@@ -128,7 +128,20 @@ def test_bad_prompts(engine):
             engine.add_request("vocab", bad, SamplingParams())
     with pytest.raises(InvalidRequestError, match="token ids"):
         engine.add_request("resumed", [1, 2], SamplingParams(), output_token_ids=[3, 10**6])
+    # Unpacked from the request protocol (ids known non-negative, maximum known): checked by that maximum, and
+    # resumed output ids still one by one.
+    from kernellab.runtime.request.token_ids import unpack_token_ids
+
+    vocab = engine.model_config.vocab_size
+    wire = lambda ids: unpack_token_ids(b"".join(i.to_bytes(4, "little") for i in ids))  # noqa: E731
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        engine.add_request("packed", wire([1, vocab]), SamplingParams())
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        engine.add_request("packed-resumed", wire([1, 2]), SamplingParams(), output_token_ids=[3, vocab])
     assert not engine.has_unfinished_requests()
+    engine.add_request("packed-ok", wire([1, vocab - 1]), SamplingParams(max_tokens=1))
+    assert engine.has_unfinished_requests()
+    engine.abort("packed-ok")
 
 
 def test_prepared_on_another_thread_while_stepping_runs_as_added(engine):

@@ -109,3 +109,33 @@ def test_keys_share_one_prefix_and_split_by_model():
     assert k.requests("interactive") != Keys("kl:", "other").requests("interactive")
     with pytest.raises(ValueError):
         k.requests("urgent")
+
+
+def test_prompt_ids_travel_packed_and_come_back_as_a_checked_list():
+    from kernellab.runtime.request.token_ids import TokenIds
+
+    ids = [0, 5, 151_935, 2**32 - 1, 7]
+    msg = RequestMessage("cmpl-p", 0, "m", ids, {"max_tokens": 2})
+    body = msgpack.unpackb(encode(msg))
+    assert body["prompt_token_ids"] == b"".join(i.to_bytes(4, "little") for i in ids)  # four bytes an id
+    got = decode(encode(msg))
+    assert got == msg and isinstance(got.prompt_token_ids, TokenIds) and got.prompt_token_ids.max_id == 2**32 - 1
+    assert type(got.prompt_token_ids[0]) is int
+
+
+@pytest.mark.parametrize("ids", [[1, -1], [2**32], [1, 2.5], [1, "2"], []])
+def test_prompt_ids_that_do_not_pack_travel_as_a_list(ids):
+    """An id outside uint32 or not an integer goes as msgpack's list; the worker's own check rejects it."""
+    from kernellab.runtime.request.token_ids import TokenIds
+
+    got = decode(encode(RequestMessage("cmpl-l", 0, "m", ids, {})))
+    assert got.prompt_token_ids == ids and (not isinstance(got.prompt_token_ids, TokenIds) or not ids)
+
+
+def test_a_list_prompt_from_an_older_gateway_and_a_torn_packed_one():
+    body = msgpack.unpackb(encode(RequestMessage("cmpl-o", 0, "m", [3, 4], {})))
+    body["prompt_token_ids"] = [3, 4]  # what gateways wrote before the packed form
+    assert decode(msgpack.packb(body)).prompt_token_ids == [3, 4]
+    body["prompt_token_ids"] = b"\x01\x00\x00"  # not a multiple of four bytes
+    with pytest.raises(ProtocolError, match="multiple of 4"):
+        decode(msgpack.packb(body))
