@@ -331,7 +331,7 @@ def gpu_serve_table() -> str:
             f"`{rp['commit'][:12]}`, {rp['date']}; phases alternated ABAB, "
             f"{rows[0][1]['pairs']['interactive']} interactive pairs each): "
             + "; ".join(
-                f"{'generation routes through FastAPI' if 'slowpath' in n else 'the gateway fast path'} "
+                f"{variant_labels['slowpath'] if 'slowpath' in n else 'the gateway fast path'} "
                 f"{ph['throughput_ratio'] * 100:.1f} % of the engine, TTFT {ph['interactive_added_ttft_p50_ms']:+.1f} ms"
                 for n, ph in rows
             )

@@ -102,9 +102,7 @@ VARIANTS = {
     # a 0.1 ms GIL switch interval in the worker instead of 0.5 ms
     "si100": {"KERNELLAB_SWITCH_INTERVAL_S": "0.0001"},
 }
-GATEWAY_VARIANTS = {
-    "slowpath": {"KERNELLAB_GATEWAY_FAST_PATH": "0"},  # generation routes through FastAPI
-}
+GATEWAY_VARIANTS = {"slowpath": {"KERNELLAB_GATEWAY_FAST_PATH": "0"}}  # generation routes through FastAPI
 TARGETS = {"throughput_ratio_min": 0.90, "interactive_added_ttft_p50_ms_max": 5.0, "two_gpu_scaling_min": 1.85}
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 from pathlib import Path
 
 PARTS = ("to_worker", "queued", "step", "delivery")  # add up to the TTFT
@@ -113,7 +114,7 @@ def timeline(
     if gateway is not None:  # when the tier's routes began, and when their submit pipelines went out
         arrivals.update(gateway_in_ms=[], gateway_sent_ms=[])
     joined = 0
-    per_process: dict[int, int] = {}  # gateway pid → this run's joined requests it served
+    per_process: Counter[int] = Counter()  # gateway pid → this run's joined requests it served
     for r in records:
         s, taken = made_first.get(r.get("rid")), adds.get(r.get("rid"))
         if s is None or taken is None or r.get("first") is None:
@@ -138,14 +139,12 @@ def timeline(
             parts["to_gateway"].append((g["routed"] - end) * 1e3)
             parts["gateway_out"].append((r["first"] - g["routed"]) * 1e3)
             arrivals["gateway_in_ms"].append((g["in"] - t0) * 1e3)
-            per_process[g.get("pid", 0)] = per_process.get(g.get("pid", 0), 0) + 1
+            per_process[g.get("pid", 0)] += 1
             arrivals["gateway_sent_ms"].append((g["sent"] - t0) * 1e3)
     ordered = sorted((s for s in steps if s["t"] + s["dt"] >= t0), key=lambda s: s["t"])  # this run's steps
     out: dict = {}
     if arrivals["received_ms"]:  # the worker's reads: [ms after t0, requests] for each distinct receive instant
-        reads: dict[float, int] = {}
-        for t in arrivals["received_ms"]:
-            reads[round(t, 3)] = reads.get(round(t, 3), 0) + 1
+        reads = Counter(round(t, 3) for t in arrivals["received_ms"])
         out["reads"] = [[round(t, 2), n] for t, n in sorted(reads.items())]
     if per_process:  # how evenly the tier's processes shared the burst: [processes, fewest, most requests]
         out["gateway_load"] = [len(per_process), min(per_process.values()), max(per_process.values())]
