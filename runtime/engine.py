@@ -21,6 +21,7 @@ from kernellab.runtime.request.sequence import Sequence
 from kernellab.runtime.request.token_ids import TokenIds
 
 if TYPE_CHECKING:
+    from kernellab.runtime.host_gate import HostGate
     from kernellab.runtime.request.structured import GrammarState
 
 log = logging.getLogger(__name__)
@@ -329,6 +330,11 @@ class LLMEngine:
             seq.num_output_tokens,
             seq.num_cached_tokens,
         )
+
+    @property
+    def host_gate(self) -> HostGate | None:
+        """When other threads' Python costs a step nothing (runtime/host_gate.py); None off CUDA."""
+        return self.runner.host_gate
 
     @property
     def fast_path(self) -> dict:

@@ -19,7 +19,9 @@ padding query rows lie past ``cu_q = [0, n]``, so attention leaves them out, the
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -49,6 +51,8 @@ class GraphRunner:
         context_buckets: tuple[int, ...] = CONTEXT_BUCKETS,
     ):
         self.model, self.kv_caches, self.device = model, kv_caches, device
+        # around the wait for a decode window's tokens (runtime/host_gate.py)
+        self.device_wait: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
         self.block_size = block_size
         self.width = -(-max_model_len // block_size)
         self.decode_buckets = tuple(b for b in DECODE_BUCKETS if b <= max_num_seqs) or (1,)
@@ -209,7 +213,8 @@ class GraphRunner:
             graph.replay()
             self.step_tokens[step, :bs].copy_(argmax(logits))
             self.inputs[0, :bs].copy_(self.step_tokens[step, :bs])
-        return self.step_tokens[:steps, :n].tolist()
+        with self.device_wait():
+            return self.step_tokens[:steps, :n].tolist()
 
     def prefill(self, ids, slots) -> torch.Tensor:
         n = len(ids)

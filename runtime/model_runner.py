@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -16,6 +17,7 @@ from kernellab.runtime.attention import AttentionMetadata, ContextGather, LayerK
 from kernellab.runtime.config import EngineConfig, ModelConfig
 from kernellab.runtime.dispatch import Ops, build_ops, describe_fast_path, fast_path, graph_safe
 from kernellab.runtime.graphs import GraphRunner, PiecewiseGraphs
+from kernellab.runtime.host_gate import HostGate
 from kernellab.runtime.model import CausalLM
 from kernellab.runtime.request.block_manager import slot_of
 from kernellab.runtime.request.outputs import TokenLogprob
@@ -119,13 +121,17 @@ class ModelRunner:
             " with per-token scales" if self.kv_dtype == torch_ops.FP8_DTYPE else "",
             kv_bytes / 2**30,
         )
-        self.sampler = Sampler(device, argmax=ops.argmax)
+        # Tells the serving worker's other threads when their Python costs the step nothing (None off CUDA).
+        self.host_gate = HostGate.for_device(device)
+        device_wait = self.host_gate.device_wait if self.host_gate is not None else contextlib.nullcontext
+        self.sampler = Sampler(device, argmax=ops.argmax, device_wait=device_wait)
         self.graphs: GraphRunner | None = None
         self.use_graphs = False  # False replays nothing: the same runner, eager (graph == eager checks)
         if device.type == "cuda" and cfg.cuda_graphs and graph_safe(ops, model_cfg.qk_norm):
             self.graphs = GraphRunner(
                 self.model, self.kv_caches, device, self.block_size, max_model_len, cfg.max_num_seqs
             )
+            self.graphs.device_wait = device_wait
             self.graphs.capture()
             self.use_graphs = True
         self.piecewise: PiecewiseGraphs | None = None

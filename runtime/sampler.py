@@ -9,6 +9,7 @@ filtering), as vLLM and OpenAI report them.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +36,10 @@ def _row_generator(seed: int, index: int, device: torch.device) -> torch.Generat
 
 
 class Sampler:
-    def __init__(self, device: torch.device, argmax=torch.argmax):
+    def __init__(self, device: torch.device, argmax=torch.argmax, device_wait=contextlib.nullcontext):
         self.device = device
         self.argmax = argmax  # the dispatcher's (Triton on a GPU where accepted)
+        self.device_wait = device_wait  # around the wait for the tokens (runtime/host_gate.py)
         self.generator = torch.Generator(device=device)
         self.generator.seed()
         self._bitmask_host: torch.Tensor | None = None  # grown to the most constrained rows seen; pinned on CUDA
@@ -58,7 +60,8 @@ class Sampler:
             tokens = self.argmax(processed)
         else:
             tokens = self._sample(processed.clone() if processed is raw else processed, seqs)
-        token_list = tokens.tolist()
+        with self.device_wait():
+            token_list = tokens.tolist()
         return token_list, (self._logprobs(raw, token_list, seqs) if want_logprobs else None)
 
     def constraints(self, seqs: list[Sequence], vocab_size: int) -> Constraints | None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from kernellab.runtime.host_gate import HostGate
     from kernellab.runtime.request.sampling import SamplingParams
 
 
@@ -57,6 +58,7 @@ class Engine(Protocol):
     max_model_len: int
     model_name: str
     last_schedule: tuple[int, int] | None
+    host_gate: HostGate | None  # None: the worker's other threads never wait for its steps
 
     def add_request(
         self,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, cast
 
@@ -138,8 +139,15 @@ class WorkerQueue:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
-    def read(self, priorities: tuple[str, ...] | list[str], count: int, block_ms: int | None) -> list[Delivery]:
-        """New entries: up to ``count`` from each of the ``priorities``' streams (one XREADGROUP)."""
+    def read(
+        self,
+        priorities: tuple[str, ...] | list[str],
+        count: int,
+        block_ms: int | None,
+        admit: Callable[[], None] | None = None,
+    ) -> list[Delivery]:
+        """New entries: up to ``count`` from each of the ``priorities``' streams (one XREADGROUP). ``admit`` is
+        called before each entry is decoded (a worker's reader waits there while its step loop launches)."""
         streams: dict[KeyT, StreamIdT] = {self.keys.requests(p): ">" for p in PRIORITIES if p in priorities}
         if not streams or count <= 0:
             return []
@@ -154,6 +162,8 @@ class WorkerQueue:
         # RESP2 (the client's protocol): [[stream, [(entry id, fields), ...]], ...]
         for stream, entries in cast("list[list[Any]]", reply or []):
             for entry_id, fields in entries:
+                if admit is not None:
+                    admit()
                 out.extend(self._deliveries(_sid(stream), [(entry_id, fields)], {}))
         return self._resolve_resumes(out)
 

@@ -164,6 +164,7 @@ class RedisIO:
         prepare: Callable[[Delivery, float], Any],
         metrics=None,
         outage_grace_s: float = 2.0,
+        admit: Callable[[], None] | None = None,
     ):
         self.url, self.keys, self.worker_id = url, keys, worker_id
         self.max_num_seqs, self.batch_share = max_num_seqs, batch_share
@@ -173,6 +174,9 @@ class RedisIO:
         self.inbox, self.make_heartbeat, self.metrics = inbox, heartbeat, metrics
         self.prepare = prepare  # (delivery, time.monotonic() it was read) → the inbox's "add" payload
         self.outage_grace_s = outage_grace_s
+        # Called by the request reader before each request's Python (decode, prepare): returns when that costs the
+        # step loop nothing (runtime/host_gate.py's admit), or None: run at once.
+        self.admit = admit
         self.holdings = Holdings()
         self.cancels = RecentCancels(request_timeout_s)
         self.outbox: queue.SimpleQueue[WriteBatch | None] = queue.SimpleQueue()
@@ -226,6 +230,8 @@ class RedisIO:
         prepared."""
         for d in deliveries:
             self.holdings.add(d)
+            if self.admit is not None:
+                self.admit()
             self.inbox.put(("add", self.prepare(d, received)))
 
     # ----------------------------------------------------------------- threads
@@ -243,12 +249,12 @@ class RedisIO:
                     self.holdings.wait_for_room(self.max_num_seqs, 0.5)
                     continue
                 batch_room = max(0, min(room, int(self.max_num_seqs * self.batch_share) - self.holdings.count("batch")))
-                got = q.read(["interactive"], room, None)
+                got = q.read(["interactive"], room, None, self.admit)
                 if len(got) < room and batch_room:
-                    got += q.read(["batch"], min(batch_room, room - len(got)), None)
+                    got += q.read(["batch"], min(batch_room, room - len(got)), None, self.admit)
                 if not got:  # idle: wait for the next entry of either stream, then read greedily again
                     self.reading = False
-                    got = q.read(["interactive", "batch"] if batch_room else ["interactive"], 1, 1000)
+                    got = q.read(["interactive", "batch"] if batch_room else ["interactive"], 1, 1000, self.admit)
                     self.reading = bool(got)  # more of a burst may be right behind it: look before parking
                 received = time.monotonic()
                 self.redis_ok.set()

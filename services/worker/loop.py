@@ -95,6 +95,7 @@ class Worker:
                 )
             )
         self.engine: Engine = engine
+        self.gate = getattr(engine, "host_gate", None)  # runtime/host_gate.py: None where steps are host work
         self.model_name = engine.model_name or s.model
         self.keys = Keys(s.key_prefix, self.model_name)
         self.metrics = WorkerMetrics(self.model_name)
@@ -115,6 +116,7 @@ class Worker:
             heartbeat=self.heartbeat,
             prepare=self.prepare if s.prepare_in_reader else self._defer,
             metrics=self.metrics,
+            admit=self.gate.admit if self.gate is not None and s.reader_yields_to_step else None,
         )
         self.active: dict[str, Active] = {}
         self.trace = StepTrace(s.step_trace) if s.step_trace else None
@@ -233,10 +235,16 @@ class Worker:
                 self._check_integrity()
                 continue
             t0 = time.monotonic()
-            outputs = self.engine.step()
-            t1 = time.monotonic()
-            self._check_stall(last)  # stopped mid-step: what others reclaimed meanwhile is not emitted
-            first = self._emit(outputs)
+            if self.gate is not None:
+                self.gate.host()  # the reader waits while the step launches (it may run while the device works)
+            try:
+                outputs = self.engine.step()
+                t1 = time.monotonic()
+                self._check_stall(last)  # stopped mid-step: what others reclaimed meanwhile is not emitted
+                first = self._emit(outputs)
+            finally:
+                if self.gate is not None:
+                    self.gate.idle()
             if self.trace is not None:
                 self.trace.step(t0, t1 - t0, self.engine.last_schedule, first, time.monotonic() - t1)
             self._refresh_stats()
@@ -484,6 +492,8 @@ class Worker:
             batch.written.append(written)
             self.io.outbox.put(batch)
             if first_tokens and self.settings.first_token_flush_s > 0:
+                if self.gate is not None:
+                    self.gate.idle()  # the loop only waits now: the reader may run
                 # First tokens are what clients wait on most. The next step's Python would hold the GIL the
                 # writer thread needs (and on a CPU its threads take the cores the gateway needs), so let
                 # this batch reach Redis first; a later batch never waits.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 
+from kernellab.runtime.host_gate import HostGate
 from kernellab.runtime.request.errors import ContextLengthError, InvalidRequestError
 from kernellab.runtime.request.outputs import EngineStats, RequestOutput, TokenLogprob
 
@@ -33,6 +34,9 @@ class FakeEngine:
         self.generation_tokens = 0
         self.prompt_tokens = 0
         self.added: list[tuple[str, list[int], list[int]]] = []  # (id, prompt, output_token_ids) per add
+        # The step's sleep stands for the device's work: the worker's reader may run through it, as on a GPU.
+        self._device_until = 0.0
+        self.host_gate = HostGate(lambda: time.monotonic() >= self._device_until)
 
     def add_request(self, request_id, prompt_token_ids, params, *, priority=0, deadline=None, output_token_ids=()):
         self.add_prepared(
@@ -68,7 +72,9 @@ class FakeEngine:
         return bool(self.seqs)
 
     def step(self):
-        time.sleep(self.step_s)
+        self._device_until = time.monotonic() + self.step_s
+        with self.host_gate.device_wait():
+            time.sleep(self.step_s)
         outs = []
         now = time.time()
         for _rid, s in list(self.seqs.items()):

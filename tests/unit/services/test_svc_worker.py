@@ -326,3 +326,59 @@ def test_the_reader_is_not_busy_while_parked_in_its_idle_read(ctx):
     tokens, _last = collect(r, keys, "solo-0")
     assert tokens == expected(3)
     wait_for(lambda: not w.worker.io.reading, timeout=2.0)
+
+
+class LaunchingEngine(FakeEngine):
+    """A fake whose step first spends ``host_s`` launching (the step's Python; sleeping, so the GIL is free for
+    the reader as it is at every torch op), then ``step_s`` on the device, and records both phases."""
+
+    def __init__(self, host_s, step_s):
+        super().__init__(step_s=step_s)
+        self.host_s = host_s
+        self.launches: list[tuple[float, float]] = []  # (launch began, device wait began)
+
+    def step(self):
+        t0 = time.monotonic()
+        time.sleep(self.host_s)
+        self.launches.append((t0, time.monotonic()))
+        return super().step()
+
+
+@pytest.mark.parametrize("yields", [True, False])
+def test_the_reader_prepares_requests_only_while_the_step_is_not_launching(redis_url, prefix, yields):
+    """Requests arriving while the worker runs are decoded and prepared by its reader while the step waits on the
+    device or between steps, never while a step's Python launches (runtime/host_gate.py). Off, the reader works
+    whenever it reads."""
+    engine = LaunchingEngine(host_s=0.02, step_s=0.02)
+    w = Worker(settings(redis_url, prefix, reader_yields_to_step=yields), engine=engine)
+    prepared: list[float] = []
+    prepare = w.io.prepare
+
+    def timed(d, received):
+        prepared.append(time.monotonic())
+        return prepare(d, received)
+
+    w.io.prepare = timed
+    thread = threading.Thread(target=w.run, daemon=True)
+    thread.start()
+    r, keys = redis.Redis.from_url(redis_url), Keys(prefix, "smollm2-135m")
+    try:
+        send(r, keys, "long", max_tokens=60)  # keeps the worker stepping
+        wait_for(lambda: len(engine.launches) >= 2)
+        for i in range(12):
+            time.sleep(0.0137)  # off the step's rhythm: some arrive in each phase
+            send(r, keys, f"late{i}", max_tokens=2)
+        for i in range(12):
+            assert collect(r, keys, f"late{i}-0")[0] == expected(2)
+        assert collect(r, keys, "long-0")[0] == expected(60)
+    finally:
+        w.drain()
+        thread.join(10)
+    # A prepare that began well inside a launch (not at its very start: the reader may have been admitted just
+    # before the loop began the step).
+    inside = [t for t in prepared[1:] for a, b in engine.launches if a + 0.004 < t < b]
+    if yields:
+        assert not inside, (inside, engine.launches)
+        assert w.gate.held > 0  # it did wait
+    else:
+        assert len(prepared) == 13

@@ -1,0 +1,98 @@
+"""When other threads of the engine's process may run Python without slowing the engine's step.
+
+A step's host work launches hundreds of kernels, and every PyTorch op lets go of the GIL while it dispatches. A
+thread with Python to run (a serving worker's request reader decoding and preparing a burst) takes the GIL at
+each of those moments, and the step's thread waits for it back: the launches, and with them the device, fall
+behind. Measured on the H200: a worker's first prefill step of 8 × 512 tokens took 16-23 ms while its reader
+prepared the rest of a 64-request burst, against ~10.5 ms alone (results/gpu/serve_h200.json, step traces).
+
+The gate lets such a thread run only while that costs the step nothing: when the engine's thread is not in a step
+(``IDLE``), or while it waits for the device (``DEVICE``, from the moment the step's work is queued until the
+device has done it: a CUDA event recorded at the wait tells). While the step's thread runs host work (``HOST``)
+the other thread blocks, GIL released, at its next ``admit``.
+
+The engine's thread: ``host()`` before a step, ``device_wait()`` around each wait for the device's results,
+``idle()`` after. Another thread: ``admit()`` before each piece of Python work (one request, say), which returns
+at once when it may run, or blocks until it may, at most ``timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+IDLE, HOST, DEVICE = "idle", "host", "device"
+
+
+class HostGate:
+    def __init__(self, device_done: Callable[[], bool], mark: Callable[[], None] = lambda: None):
+        """``mark()`` records where the step's queued device work ends; ``device_done()`` tells whether the
+        device has reached that mark (on CUDA: an event's record and query)."""
+        self._mark, self._done = mark, device_done
+        self._cond = threading.Condition()
+        self.state = IDLE
+        self._waits = 0  # device waits begun: a thread that saw one finish waits for the next (or idle)
+        self.admitted = 0  # admit() calls that returned at once
+        self.held = 0  # admit() calls that blocked first
+        self.held_s = 0.0  # how long they blocked, in all
+
+    @classmethod
+    def for_device(cls, device) -> HostGate | None:
+        """A gate for ``device`` (a torch.device): CUDA only (a CPU step is host work throughout)."""
+        if device.type != "cuda":
+            return None
+        import torch
+
+        event = torch.cuda.Event()
+        return cls(event.query, event.record)
+
+    # ----------------------------------------------------------------- the engine's thread
+    def host(self) -> None:
+        with self._cond:
+            self.state = HOST
+
+    def idle(self) -> None:
+        with self._cond:
+            self.state = IDLE
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def device_wait(self) -> Iterator[None]:
+        """Around a wait for the device's results (a ``.tolist()`` of sampled tokens) inside ``host()``."""
+        if self.state == IDLE:  # not a step the gate is told about (offline generate, warm-up): nothing to do
+            yield
+            return
+        self._mark()
+        with self._cond:
+            self.state = DEVICE
+            self._waits += 1
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.state = HOST
+
+    # ----------------------------------------------------------------- other threads
+    def _may_run(self, seen: int) -> bool:
+        if self.state == IDLE:
+            return True
+        return self.state == DEVICE and self._waits != seen and not self._done()
+
+    def admit(self, timeout: float = 0.05) -> None:
+        """Return once this thread's next piece of Python costs the engine's step nothing, or after ``timeout``."""
+        with self._cond:
+            if self._may_run(-1):
+                self.admitted += 1
+                return
+            # Blocked: in HOST until the next device wait or idle; in DEVICE with the device done, past this wait
+            # (the step's thread is about to want the GIL back for its results).
+            seen = self._waits if self.state == DEVICE else -1
+            t0 = time.monotonic()
+            end = t0 + timeout
+            while not self._may_run(seen) and (left := end - time.monotonic()) > 0:
+                self._cond.wait(left)  # device_wait() and idle() notify
+            self.held += 1
+            self.held_s += time.monotonic() - t0
