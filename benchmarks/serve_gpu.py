@@ -795,6 +795,11 @@ def print_table(a: dict) -> None:
                     + f"{arrivals.get('gateway_sent_ms')}; processes, fewest, most requests "
                     + f"{r['timeline'].get('gateway_load')}; the worker's reads [ms, requests] "
                     + f"{(r['timeline'].get('reads') or [])[:10]}"
+                    + (
+                        f"; first steps' launch / device wait ms {r['timeline']['step_launch_wait_ms'][:4]}"
+                        if r["timeline"].get("step_launch_wait_ms")
+                        else ""
+                    )
                 )
     print(
         f"\nstack/engine throughput {f.get('throughput_ratio')} (target ≥ {TARGETS['throughput_ratio_min']}); "

@@ -34,6 +34,11 @@ class HostGate:
         self._cond = threading.Condition()
         self.state = IDLE
         self._waits = 0  # device waits begun: a thread that saw one finish waits for the next (or idle)
+        # The last step told (host() to idle()): seconds from its start to its first device wait (None: it had none),
+        # and seconds spent in device waits; the worker's step trace records them.
+        self.launch_s: float | None = None
+        self.wait_s = 0.0
+        self._host_at = 0.0
         self.admitted = 0  # admit() calls that returned at once
         self.held = 0  # admit() calls that blocked first
         self.held_s = 0.0  # how long they blocked, in all
@@ -52,6 +57,8 @@ class HostGate:
     def host(self) -> None:
         with self._cond:
             self.state = HOST
+            self._host_at = time.monotonic()
+            self.launch_s, self.wait_s = None, 0.0
 
     def idle(self) -> None:
         with self._cond:
@@ -65,6 +72,9 @@ class HostGate:
             yield
             return
         self._mark()
+        t0 = time.monotonic()
+        if self.launch_s is None:
+            self.launch_s = t0 - self._host_at
         with self._cond:
             self.state = DEVICE
             self._waits += 1
@@ -74,6 +84,7 @@ class HostGate:
         finally:
             with self._cond:
                 self.state = HOST
+            self.wait_s += time.monotonic() - t0
 
     # ----------------------------------------------------------------- other threads
     def _may_run(self, seen: int) -> bool:

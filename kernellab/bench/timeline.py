@@ -28,7 +28,8 @@ SSE write, the socket, the client).
 
 ``steps`` lists the run's first steps (those ending after t0): start (ms after t0), duration (ms), rows,
 tokens, and how many first tokens each made: a stack whose first steps differ from the engine's in size or
-timing shows it there.
+timing shows it there. ``step_launch_wait_ms`` (worker traces with a host gate) splits the same steps into their
+launch and their device waits.
 """
 
 from __future__ import annotations
@@ -148,18 +149,35 @@ def timeline(
         out["reads"] = [[round(t, 2), n] for t, n in sorted(reads.items())]
     if per_process:  # how evenly the tier's processes shared the burst: [processes, fewest, most requests]
         out["gateway_load"] = [len(per_process), min(per_process.values()), max(per_process.values())]
-    return out | {
-        "requests_joined": joined,
-        "median_ms": {k: _median(v) for k, v in parts.items()},
-        "arrivals": {k: _spread(v) for k, v in arrivals.items()},
-        "steps": [
-            [
-                round((s["t"] - t0) * 1e3, 2),
-                round(s["dt"] * 1e3, 2),
-                s.get("rows"),
-                s.get("tokens"),
-                len(s.get("first", ())),
-            ]
-            for s in ordered[:first_steps]
-        ],
-    }
+    return (
+        out
+        | {
+            "requests_joined": joined,
+            "median_ms": {k: _median(v) for k, v in parts.items()},
+            "arrivals": {k: _spread(v) for k, v in arrivals.items()},
+            "steps": [
+                [
+                    round((s["t"] - t0) * 1e3, 2),
+                    round(s["dt"] * 1e3, 2),
+                    s.get("rows"),
+                    s.get("tokens"),
+                    len(s.get("first", ())),
+                ]
+                for s in ordered[:first_steps]
+            ],
+        }
+        | _gate_split(ordered[:first_steps])
+    )
+
+
+def _gate_split(steps: list[dict]) -> dict:
+    """``step_launch_wait_ms``: for the same first steps, [ms from the step's start to its first device wait
+    (None: none), ms in device waits]: the part of each step the worker's request reader may run in (worker
+    traces with a host gate only)."""
+    if not any("wait_dt" in s for s in steps):
+        return {}
+
+    def ms(v: float | None) -> float | None:
+        return None if v is None else round(v * 1e3, 2)
+
+    return {"step_launch_wait_ms": [[ms(s.get("launch_dt")), ms(s.get("wait_dt"))] for s in steps]}

@@ -246,7 +246,8 @@ class Worker:
                 if self.gate is not None:
                     self.gate.idle()
             if self.trace is not None:
-                self.trace.step(t0, t1 - t0, self.engine.last_schedule, first, time.monotonic() - t1)
+                gate = (self.gate.launch_s, self.gate.wait_s) if self.gate is not None else None
+                self.trace.step(t0, t1 - t0, self.engine.last_schedule, first, time.monotonic() - t1, gate)
             self._refresh_stats()
 
     def _check_stall(self, since: float) -> None:

@@ -5,14 +5,17 @@ CLOCK_MONOTONIC, the clock ``time.perf_counter()`` reads in every process, so a 
 can line its own send and receive times up with the worker's):
 
     {"ev": "add", "t": ..., "rid": "cmpl-…", "i": 0, "prompt": 512, "recv": ...}
-    {"ev": "step", "t": ..., "dt": ..., "rows": 32, "tokens": 8192, "first": ["cmpl-…:0", …], "emit_dt": ...}
+    {"ev": "step", "t": ..., "dt": ..., "rows": 32, "tokens": 8192, "first": ["cmpl-…:0", …], "emit_dt": ...,
+     "launch_dt": ..., "wait_dt": ...}
 
 ``add``: ``t`` when the step loop took the request in (the engine has it from then on); ``recv`` when the
 worker's I/O thread had read it from Redis (it prepares it next, ``Worker.prepare``): ``t - recv`` is the wait
 for the loop, behind a step in flight or the take-in of the requests before it. Traces written before ``recv``
 existed lack it. ``step``: ``rows`` / ``tokens``: what the engine scheduled (when it says); ``first``: requests
 whose first token the step made; ``emit_dt``: handing the step's chunks to the writer thread, including the wait
-for first tokens to reach Redis. Events are buffered and written (formatted then, not on the loop's time between
+for first tokens to reach Redis; ``launch_dt`` / ``wait_dt`` (engines with a host gate, runtime/host_gate.py): from
+the step's start to its first wait for the device (null: none), and the time in those waits, when the request
+reader may run. Events are buffered and written (formatted then, not on the loop's time between
 steps) whenever the engine goes idle, and at exit.
 """
 
@@ -34,11 +37,20 @@ class StepTrace:
             ev["recv"] = received
         self._events.append(ev)
 
-    def step(self, t: float, dt: float, shape: tuple[int, int] | None, first: list[str], emit_dt: float) -> None:
+    def step(
+        self,
+        t: float,
+        dt: float,
+        shape: tuple[int, int] | None,
+        first: list[str],
+        emit_dt: float,
+        gate: tuple[float | None, float] | None = None,
+    ) -> None:
         rows, tokens = shape if shape is not None else (None, None)
-        self._events.append(
-            {"ev": "step", "t": t, "dt": dt, "rows": rows, "tokens": tokens, "first": first, "emit_dt": emit_dt}
-        )
+        ev = {"ev": "step", "t": t, "dt": dt, "rows": rows, "tokens": tokens, "first": first, "emit_dt": emit_dt}
+        if gate is not None:
+            ev["launch_dt"], ev["wait_dt"] = gate
+        self._events.append(ev)
 
     def flush(self) -> None:
         with self._lock:

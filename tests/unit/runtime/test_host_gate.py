@@ -104,3 +104,17 @@ def test_off_cuda_there_is_no_gate():
     import torch
 
     assert HostGate.for_device(torch.device("cpu")) is None
+
+
+def test_the_gate_splits_a_step_into_launch_and_device_wait():
+    g, _dev = gate()
+    g.host()
+    time.sleep(0.02)
+    with g.device_wait():
+        time.sleep(0.03)
+    g.idle()
+    assert g.launch_s is not None and 0.015 <= g.launch_s < 0.5
+    assert 0.025 <= g.wait_s < 0.5
+    g.host()  # a step without a device wait
+    g.idle()
+    assert g.launch_s is None and g.wait_s == 0.0
