@@ -220,6 +220,8 @@ class Worker:
             self._check_stall(last)
             last = time.monotonic()
             idle = not self.engine.has_unfinished_requests()
+            if idle and self.gate is not None:
+                self.gate.idle()  # the loop waits for requests (and gathers a burst): the reader may run
             taken = self._drain_inbox(block=idle)
             if idle and self.engine.has_unfinished_requests():
                 self._gather(burst=taken > 1)
@@ -236,15 +238,13 @@ class Worker:
                 continue
             t0 = time.monotonic()
             if self.gate is not None:
-                self.gate.host()  # the reader waits while the step launches (it may run while the device works)
-            try:
-                outputs = self.engine.step()
-                t1 = time.monotonic()
-                self._check_stall(last)  # stopped mid-step: what others reclaimed meanwhile is not emitted
-                first = self._emit(outputs)
-            finally:
-                if self.gate is not None:
-                    self.gate.idle()
+                # From here until the loop waits for work again, the request reader runs only while a step waits
+                # for the device: the loop's own Python (launches, emit, take-in) never waits for the reader's.
+                self.gate.host()
+            outputs = self.engine.step()
+            t1 = time.monotonic()
+            self._check_stall(last)  # stopped mid-step: what others reclaimed meanwhile is not emitted
+            first = self._emit(outputs)
             if self.trace is not None:
                 gate = (self.gate.launch_s, self.gate.wait_s) if self.gate is not None else None
                 self.trace.step(t0, t1 - t0, self.engine.last_schedule, first, time.monotonic() - t1, gate)
@@ -493,8 +493,6 @@ class Worker:
             batch.written.append(written)
             self.io.outbox.put(batch)
             if first_tokens and self.settings.first_token_flush_s > 0:
-                if self.gate is not None:
-                    self.gate.idle()  # the loop only waits now: the reader may run
                 # First tokens are what clients wait on most. The next step's Python would hold the GIL the
                 # writer thread needs (and on a CPU its threads take the cores the gateway needs), so let
                 # this batch reach Redis first; a later batch never waits.
