@@ -257,6 +257,7 @@ def gpu_serve_table() -> str:
     variant_labels = {
         "noreaderwait": "the gather not waiting for a busy reader",
         "nogate": "the reader working beside a launching step",
+        "gate": "the reader held while the loop runs Python (host gate)",
         "si100": "0.1 ms GIL switch interval",
         "loopprep": "requests prepared by the step loop",
         "slowpath": "generation routes through FastAPI",

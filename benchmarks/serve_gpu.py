@@ -99,7 +99,8 @@ VARIANTS = {
     "nopiecewise": {"KERNELLAB_PIECEWISE_GRAPHS": "0"},
     # the gather ends at its quiet gap even while the request reader is busy with a read (the behaviour before)
     "noreaderwait": {"KERNELLAB_GATHER_FOLLOWS_READER": "0"},
-    # the request reader decodes and prepares beside a launching step (the behaviour before the host gate)
+    # the request reader decodes and prepares only while the loop waits (runtime/host_gate.py; off by default)
+    "gate": {"KERNELLAB_READER_YIELDS_TO_STEP": "1"},
     "nogate": {"KERNELLAB_READER_YIELDS_TO_STEP": "0"},
     # a 0.1 ms GIL switch interval in the worker instead of 0.5 ms
     "si100": {"KERNELLAB_SWITCH_INTERVAL_S": "0.0001"},

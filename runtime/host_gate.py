@@ -15,7 +15,14 @@ The engine's thread: ``host()`` before each step, ``device_wait()`` around each 
 ``idle()`` when it next blocks waiting for work (the serving worker keeps its Python between busy steps, emitting
 and taking requests in, in ``HOST`` too: a reader running then made the gap between a burst's first two steps
 grow from ~1.3 ms to 2-10 ms on the H200). Another thread: ``admit()`` before each piece of Python work (one request, say), which returns
-at once when it may run, or blocks until it may, at most ``timeout`` seconds.
+at once when it may run, or blocks until it may, at most ``timeout`` seconds (then the rest of that phase's
+admits pass at once).
+
+Off by default in the serving worker (``reader_yields_to_step``): on the H200 it cut the first step's launch
+(8 × 512 tokens: 6-12 ms against 13-18 beside the reader) but the added TTFT p50 moved with how each burst split
+into reads, not with the gate (+6.5 / +7.7 ms gated against +5.0 / +11.0 in two A/B runs), and steps that mix
+prefill and decode rows wait for the device inside their launch (device waits of 0.1 ms), so a gated reader gets
+little time there (results/gpu/serve_h200_dev/gate_*).
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ class HostGate:
         self._cond = threading.Condition()
         self.state = IDLE
         self._waits = 0  # device waits begun: a thread that saw one finish waits for the next (or idle)
+        self._phase = 0  # state changes; an admit() that timed out lets the rest of this phase's admits through
+        self._pass = -1
         # The last step told (host() to idle()): seconds from its start to its first device wait (None: it had none),
         # and seconds spent in device waits; the worker's step trace records them.
         self.launch_s: float | None = None
@@ -59,12 +68,14 @@ class HostGate:
     def host(self) -> None:
         with self._cond:
             self.state = HOST
+            self._phase += 1
             self._host_at = time.monotonic()
             self.launch_s, self.wait_s = None, 0.0
 
     def idle(self) -> None:
         with self._cond:
             self.state = IDLE
+            self._phase += 1
             self._cond.notify_all()
 
     @contextlib.contextmanager
@@ -79,6 +90,7 @@ class HostGate:
             self.launch_s = t0 - self._host_at
         with self._cond:
             self.state = DEVICE
+            self._phase += 1
             self._waits += 1
             self._cond.notify_all()
         try:
@@ -86,6 +98,7 @@ class HostGate:
         finally:
             with self._cond:
                 self.state = HOST
+                self._phase += 1
             self.wait_s += time.monotonic() - t0
 
     # ----------------------------------------------------------------- other threads
@@ -97,7 +110,7 @@ class HostGate:
     def admit(self, timeout: float = 0.05) -> None:
         """Return once this thread's next piece of Python costs the engine's step nothing, or after ``timeout``."""
         with self._cond:
-            if self._may_run(-1):
+            if self._may_run(-1) or self._pass == self._phase:
                 self.admitted += 1
                 return
             # Blocked: in HOST until the next device wait or idle; in DEVICE with the device done, past this wait
@@ -107,5 +120,9 @@ class HostGate:
             end = t0 + timeout
             while not self._may_run(seen) and (left := end - time.monotonic()) > 0:
                 self._cond.wait(left)  # device_wait() and idle() notify
+            if not self._may_run(seen):
+                # Held the whole timeout: a phase that long (a first use compiling kernels: 0.8 s on the H200)
+                # must not hold every request for it in turn; the rest of this phase admits at once.
+                self._pass = self._phase
             self.held += 1
             self.held_s += time.monotonic() - t0

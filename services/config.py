@@ -138,10 +138,10 @@ class WorkerSettings(StackSettings):
     # since the reader then holds the GIL while the step's Python launches kernels).
     prepare_in_reader: bool = True
     # The request reader decodes and prepares each request only while that costs the step loop nothing: while
-    # the loop is between steps or waits for the device, not while a step's Python launches its kernels
-    # (runtime/host_gate.py; engines on CUDA). Off: the reader runs beside the launches (the behaviour before;
-    # the serving benchmark's "-nogate" phases).
-    reader_yields_to_step: bool = True
+    # the loop waits for work or a step waits for the device, not while the loop's Python launches, emits or takes
+    # requests in (runtime/host_gate.py; engines on CUDA). Off by default: no TTFT gain measured on the H200 (the
+    # module says why); the serving benchmark's "-gate" phases turn it on.
+    reader_yields_to_step: bool = False
     # sys.setswitchinterval of the worker process: how long a thread that wants the GIL waits before the holder is
     # asked to drop it (Python's default is 5 ms). 0.1 ms measured no better on the H200 (docs/deploy.md).
     switch_interval_s: float = Field(0.0005, gt=0, le=0.1)

@@ -118,3 +118,19 @@ def test_the_gate_splits_a_step_into_launch_and_device_wait():
     g.host()  # a step without a device wait
     g.idle()
     assert g.launch_s is None and g.wait_s == 0.0
+
+
+def test_a_phase_that_outlasts_the_timeout_holds_only_the_first_admit():
+    """A launch stuck compiling kernels must not hold a burst's requests one timeout each."""
+    g, _dev = gate()
+    g.host()
+    t0 = time.monotonic()
+    g.admit(timeout=0.05)
+    for _ in range(20):
+        g.admit(timeout=0.05)
+    assert time.monotonic() - t0 < 0.5 and g.held == 1 and g.admitted == 20
+    g.idle()
+    g.host()  # the next step's launch holds again
+    g.admit(timeout=0.02)
+    assert g.held == 2
+    g.idle()
