@@ -14,13 +14,14 @@ the other thread blocks, GIL released, at its next ``admit``.
 The engine's thread: ``host()`` before each step, ``device_wait()`` around each wait for the device's results,
 ``idle()`` when it next blocks waiting for work (the serving worker keeps its Python between busy steps, emitting
 and taking requests in, in ``HOST`` too: a reader running then made the gap between a burst's first two steps
-grow from ~1.3 ms to 2-10 ms on the H200). Another thread: ``admit()`` before each piece of Python work (one request, say), which returns
-at once when it may run, or blocks until it may, at most ``timeout`` seconds (then the rest of that phase's
-admits pass at once).
+grow from ~1.3 ms to 2-10 ms on the H200). Another thread: ``admit()`` before each piece of Python work (one
+request, say), which returns at once when it may run, or blocks until it may, at most ``timeout`` seconds (then
+the rest of that phase's admits pass at once).
 
 Off by default in the serving worker (``reader_yields_to_step``): on the H200 it cut the first step's launch
 (8 × 512 tokens: 6-12 ms against 13-18 beside the reader) but the added TTFT p50 moved with how each burst split
-into reads, not with the gate (+6.5 / +7.7 ms gated against +5.0 / +11.0 in two A/B runs), and steps that mix
+into reads, not with the gate (+6.5 / +7.7 / +16.7 ms gated against +5.0 / +11.0 / +9.7 in three A/B runs), and
+steps that mix
 prefill and decode rows wait for the device inside their launch (device waits of 0.1 ms), so a gated reader gets
 little time there (results/gpu/serve_h200_dev/gate_*).
 """
@@ -42,8 +43,9 @@ class HostGate:
         self._mark, self._done = mark, device_done
         self._cond = threading.Condition()
         self.state = IDLE
-        self._waits = 0  # device waits begun: a thread that saw one finish waits for the next (or idle)
-        self._phase = 0  # state changes; an admit() that timed out lets the rest of this phase's admits through
+        # State changes: a thread that saw a device wait finish waits for a later phase; an admit() that timed out
+        # lets the rest of its phase's admits through (_pass).
+        self._phase = 0
         self._pass = -1
         # The last step told (host() to idle()): seconds from its start to its first device wait (None: it had none),
         # and seconds spent in device waits; the worker's step trace records them.
@@ -65,18 +67,22 @@ class HostGate:
         return cls(event.query, event.record)
 
     # ----------------------------------------------------------------- the engine's thread
+    def _enter(self, state: str) -> None:
+        """Caller holds ``_cond``."""
+        self.state = state
+        self._phase += 1
+        if state != HOST:  # what a held thread waits for: a device wait, or idle
+            self._cond.notify_all()
+
     def host(self) -> None:
         with self._cond:
-            self.state = HOST
-            self._phase += 1
+            self._enter(HOST)
             self._host_at = time.monotonic()
             self.launch_s, self.wait_s = None, 0.0
 
     def idle(self) -> None:
         with self._cond:
-            self.state = IDLE
-            self._phase += 1
-            self._cond.notify_all()
+            self._enter(IDLE)
 
     @contextlib.contextmanager
     def device_wait(self) -> Iterator[None]:
@@ -89,23 +95,19 @@ class HostGate:
         if self.launch_s is None:
             self.launch_s = t0 - self._host_at
         with self._cond:
-            self.state = DEVICE
-            self._phase += 1
-            self._waits += 1
-            self._cond.notify_all()
+            self._enter(DEVICE)
         try:
             yield
         finally:
             with self._cond:
-                self.state = HOST
-                self._phase += 1
+                self._enter(HOST)
             self.wait_s += time.monotonic() - t0
 
     # ----------------------------------------------------------------- other threads
     def _may_run(self, seen: int) -> bool:
         if self.state == IDLE:
             return True
-        return self.state == DEVICE and self._waits != seen and not self._done()
+        return self.state == DEVICE and self._phase != seen and not self._done()
 
     def admit(self, timeout: float = 0.05) -> None:
         """Return once this thread's next piece of Python costs the engine's step nothing, or after ``timeout``."""
@@ -115,7 +117,7 @@ class HostGate:
                 return
             # Blocked: in HOST until the next device wait or idle; in DEVICE with the device done, past this wait
             # (the step's thread is about to want the GIL back for its results).
-            seen = self._waits if self.state == DEVICE else -1
+            seen = self._phase if self.state == DEVICE else -1
             t0 = time.monotonic()
             end = t0 + timeout
             while not self._may_run(seen) and (left := end - time.monotonic()) > 0:
