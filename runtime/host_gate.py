@@ -56,16 +56,6 @@ class HostGate:
         self.held = 0  # admit() calls that blocked first
         self.held_s = 0.0  # how long they blocked, in all
 
-    @classmethod
-    def for_device(cls, device) -> HostGate | None:
-        """A gate for ``device`` (a torch.device): CUDA only (a CPU step is host work throughout)."""
-        if device.type != "cuda":
-            return None
-        import torch
-
-        event = torch.cuda.Event()
-        return cls(event.query, event.record)
-
     # ----------------------------------------------------------------- the engine's thread
     def _enter(self, state: str) -> None:
         """Caller holds ``_cond``."""

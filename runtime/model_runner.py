@@ -57,6 +57,15 @@ def _slots(table: list[int], start: int, n: int, bs: int) -> np.ndarray:
     return slot_of(np.asarray(table, dtype=np.int64), np.arange(start, start + n), bs)
 
 
+def host_gate_for(device: torch.device) -> HostGate | None:
+    """A gate marked by a CUDA event, so it knows when the device is done; None off CUDA (a CPU step is host
+    work throughout). It lives here, not in host_gate, which the torch-free worker imports."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    return HostGate(event.query, event.record)
+
+
 @dataclass
 class StepPlan:
     """A step's rows as the host plans them (``ModelRunner.plan``)."""
@@ -122,7 +131,7 @@ class ModelRunner:
             kv_bytes / 2**30,
         )
         # Tells the serving worker's other threads when their Python costs the step nothing (None off CUDA).
-        self.host_gate = HostGate.for_device(device)
+        self.host_gate = host_gate_for(device)
         device_wait = self.host_gate.device_wait if self.host_gate is not None else contextlib.nullcontext
         self.sampler = Sampler(device, argmax=ops.argmax, device_wait=device_wait)
         self.graphs: GraphRunner | None = None

@@ -103,7 +103,9 @@ def test_device_waits_outside_a_step_mark_nothing():
 def test_off_cuda_there_is_no_gate():
     import torch
 
-    assert HostGate.for_device(torch.device("cpu")) is None
+    from kernellab.runtime.model_runner import host_gate_for
+
+    assert host_gate_for(torch.device("cpu")) is None
 
 
 def test_the_gate_splits_a_step_into_launch_and_device_wait():
