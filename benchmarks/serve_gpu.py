@@ -46,6 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kernellab.services.config import parse_cpu_list
 from kernellab.services.processes import (
     Processes,
     ProcessExited,
@@ -106,6 +107,34 @@ VARIANTS = {
     "si100": {"KERNELLAB_SWITCH_INTERVAL_S": "0.0001"},
 }
 GATEWAY_VARIANTS = {"slowpath": {"KERNELLAB_GATEWAY_FAST_PATH": "0"}}  # generation routes through FastAPI
+# "-pin": the worker on two physical cores of its own (KERNELLAB_CPUS), the gateway tier and the load generator's
+# client processes on the rest (split_cores), so a burst's HTTP and Redis work never shares a core with the step
+# loop. Both settings are filled in per host at run time.
+PINNED = "pin"
+
+
+def split_cores() -> tuple[str, str]:
+    """(the worker's cpu list, the rest): two physical cores with their hyperthread siblings (one on a host of
+    four or fewer), the highest-numbered ones (clear of core 0's interrupts)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    siblings: dict[int, tuple[int, ...]] = {}
+    for c in cpus:
+        path = Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list")
+        group = tuple(sorted(parse_cpu_list(path.read_text().strip()))) if path.exists() else (c,)
+        siblings[c] = tuple(x for x in group if x in cpus) or (c,)
+    physical = sorted(set(siblings.values()), key=lambda g: g[0])
+    worker_cores = 2 if len(physical) > 4 else 1
+    if len(physical) <= worker_cores:
+        raise SystemExit(f"-{PINNED} needs more than {worker_cores} physical cores; this host has {len(physical)}")
+    worker = {c for g in physical[-worker_cores:] for c in g}
+    rest = set(cpus) - worker
+
+    def fmt(s: set[int]) -> str:
+        return ",".join(map(str, sorted(s)))
+
+    return fmt(worker), fmt(rest)
+
+
 TARGETS = {"throughput_ratio_min": 0.90, "interactive_added_ttft_p50_ms_max": 5.0, "two_gpu_scaling_min": 1.85}
 
 
@@ -561,6 +590,7 @@ def main() -> int:
         s["timeline"] = out["timeline"]
         record("engine", wl, s, paired_with=phase, **extra)
 
+    all_cpus = os.sched_getaffinity(0)
     try:
         engine.run(workload(profile, "warmup", next(run_id)))
         engine.run(workload(profile, "interactive", next(run_id)))
@@ -570,7 +600,14 @@ def main() -> int:
             g, *variants = phase.removeprefix("g").split("-")
             g, env_over, gateway_over = int(g), {}, {}
             for v in variants:
-                (gateway_over if v in GATEWAY_VARIANTS else env_over).update({**VARIANTS, **GATEWAY_VARIANTS}[v])
+                if v == PINNED:
+                    worker_cpus, rest = split_cores()
+                    env_over["KERNELLAB_CPUS"], gateway_over["KERNELLAB_CPUS"] = worker_cpus, rest
+                    log(f"-{PINNED}: worker on cpus {worker_cpus}; gateway tier and clients on {rest}")
+                else:
+                    (gateway_over if v in GATEWAY_VARIANTS else env_over).update({**VARIANTS, **GATEWAY_VARIANTS}[v])
+            # the load generator's client processes (spawned per run) inherit this process's binding
+            os.sched_setaffinity(0, parse_cpu_list(gateway_over.get("KERNELLAB_CPUS", "")) or all_cpus)
             if env_over != worker_env:
                 stack.stop_workers()
                 stack.start_worker(0, env_over)

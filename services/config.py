@@ -19,6 +19,17 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
+def parse_cpu_list(value: str) -> set[int]:
+    """A Linux cpu list ("0-2,5") → the set of cores; "" → empty (no binding)."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in value.split(","))):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()) or (sep and int(hi) < int(lo)):
+            raise ValueError(f"cpus must be a cpu list such as '0-1,8-9', got {value!r}")
+        cpus.update(range(int(lo), int(hi if sep else lo) + 1))
+    return cpus
+
+
 class StackSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KERNELLAB_", extra="ignore", validate_default=True)
 
@@ -43,6 +54,10 @@ class StackSettings(BaseSettings):
     reasoning_parser: Literal["auto", "qwen3", "none"] = "auto"
     # KERNELLAB_TOOL_PARSER: "hermes" (= "auto") parses <tool_call> blocks (Qwen3's format); "none" refuses tools.
     tool_parser: Literal["auto", "hermes", "none"] = "auto"
+    # KERNELLAB_CPUS: the CPU cores this process, its threads and its child processes run on, as a Linux cpu list
+    # ("0-1,8-9"); empty: wherever the OS puts them. Keeps a worker's step loop off the cores its gateway and the
+    # clients burst on, where a container's cpuset is not the way to say it (`kernellab worker` on a bare host).
+    cpus: str = ""
 
     def serving_options(self, tokenizer):
         from kernellab.services.gateway.options import ServingOptions
@@ -54,6 +69,18 @@ class StackSettings(BaseSettings):
             reasoning_parser=self.reasoning_parser,
             tool_parser=self.tool_parser,
         )
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus(cls, value: str) -> str:
+        parse_cpu_list(value)  # a ValueError names what is wrong
+        return value
+
+    def pin_cpus(self) -> None:
+        """Bind this process to ``cpus`` (before it starts threads or children: they inherit the binding)."""
+        cpus = parse_cpu_list(self.cpus)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
 
     @field_validator("key_prefix")
     @classmethod

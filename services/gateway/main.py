@@ -205,6 +205,7 @@ def _metrics_server(settings: GatewaySettings, procs: list):
 
 def serve(settings: GatewaySettings) -> None:
     _configure_logging(settings)
+    settings.pin_cpus()  # the supervised processes inherit it
     if settings.gateway_processes > 1:
         raise SystemExit(supervise(settings))
     serve_one(settings)

@@ -21,6 +21,7 @@ def serve(settings: WorkerSettings) -> None:
     # The I/O threads need the GIL for well under a millisecond per step; by default a thread waiting for it
     # can wait the whole 5 ms switch interval while the step loop runs Python, which a client sees as latency.
     sys.setswitchinterval(settings.switch_interval_s)
+    settings.pin_cpus()  # before the engine and the I/O threads exist: they inherit it
     if settings.nice:
         os.nice(settings.nice)
     worker = Worker(settings)
