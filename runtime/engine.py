@@ -253,6 +253,12 @@ class LLMEngine:
             kept: list[int] = []
             if not tokens:  # a prefill chunk that does not reach the prompt's end
                 self.scheduler.advance(seq, n, None)
+            elif len(tokens) > 1 and seq.request_id not in self._detokenizers and seq.grammar is None:
+                # a decode window's row without stop strings or a grammar: its tokens end only at EOS, a stop
+                # token or its length, which the scheduler finds in one scan
+                kept = self.scheduler.advance_window(seq, tokens)
+                self.generation_tokens += len(kept)
+                tokens = []
             for j, token in enumerate(tokens):
                 if not self.scheduler.advance(seq, n if j == 0 else 1, token):
                     break  # aborted between schedule and now

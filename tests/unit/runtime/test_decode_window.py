@@ -85,6 +85,7 @@ def test_windows_emit_exactly_what_single_steps_emit(engine):
         "stop": filler,  # a stop string completed mid-window
         "long": filler,  # 13 tokens: windows of 4, 4, 4, 1
         "cap": filler,  # runs into max_model_len (96) mid-window
+        "stopid": filler,  # a stop token id mid-window (the window's one-pass scan, not the per-token loop)
     }
     prompt = tok.encode("Count with me:", add_special_tokens=False)
     greedy = dict(temperature=0.0)
@@ -94,6 +95,7 @@ def test_windows_emit_exactly_what_single_steps_emit(engine):
         ("stop", prompt, SamplingParams(max_tokens=30, stop=[" seven"], **greedy)),
         ("long", prompt, SamplingParams(max_tokens=13, **greedy)),
         ("cap", [prompt[0]] * 86, SamplingParams(max_tokens=None, **greedy)),  # 10 left
+        ("stopid", prompt, SamplingParams(max_tokens=30, stop_token_ids=[words[5]], **greedy)),
     ]
     single, steps1, windows1 = run(engine, requests, script, 1)
     windowed, steps4, windows4 = run(engine, requests, script, 4)
@@ -103,6 +105,7 @@ def test_windows_emit_exactly_what_single_steps_emit(engine):
     assert single["eos6"] == [[*words[:6], eos], "stop", eos]
     assert single["stop"][1:] == ["stop", " seven"]
     assert single["long"][0] == filler[:13] and single["cap"] == [filler[:10], "length", None]
+    assert single["stopid"] == [filler[:6], "stop", words[5]]
 
 
 def test_no_window_when_a_row_needs_the_full_sampler(engine):

@@ -195,3 +195,60 @@ def test_background_prefill_yields_step_time_to_interactive_requests():
     out, _ = run_step(s)
     assert plan(out) == [("b1", 1), ("b2", 14)]
     s.check_integrity()
+
+
+def _running(rng, caching: bool) -> tuple[Scheduler, Sequence]:
+    """A scheduler holding one running sequence past its prefill and first token, its settings drawn from rng."""
+    prompt = rng.randint(1, 9)
+    max_len = rng.randint(prompt + 2, prompt + 16)
+    params = SamplingParams(
+        temperature=0.0, stop_token_ids=rng.sample(range(1, 6), rng.randint(0, 2)), ignore_eos=rng.random() < 0.3
+    )
+    s = make(num_blocks=16, budget=64, max_len=max_len, caching=caching)
+    q = Sequence("w", list(range(100, 100 + prompt)), params, min(rng.randint(1, 12), max_len - prompt))
+    s.add(q)
+    out = s.schedule()
+    s.postprocess(out, [9 for _ in out.scheduled])  # prefill and one sampled token (9 ends nothing)
+    return s, q
+
+
+def test_a_decode_window_advances_in_one_pass_exactly_as_token_by_token():
+    """advance_window (the engine's path for window rows without stop strings or grammars) against advance()
+    per token, the engine's loop for every other row: same tokens kept, same finish, same KV count and blocks."""
+    import random
+
+    checked = 0
+    for case in range(400):
+        (fast, fq), (slow, sq) = (_running(random.Random(case), case % 2 == 0) for _ in range(2))
+        if fq.is_finished:
+            continue
+        rng = random.Random(10_000 + case)
+        window = [rng.choice([EOS, 1, 2, 3, 4, 5, 6, 7, 8, 9]) for _ in range(rng.randint(2, 8))]
+        for s, q in ((fast, fq), (slow, sq)):
+            s.block_manager.allocate_slots(q, len(window))
+        kept_slow = []
+        for token in window:
+            if not slow.advance(sq, 1, token):
+                break
+            kept_slow.append(token)
+            if sq.is_finished:
+                break
+        assert fast.advance_window(fq, window) == kept_slow, (case, window)
+        assert (fq.token_ids, fq.num_computed_tokens) == (sq.token_ids, sq.num_computed_tokens)
+        assert (fq.status, fq.finish_reason, fq.stop_reason) == (sq.status, sq.finish_reason, sq.stop_reason)
+        assert fq.block_hashes == sq.block_hashes
+        assert fast.block_manager.cached == slow.block_manager.cached
+        fast.check_integrity()
+        slow.check_integrity()
+        checked += 1
+    assert checked > 300
+
+
+def test_a_window_for_a_sequence_that_ended_meanwhile_keeps_nothing():
+    s = make()
+    q = seq("a", 3, max_tokens=8)
+    s.add(q)
+    run_step(s)
+    s.abort("a")
+    assert s.advance_window(q, [5, 6, 7]) == []
+    assert q.num_output_tokens == 1
