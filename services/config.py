@@ -79,8 +79,15 @@ class StackSettings(BaseSettings):
     def pin_cpus(self) -> None:
         """Bind this process to ``cpus`` (before it starts threads or children: they inherit the binding)."""
         cpus = parse_cpu_list(self.cpus)
-        if cpus:
-            os.sched_setaffinity(0, cpus)
+        if not cpus:
+            return
+        allowed = os.sched_getaffinity(0)
+        if not cpus <= allowed:  # a core the host lacks, or outside the container's cpuset: say so, not EINVAL
+            raise ValueError(
+                f"KERNELLAB_CPUS={self.cpus!r} names cores this process may not run on: "
+                f"{', '.join(map(str, sorted(cpus - allowed)))} (it may use {', '.join(map(str, sorted(allowed)))})"
+            )
+        os.sched_setaffinity(0, cpus)
 
     @field_validator("key_prefix")
     @classmethod

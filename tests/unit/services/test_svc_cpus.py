@@ -49,3 +49,11 @@ def test_no_cpu_list_leaves_the_binding_alone():
     before = os.sched_getaffinity(0)
     WorkerSettings(cpus="").pin_cpus()
     assert os.sched_getaffinity(0) == before
+
+
+def test_cores_the_process_may_not_use_are_named_in_the_error():
+    allowed = os.sched_getaffinity(0)
+    outside = max(allowed) + 1
+    with pytest.raises(ValueError, match=f"may not run on: {outside} "):
+        WorkerSettings(cpus=f"{min(allowed)},{outside}").pin_cpus()
+    assert os.sched_getaffinity(0) == allowed
