@@ -20,10 +20,10 @@ the rest of that phase's admits pass at once).
 
 Off by default in the serving worker (``reader_yields_to_step``): on the H200 it cut the first step's launch
 (8 × 512 tokens: 6-12 ms against 13-18 beside the reader) but the added TTFT p50 moved with how each burst split
-into reads, not with the gate (+6.5 / +7.7 / +16.7 ms gated against +5.0 / +11.0 / +9.7 in three A/B runs), and
-steps that mix
-prefill and decode rows wait for the device inside their launch (device waits of 0.1 ms), so a gated reader gets
-little time there (results/gpu/serve_h200_dev/gate_*).
+into reads, not with the gate (+6.5 / +7.7 / +16.7 ms gated against +5.0 / +11.0 / +9.7 in three A/B runs;
+results/gpu/serve_h200_dev/gate_*). In the worker, steps that mix prefill and decode rows launch for longer than
+the device computes (device waits of 0.1 ms), so a gated reader gets little time there; alone the engine launches
+them in a third of the time with no sync inside (serve_h200_dev/sync_probe_6764c7f.json).
 """
 
 from __future__ import annotations

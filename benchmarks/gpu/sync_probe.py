@@ -79,10 +79,8 @@ def run(engine, name: str, tag: str, trace_steps: int) -> list[dict]:
     def seen(message, category, filename, lineno, file=None, line=None):
         syncs.append((time.perf_counter() - t_step[0], _stack()))
 
-    old = warnings.showwarning
-    warnings.showwarning = seen
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # restores showwarning on the way out
             warnings.simplefilter("always")
             warnings.showwarning = seen
             while engine.has_unfinished_requests():
@@ -95,14 +93,14 @@ def run(engine, name: str, tag: str, trace_steps: int) -> list[dict]:
                 t_step[0] = time.perf_counter()
                 engine.step()
                 dt = time.perf_counter() - t_step[0]
-                launch, wait = (gate.launch_s, gate.wait_s) if gate is not None else (None, 0.0)
+                launch, wait = None, 0.0
                 if gate is not None:
+                    launch, wait = gate.launch_s, gate.wait_s
                     gate.idle()
                 _sync_debug(0)
-                after = _stats()
                 if not traced:
-                    steps.append({})
                     continue
+                after = _stats()
                 rows, tokens = engine.last_schedule
                 steps.append(
                     {
@@ -117,9 +115,8 @@ def run(engine, name: str, tag: str, trace_steps: int) -> list[dict]:
                     }
                 )
     finally:
-        warnings.showwarning = old
         _sync_debug(0)
-    return [s for s in steps if s]
+    return steps
 
 
 def profile_steps(engine, name: str, n_steps: int) -> dict:

@@ -115,7 +115,7 @@ def main() -> int:
     result = {
         "schema": "kernellab.bench.window_advance_ab/v1",
         "provenance": provenance(args.device),
-        "engine": {k: v for k, v in cfg.items()},
+        "engine": dict(cfg),
         "workload": "nano-vllm 256 prompts (100-1024 tokens, as many out), greedy, ignore_eos",
         "same_tokens": same,
         "runs": runs,

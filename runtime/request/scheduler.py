@@ -229,16 +229,14 @@ class Scheduler:
         if seq.is_finished or not tokens:
             return []
         params = seq.params
-        ends = params.stop_token_ids if params.ignore_eos else (*self.eos_token_ids, *params.stop_token_ids)
+        ends = set(params.stop_token_ids) if params.ignore_eos else self.eos_token_ids.union(params.stop_token_ids)
         limit = max(1, min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens))
         reason: str | None = None
         stop: int | None = None
         kept = tokens
-        if ends:
-            ended = frozenset(ends)
-            j = next((i for i, t in enumerate(tokens) if t in ended), None)
-            if j is not None and j < limit:
-                kept, reason, stop = tokens[: j + 1], "stop", tokens[j]
+        j = next((i for i, t in enumerate(tokens) if t in ends), None) if ends else None
+        if j is not None and j < limit:
+            kept, reason, stop = tokens[: j + 1], "stop", tokens[j]
         if reason is None and len(tokens) >= limit:
             kept, reason = tokens[:limit], "length"
         # the window computed the KV of the token before it and of every kept token but the last (advance's count)
