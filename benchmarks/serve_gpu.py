@@ -113,10 +113,11 @@ GATEWAY_VARIANTS = {"slowpath": {"KERNELLAB_GATEWAY_FAST_PATH": "0"}}  # generat
 PINNED = "pin"
 
 
-def split_cores() -> tuple[str, str]:
-    """(the worker's cpu list, the rest): two physical cores with their hyperthread siblings (one on a host of
-    four or fewer), the highest-numbered ones (clear of core 0's interrupts)."""
-    cpus = sorted(os.sched_getaffinity(0))
+def split_cores(all_cpus: set[int]) -> tuple[str, str]:
+    """(the worker's cpu list, the rest) of ``all_cpus`` (the benchmark's cores before any phase narrowed them):
+    two physical cores with their hyperthread siblings (one on a host of four or fewer), the highest-numbered
+    ones (clear of core 0's interrupts)."""
+    cpus = sorted(all_cpus)
     siblings: dict[int, tuple[int, ...]] = {}
     for c in cpus:
         path = Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list")
@@ -601,7 +602,7 @@ def main() -> int:
             g, env_over, gateway_over = int(g), {}, {}
             for v in variants:
                 if v == PINNED:
-                    worker_cpus, rest = split_cores()
+                    worker_cpus, rest = split_cores(all_cpus)
                     env_over["KERNELLAB_CPUS"], gateway_over["KERNELLAB_CPUS"] = worker_cpus, rest
                     log(f"-{PINNED}: worker on cpus {worker_cpus}; gateway tier and clients on {rest}")
                 else:

@@ -30,6 +30,28 @@ def parse_cpu_list(value: str) -> set[int]:
     return cpus
 
 
+# Where the cores a process may be bound to are written: the cgroup's cpuset (a container's, cgroup v2 then v1),
+# else the host's online cores. Not sched_getaffinity: a parent may have narrowed that, and a child may widen its
+# own binding again anywhere inside the cpuset.
+_CPUSET_FILES = (
+    "/sys/fs/cgroup/cpuset.cpus.effective",
+    "/sys/fs/cgroup/cpuset/cpuset.effective_cpus",
+    "/sys/devices/system/cpu/online",
+)
+
+
+def bindable_cpus() -> set[int]:
+    """The cores this process may bind itself to (see _CPUSET_FILES)."""
+    for path in _CPUSET_FILES:
+        try:
+            cpus = parse_cpu_list(Path(path).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if cpus:
+            return cpus
+    return set(range(os.cpu_count() or 1))
+
+
 class StackSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KERNELLAB_", extra="ignore", validate_default=True)
 
@@ -81,13 +103,17 @@ class StackSettings(BaseSettings):
         cpus = parse_cpu_list(self.cpus)
         if not cpus:
             return
-        allowed = os.sched_getaffinity(0)
-        if not cpus <= allowed:  # a core the host lacks, or outside the container's cpuset: say so, not EINVAL
+        allowed = bindable_cpus()
+        try:
+            if not cpus <= allowed:  # a core the host lacks, or outside the container's cpuset: say so, not EINVAL
+                raise OSError
+            os.sched_setaffinity(0, cpus)
+        except OSError:
             raise ValueError(
                 f"KERNELLAB_CPUS={self.cpus!r} names cores this process may not run on: "
-                f"{', '.join(map(str, sorted(cpus - allowed)))} (it may use {', '.join(map(str, sorted(allowed)))})"
-            )
-        os.sched_setaffinity(0, cpus)
+                f"{', '.join(map(str, sorted(cpus - allowed) or sorted(cpus)))} "
+                f"(it may use {', '.join(map(str, sorted(allowed)))})"
+            ) from None
 
     @field_validator("key_prefix")
     @classmethod

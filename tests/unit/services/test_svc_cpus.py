@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kernellab.services.config import GatewaySettings, WorkerSettings, parse_cpu_list
+from kernellab.services.config import GatewaySettings, WorkerSettings, bindable_cpus, parse_cpu_list
 
 
 def test_cpu_lists_parse_as_linux_writes_them():
@@ -45,6 +45,22 @@ def test_a_process_and_the_threads_and_children_it_starts_run_on_its_cpus():
     assert out.stdout.split() == [f"[{cpu}]"] * 3
 
 
+def test_a_child_started_on_narrower_cores_may_widen_its_binding():
+    """A launcher that binds itself to some cores (serve_gpu.py's gateway tier and clients) and then starts the
+    worker: the worker inherits the narrow binding, and KERNELLAB_CPUS may still name any core of the host."""
+    cpus = sorted(os.sched_getaffinity(0))
+    script = (
+        "import os\n"
+        f"os.sched_setaffinity(0, {{{cpus[0]}}})\n"
+        "from kernellab.services.config import WorkerSettings\n"
+        "WorkerSettings().pin_cpus()\n"
+        "print(sorted(os.sched_getaffinity(0)))\n"
+    )
+    env = dict(os.environ, KERNELLAB_CPUS=str(cpus[-1]))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f"[{cpus[-1]}]"
+
+
 def test_no_cpu_list_leaves_the_binding_alone():
     before = os.sched_getaffinity(0)
     WorkerSettings(cpus="").pin_cpus()
@@ -53,7 +69,7 @@ def test_no_cpu_list_leaves_the_binding_alone():
 
 def test_cores_the_process_may_not_use_are_named_in_the_error():
     allowed = os.sched_getaffinity(0)
-    outside = max(allowed) + 1
+    outside = max(bindable_cpus()) + 1
     with pytest.raises(ValueError, match=f"may not run on: {outside} "):
         WorkerSettings(cpus=f"{min(allowed)},{outside}").pin_cpus()
     assert os.sched_getaffinity(0) == allowed
