@@ -231,6 +231,10 @@ class LLMEngine:
             seq.grammar = None
         return seq is not None
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache (idle engines only; False, and nothing dropped, while requests run)."""
+        return not self.scheduler.has_unfinished and self.block_manager.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 

@@ -148,6 +148,18 @@ class BlockManager:
             block.hash, block.token_ids = h, tokens
             self.cached[h] = block.block_id
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix and put the free queue back in block order, as a fresh pool: what a
+        benchmark needs between runs of the same prompts (otherwise later runs skip their prefill). Only an idle
+        pool can be reset: with a block in use, nothing changes and the answer is False."""
+        if len(self.free) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.hash, block.token_ids = None, ()
+        self.cached.clear()
+        self.free = OrderedDict.fromkeys(range(self.num_blocks))
+        return True
+
     # ------------------------------------------------------------------ checks
     def check_integrity(self, live: list[Sequence] | None = None) -> None:
         """Raise if reference counts, the free queue or the hash index disagree (and, given the live

@@ -93,6 +93,23 @@ def test_freed_cached_blocks_are_reused_then_evicted_oldest_first():
     bm.check_integrity([other])
 
 
+def test_reset_prefix_cache_forgets_prefixes_only_when_idle():
+    bm = BlockManager(4, BS)
+    a = seq("a", list(range(9)))
+    assert admit(bm, a)
+    compute(bm, a)
+    assert not bm.reset_prefix_cache()  # a is still running: nothing changes
+    assert bm.cached and list(bm.free) == [3]
+    bm.free_sequence(a)
+    assert bm.get_computed_blocks(seq("probe", list(range(9)))) == [0, 1]
+    assert bm.reset_prefix_cache()
+    assert bm.get_computed_blocks(seq("probe", list(range(9)))) == []
+    assert not bm.cached and list(bm.free) == [0, 1, 2, 3]  # allocation order as in a fresh pool
+    again = seq("again", list(range(9)))
+    assert admit(bm, again) and again.block_table == [0, 1, 2] and again.num_computed_tokens == 0
+    bm.check_integrity([again])
+
+
 def test_free_returns_every_block_and_integrity_detects_leaks():
     bm = BlockManager(6, BS)
     seqs = [seq(str(i), list(range(i * 10, i * 10 + 6))) for i in range(3)]

@@ -93,6 +93,22 @@ def test_abort_frees_everything(engine):
     assert not engine.has_unfinished_requests()
 
 
+def test_reset_prefix_cache_makes_the_same_prompt_compute_again(engine):
+    prompt = list(range(100, 180))  # five full blocks of 16
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine.add_request("first", prompt, params)
+    first = [t for out in engine.step() for t in out.new_token_ids]  # the prefill step's token
+    assert not engine.reset_prefix_cache()  # a request is running: refused, nothing dropped
+    first += drain(engine)["first"]
+    hits = engine.stats().prefix_cache_hits
+    engine.add_request("hit", prompt, params)
+    assert drain(engine)["hit"] == first and engine.stats().prefix_cache_hits > hits
+    assert engine.reset_prefix_cache()
+    hits = engine.stats().prefix_cache_hits
+    engine.add_request("cold", prompt, params)
+    assert drain(engine)["cold"] == first and engine.stats().prefix_cache_hits == hits
+
+
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
