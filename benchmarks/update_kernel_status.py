@@ -12,6 +12,8 @@ import json
 import sys
 from pathlib import Path
 
+from kernellab.bench.ablation import Effect, decide
+
 ROOT = Path(__file__).resolve().parents[1]
 STATUS = ROOT / "runtime" / "kernel_status.json"
 # Ops a model never calls (its decoder uses a fused op instead).
@@ -24,19 +26,26 @@ OFF_PATH = {
 }
 
 
-def evidence(row: dict, rows: dict, artifact: str) -> dict:
+def evidence(row: dict, rows: dict, artifact: str, standing: str | None = None) -> dict:
     """An op's status with what decided it: numerics at real shapes and the end-to-end effect of turning it off
-    (interleaved rounds with a 95 % interval per figure; older artifacts: one run against a noise band)."""
+    (interleaved rounds with a 95 % interval per figure; older artifacts: one run against a noise band). An
+    unsettled run keeps ``standing``, the op's status before this artifact (kernellab.bench.ablation.decide)."""
     e2e = {"throughput_gain_pct": row["e2e_gain_tok_per_s_pct"], "itl_gain_pct": row["e2e_gain_itl_pct"]}
+    status = row["status"]
     if "effects" in row:
         e2e["interval_95_pct"] = {fig: [e["lo_pct"], e["hi_pct"]] for fig, e in row["effects"].items()}
         e2e["rounds"] = len(row["rounds"])
         e2e["settled"] = row["settled"]
         e2e["rule"] = rows.get("__rule__")
+        effects = {fig: Effect(**e) for fig, e in row["effects"].items()}
+        run_status = decide(effects, row["numerics"]["pass"], rows["__rule__"]["min_effect_pct"])
+        status = decide(effects, row["numerics"]["pass"], rows["__rule__"]["min_effect_pct"], previous=standing)
+        if status != run_status:
+            e2e["kept"] = f"this run alone says {run_status}; unsettled, so the standing decision stays"
     else:
         e2e["noise_band_pct"] = rows.get("__noise_pct__")
     return {
-        "status": row["status"],
+        "status": status,
         "numerics": row["numerics"],
         "e2e": e2e,
         "artifact": str(Path(artifact).relative_to(ROOT)) if Path(artifact).is_absolute() else artifact,
@@ -64,7 +73,7 @@ def main(artifact: str) -> int:
         if op in OFF_PATH.get(data["model"], ()) and judged_on is not None:
             rows = path_ablations[judged_on]
             ops[op] = {
-                **evidence(rows[op], rows, artifact),
+                **evidence(rows[op], rows, artifact, entry.get("status")),
                 "path": f"{judged_on} (not on {data['model']}'s: {OFF_PATH[data['model']][op]})",
             }
             continue
@@ -83,7 +92,7 @@ def main(artifact: str) -> int:
         if not isinstance(row, dict) or "status" not in row:
             ops[op] = {"status": "experimental", "reason": entry.get("reason", "not measured")}
             continue
-        ops[op] = evidence(row, ablation, artifact)
+        ops[op] = evidence(row, ablation, artifact, entry.get("status"))
     out = {
         "schema": "kernellab.acceptance/v1",
         "source": {
@@ -93,7 +102,8 @@ def main(artifact: str) -> int:
         },
         "rule": "accepted = numerics pass at real shapes AND the complete workload (decode 64x128 throughput or "
         "batch-1 ITL) is faster with the op by at least the rule's min_effect_pct at 95 % confidence (interleaved "
-        "rounds against the engine without it), and neither figure is that much slower with the same confidence",
+        "rounds against the engine without it), and neither figure is that much slower with the same confidence; "
+        "a run whose intervals still straddle the threshold keeps the standing decision",
         "ops": ops,
     }
     STATUS.write_text(json.dumps(out, indent=2) + "\n")

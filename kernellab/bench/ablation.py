@@ -15,6 +15,13 @@ Decision (``decide``): *accepted* when numerics pass, the kernel's gain on one f
 slower with the same confidence (no upper bound below ``-min_effect_pct``); *rejected* when numerics fail;
 *experimental* otherwise. Where the interval still straddles a threshold after the last round, the decision is
 flagged ``settled: False`` in the artifact.
+
+Decisions that hold still (``previous``): an op whose true effect lies near ``min_effect_pct`` straddles it in
+some runs and clears it in others, so a rule applied to each run alone flips it between accepted and
+experimental from one gate to the next (silu_and_mul_linear: ITL +2.8 % [2.4, 3.2] then +3.1 % [2.1, 4.1] at
+thresholds of 2.35 and 2.31 %). So a run whose intervals are not settled does not overturn the standing decision
+(``runtime/kernel_status.json``): it keeps it, and only a settled run, whose evidence points the other way with
+the same confidence, changes it. A kernel whose numerics fail is rejected whatever came before.
 """
 
 from __future__ import annotations
@@ -62,12 +69,17 @@ def paired_effect(ratios: list[float]) -> Effect:
     return Effect(pct(mean), pct(mean - half), pct(mean + half), len(logs))
 
 
-def decide(effects: dict[str, Effect], numerics_pass: bool, min_effect_pct: float) -> str:
+def decide(effects: dict[str, Effect], numerics_pass: bool, min_effect_pct: float, previous: str | None = None) -> str:
+    """The op's status from this run (see the module's "Decision"); ``previous``: the standing status, which an
+    unsettled run keeps (see "Decisions that hold still")."""
     if not numerics_pass:
         return "rejected"
     helps = any(e.lo_pct > min_effect_pct for e in effects.values())
     hurts = any(e.hi_pct < -min_effect_pct for e in effects.values())
-    return "accepted" if helps and not hurts else "experimental"
+    status = "accepted" if helps and not hurts else "experimental"
+    if previous in ("accepted", "experimental") and not settled(effects, min_effect_pct):
+        return previous
+    return status
 
 
 def settled(effects: dict[str, Effect], min_effect_pct: float) -> bool:

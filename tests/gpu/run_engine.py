@@ -458,6 +458,7 @@ def ablation(weights, report, model=MODEL, only=None):
         itl = statistics.median(engine_itl(eng, 128, new_tokens=48)) * 1e3
         return {"tok_per_s": round(thr, 1), "itl_ms": round(itl, 4)}
 
+    standing = standing_statuses()
     all_on_engine = build()
     enabled = list(all_on_engine.runner.model.ops.enabled)
     all_on = {**measure(all_on_engine), "enabled": enabled}
@@ -486,13 +487,17 @@ def ablation(weights, report, model=MODEL, only=None):
         effects, record = interleaved(lambda: measure(all_on_engine), lambda off=off_engine: measure(off), **rule)
         del off_engine
         num = kernel_numerics(op, lib.KERNELS[op], getattr(reference, op), None if model == MODEL else model)
-        status = decide(effects, num["pass"], rule["min_effect_pct"])
+        # this run alone, and with the standing decision kept when this run is not settled (ablation.py)
+        run_status = decide(effects, num["pass"], rule["min_effect_pct"])
+        status = decide(effects, num["pass"], rule["min_effect_pct"], previous=standing.get(op))
         thr, itl = effects["tok_per_s"], effects["itl_ms"]
         last = record["rounds"][-1]["without"]
         rows[op] = {
             **last,
             "numerics": num,
             "status": status,
+            "run_status": run_status,
+            "standing_status": standing.get(op),
             "e2e_gain_tok_per_s_pct": thr.mean_pct,
             "e2e_gain_itl_pct": itl.mean_pct,
             **record,
@@ -501,10 +506,17 @@ def ablation(weights, report, model=MODEL, only=None):
             f"ablation -{op}: {thr.mean_pct:+.1f}% tok/s [{thr.lo_pct:+.1f}, {thr.hi_pct:+.1f}], ITL {itl.mean_pct:+.1f}%"
             f" [{itl.lo_pct:+.1f}, {itl.hi_pct:+.1f}] over {thr.rounds} rounds"
             f"{'' if record['settled'] else ' (unsettled)'}, rel err {num['rel_err_max']:.2e} → {status}"
+            f"{f' (this run alone: {run_status}; kept)' if run_status != status else ''}"
         )
         Path(report["_path"]).write_text(json.dumps(report, indent=2, default=str))
     rows["__pdl__"] = pdl_ab(build, measure, all_on_engine, rule)
     return rows
+
+
+def standing_statuses() -> dict[str, str]:
+    """The dispatcher's table as it stands (runtime/kernel_status.json): an unsettled ablation keeps these."""
+    path = Path(__file__).resolve().parents[2] / "runtime" / "kernel_status.json"
+    return {op: e["status"] for op, e in json.loads(path.read_text())["ops"].items()}
 
 
 def pdl_ab(build, measure, all_on_engine, rule) -> dict:

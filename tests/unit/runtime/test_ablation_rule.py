@@ -43,6 +43,22 @@ def test_decision_needs_a_confident_gain_and_no_confident_loss():
     assert settled({"a": gain, "b": loss}, 1.0) and not settled({"a": flat}, 1.0)
 
 
+def test_an_unsettled_run_keeps_the_standing_decision_and_a_settled_one_overturns_it():
+    near = Effect(3.05, 2.06, 4.05, 8)  # straddles a 2.31 % threshold: this run alone would say experimental
+    flat = Effect(-0.6, -2.0, 1.2, 8)
+    assert decide({"tok_per_s": flat, "itl_ms": near}, True, 2.31) == "experimental"
+    assert decide({"tok_per_s": flat, "itl_ms": near}, True, 2.31, previous="accepted") == "accepted"
+    assert decide({"tok_per_s": flat, "itl_ms": near}, True, 2.31, previous="experimental") == "experimental"
+    # settled evidence decides whatever stood before: a clear gain promotes, a clear absence of one demotes
+    clear_gain = Effect(5.0, 3.0, 7.0, 4)
+    tight_flat = Effect(0.1, -0.5, 0.7, 8)
+    assert decide({"tok_per_s": tight_flat, "itl_ms": clear_gain}, True, 2.31, previous="experimental") == "accepted"
+    assert decide({"tok_per_s": tight_flat, "itl_ms": tight_flat}, True, 2.31, previous="accepted") == "experimental"
+    # failed numerics reject, standing decision or not; a rejected op is not kept rejected by noise alone
+    assert decide({"tok_per_s": flat, "itl_ms": near}, False, 2.31, previous="accepted") == "rejected"
+    assert decide({"tok_per_s": flat, "itl_ms": near}, True, 2.31, previous="rejected") == "experimental"
+
+
 def _machine(seed: int, speedup: float, spread: float):
     """Two configurations on a noisy machine with a slow drift: the kernel multiplies speed by ``speedup``."""
     rng = random.Random(seed)
