@@ -42,7 +42,12 @@ Precision
     read without a dequantize pass: the tile widens exactly to q's dtype for the same tensor-core dots, the
     K scales multiply the score columns and the V scales the probability columns before ``P`` is rounded
     (reference: the same attention over ``fp8 · scale`` in fp32). Bytes per token and head fall from
-    ``2·D·2`` to ``2·(D + 4)``.
+    ``2·D·2`` to ``2·(D + 4)``. With a bf16 q the tiles may widen to fp16 instead (``FP8_LAUNCH["widen"]``):
+    e4m3 → fp16 is one conversion instruction per pair of values where bf16 takes several, every e4m3 value
+    is exact in both, and q and ``P`` get fp16's 10 mantissa bits instead of 7; ``P`` goes into its dot as
+    ``p · vs · 2^9`` (about p times the token's V amax: clear of fp16's subnormals), and the 2^9 leaves ``acc``
+    exactly after the walk. q must then fit fp16's range (|q| < 65,504), as it does after Qwen3's QK-norm and in
+    the Llama models served here.
 
 Trade-offs tried
     (H200 sweeps in ``benchmarks/kernels/bench_attention.py``, figures in docs/kernels.md.) At batch 64 × 1,024
@@ -74,6 +79,11 @@ from .rope import _norm_rope_heads
 __all__ = ["num_splits", "paged_decode_attention", "paged_decode_attention_qk_norm_rope"]
 
 _LOG2E = 1.4426950408889634
+# Launch settings of the bf16/fp16/fp32 caches' decode attention, and of the FP8 cache's ("widen": the dtype its
+# tiles widen to for the tensor-core dots of a bf16 q; see "Precision"). benchmarks/gpu/fp8_decode_sweep.py
+# times the FP8 choices on the H200.
+LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 2}
+FP8_LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 2, "widen": "bf16"}
 # The fewest context tokens one slice takes (see "Trade-offs tried"): below it, publishing a partial and merging
 # it costs more than walking a few more tiles in the same program.
 MIN_SLICE_TOKENS = 64
@@ -179,6 +189,7 @@ def _paged_decode_kernel(
     S_PAD: tl.constexpr,
     IEEE: tl.constexpr,
     FP8: tl.constexpr,
+    WIDEN_F16: tl.constexpr = False,
     ROPE: tl.constexpr = False,
     HALF: tl.constexpr = 64,
     PDL: tl.constexpr = False,
@@ -280,6 +291,8 @@ def _paged_decode_kernel(
                 mask=g_mask[:, None] & d_mask[None, :],
                 other=0.0,
             )
+            if WIDEN_F16:  # FP8 tiles widen to fp16 (one conversion instruction per pair): q joins them there
+                q = q.to(tl.float16)
 
         for t0 in range(loop_start, walk_end, BLOCK_N):
             t, t_mask, block, k, v = _load_tile(
@@ -294,9 +307,15 @@ def _paged_decode_kernel(
                 srow = block * stride_sb + (t % block_size) * stride_so + hk
                 ks = tl.load(k_scale_ptr + srow, mask=t_mask, other=0.0)
                 vs = tl.load(v_scale_ptr + srow, mask=t_mask, other=0.0)
+                if WIDEN_F16:
+                    # P·V's fp16 operand is p·vs·2^9 ≈ p·(the token's V amax), as vs = amax / 448: without the
+                    # factor, small p·vs fall below fp16's normal range. The power of two leaves acc exactly.
+                    vs = vs * 512.0
                 k = k.to(q.dtype)
                 v = v.to(q.dtype)
             m_i, l_i, acc = _attend_tile(q, k, v, ks, vs, t_mask, m_i, l_i, acc, qk_scale, IEEE, FP8)
+        if WIDEN_F16:
+            acc = acc * (1.0 / 512.0)
         if ROPE:  # noqa: SIM102 (a constexpr guard: the tensor test must not be compiled without ROPE)
             if end == ctx:  # the new token, from registers (its cache row may not be written yet)
                 s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale
@@ -371,23 +390,33 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     max_context_len: int | None = None,
     splits: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     min_slice: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    fp8_widen: str | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q: (B, Hq, D)`` over the paged caches; returns ``(B, Hq, D)`` in q's dtype.
 
     ``max_context_len`` (a host int, optional) only sizes the split; it must be ≥ every context length.
     ``min_slice``: the fewest tokens a slice takes (rounded up to whole ``block_n`` tiles; default
     ``MIN_SLICE_TOKENS``), so a short context runs in one program without the merge. An FP8
-    cache (``float8_e4m3fn``) comes with ``k_scales, v_scales: (num_blocks, block_size, Hk)`` fp32.
+    cache (``float8_e4m3fn``) comes with ``k_scales, v_scales: (num_blocks, block_size, Hk)`` fp32. Launch
+    settings left None come from ``LAUNCH`` (``FP8_LAUNCH`` for an FP8 cache); ``fp8_widen``: the dtype FP8
+    tiles widen to for the dots of a bf16 q, ``"bf16"`` or ``"f16"``.
     """
+    cfg = {**(FP8_LAUNCH if k_scales is not None else LAUNCH)}
+    for key, value in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages)):
+        if value is not None:
+            cfg[key] = value
+    widen = fp8_widen or cfg.get("widen", "bf16")
+    require(widen in ("bf16", "f16"), "fp8_widen must be 'bf16' or 'f16'")
     return _decode(
-        q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, block_n, min_slice,
-        num_warps, num_stages, k_scales, v_scales, None,
+        q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, cfg["block_n"],
+        min_slice, cfg["num_warps"], cfg["num_stages"], k_scales, v_scales, None,
+        widen_f16=widen == "f16" and k_scales is not None and q.dtype == torch.bfloat16,
     )  # fmt: skip
 
 
@@ -437,7 +466,7 @@ def paged_decode_attention_qk_norm_rope(
 
 def _decode(
     q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, block_n, min_slice,
-    num_warps, num_stages, k_scales, v_scales, rope,
+    num_warps, num_stages, k_scales, v_scales, rope, widen_f16=False,
 ):  # fmt: skip
     B, Hq, D = q.shape
     _, block_size, Hk, Dc = k_cache.shape
@@ -504,6 +533,7 @@ def _decode(
         S_PAD=next_pow2(n_split),
         IEEE=q.dtype == torch.float32,
         FP8=scales is not None,
+        WIDEN_F16=widen_f16,
         ROPE=rope is not None,
         HALF=D // 2,
         PDL=pdl,

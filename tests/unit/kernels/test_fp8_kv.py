@@ -91,16 +91,21 @@ def test_qk_norm_rope_store_kv_fp8(dtype, gen):
     assert_close(qr, q_ref, tol, tol, "q")
 
 
-# The kernel rounds the scaled probabilities to the activation dtype for the P·V dot; the reference attends in
-# fp32 over the dequantized cache.
-FP8_ATTN = [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 2e-2, 2e-2)]
+# The kernel rounds the scaled probabilities to the dots' dtype for the P·V dot (bf16, or fp16 when the tiles
+# widen to fp16: three more mantissa bits, and q rounded to fp16 too); the reference attends in fp32 over the
+# dequantized cache.
+FP8_ATTN = [
+    (torch.float32, "bf16", 1e-5, 1e-5),
+    (torch.bfloat16, "bf16", 2e-2, 2e-2),
+    (torch.bfloat16, "f16", 8e-3, 8e-3),
+]
 
 
-@pytest.mark.parametrize("dtype, atol, rtol", FP8_ATTN)
+@pytest.mark.parametrize("dtype, widen, atol, rtol", FP8_ATTN)
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("splits", [None, 1, 3])
 @pytest.mark.parametrize("Hq, Hk, D", [(4, 2, 32), (9, 3, 64)])
-def test_paged_decode_attention_fp8(Hq, Hk, D, block_size, splits, dtype, atol, rtol, gen):
+def test_paged_decode_attention_fp8(Hq, Hk, D, block_size, splits, dtype, widen, atol, rtol, gen):
     lens = [1, 17, 50]
     q, kc, vc, tables, ctx = _paged_case(lens, Hq, Hk, D, block_size, torch.float32, gen)
     k8, ks = ops.quantize_kv(kc * 3)
@@ -110,10 +115,32 @@ def test_paged_decode_attention_fp8(Hq, Hk, D, block_size, splits, dtype, atol, 
     q = q.to(dtype)
     out = poisoned(q.shape, dtype, "cpu")
     y = paged_decode_attention(
-        q, k8, v8, tables, ctx, D**-0.5, out=out, splits=splits, block_n=16, k_scales=ks, v_scales=vs
+        q, k8, v8, tables, ctx, D**-0.5, out=out, splits=splits, block_n=16, k_scales=ks, v_scales=vs, fp8_widen=widen
     )
     ref = ops.paged_decode_attention(q, k8, v8, tables, ctx, D**-0.5, k_scales=ks, v_scales=vs)
     assert_close(y, ref, atol, rtol, "fp8 paged decode")
+
+
+def test_fp8_widening_to_fp16_keeps_small_probabilities(gen):
+    """P·V's fp16 operand is p·vs·2^9: with vs = amax / 448 a long context's small probabilities would otherwise
+    fall below fp16's normal range. Many nearly equal scores over a small-valued V: the f16 form must stay as
+    close to the reference as the bf16 form."""
+    Hq, Hk, D, bs = 2, 1, 32, 16
+    lens = [1000]
+    q, kc, vc, tables, ctx = _paged_case(lens, Hq, Hk, D, bs, torch.float32, gen)
+    k8, ks = ops.quantize_kv(kc * 0.01)  # flat scores: p ≈ 1e-3 each
+    v8, vs = ops.quantize_kv(vc * 1e-3)  # vs ≈ 1e-5: p·vs ≈ 1e-8, subnormal in fp16 without the 2^9
+    ks[torch.isnan(kc).all(-1)] = float("nan")
+    vs[torch.isnan(vc).all(-1)] = float("nan")
+    q = q.to(torch.bfloat16)
+    ref = ops.paged_decode_attention(q, k8, v8, tables, ctx, D**-0.5, k_scales=ks, v_scales=vs).float()
+    errs = {}
+    for widen in ("bf16", "f16"):
+        y = paged_decode_attention(
+            q, k8, v8, tables, ctx, D**-0.5, block_n=16, k_scales=ks, v_scales=vs, fp8_widen=widen
+        )
+        errs[widen] = float((y.float() - ref).norm() / ref.norm())
+    assert errs["f16"] <= errs["bf16"], errs
 
 
 def test_fp8_cache_scales_are_checked():
