@@ -5,7 +5,8 @@ Sequences: each of the benchmarks' chat questions plus ``--new-tokens`` tokens t
 back from the cache (``kernellab.bench.numerics``), so what the cache stores shows in the logits. Scored against
 HF transformers fp32 on the same GGUF: our fp32 cache (the path itself, expected exact), our FP8 cache, and HF
 bf16 (the gate: FP8 agreement no worse than HF bf16's minus 0.5 points). ``--split`` also quantizes only K or
-only V (quantize → dequantize into an fp32 cache) to show which of the two carries the loss.
+only V (quantize → dequantize into an fp32 cache) to show which of the two carries the loss; ``--int8`` does the
+same with int8 (one scale per token and head, the same bytes): K alone, and K and V.
 
     python benchmarks/fp8_kv_numerics.py --output results/fp8_kv_cpu.json
 """
@@ -36,17 +37,29 @@ def _engine(kv_cache_dtype: str, chunk: int):
     )
 
 
-def _store_quantizing(ops_table, which: str):
-    """An op table whose KV write stores ``dequantize(quantize(x))`` of K and/or V in a full-precision cache."""
+def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """``x: (..., D)`` through int8 with one scale per row (``amax / 127``), back to x's dtype: the same bytes per
+    value as FP8, with an error that is uniform in absolute terms (FP8's is ~3 significant bits of each value)."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127.0
+    return (torch.round(xf / scale).clamp(-127, 127) * scale).to(x.dtype)
+
+
+def _store_quantizing(ops_table, which: str, fmt: str = "fp8"):
+    """An op table whose KV write stores ``dequantize(quantize(x))`` of K and/or V in a full-precision cache
+    (``fmt``: fp8 as the FP8 cache stores it, or int8 per ``int8_round_trip``)."""
     from kernellab.runtime import ops
 
     store = ops_table.store_kv
 
+    def round_trip(x):
+        return int8_round_trip(x) if fmt == "int8" else ops.dequantize_kv(*ops.quantize_kv(x)).to(x.dtype)
+
     def store_kv(k, v, k_cache, v_cache, slot_mapping, *, k_scales=None, v_scales=None):
         if "k" in which:
-            k = ops.dequantize_kv(*ops.quantize_kv(k)).to(k.dtype)
+            k = round_trip(k)
         if "v" in which:
-            v = ops.dequantize_kv(*ops.quantize_kv(v)).to(v.dtype)
+            v = round_trip(v)
         store(k, v, k_cache, v_cache, slot_mapping)
 
     return dataclasses.replace(ops_table, store_kv=store_kv)
@@ -58,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--chunk", type=int, default=32)
     ap.add_argument("--split", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument(
+        "--int8", action=argparse.BooleanOptionalAction, default=True, help="also int8 K only and int8 K and V"
+    )
     ap.add_argument("--output", default="results/fp8_kv_cpu.json")
     args = ap.parse_args(argv)
 
@@ -87,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
             eng = _engine("auto", args.chunk)
             eng.runner.model.ops = _store_quantizing(eng.runner.model.ops, which)
             engines[f"fp8_{which}_only_simulated"] = eng
+    if args.int8:
+        for which, name in (("k", "int8_k_only_simulated"), ("kv", "int8_kv_simulated")):
+            eng = _engine("auto", args.chunk)
+            eng.runner.model.ops = _store_quantizing(eng.runner.model.ops, which, "int8")
+            engines[name] = eng
     gate = kv_cache_gate(engines, hf[torch.float32], hf[torch.bfloat16], sequences, reference="fp32_cache")
     result = {
         "schema": "kernellab.bench.kv_cache_numerics/v1",
