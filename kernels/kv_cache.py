@@ -21,7 +21,9 @@ Precision
     row is stored as ``fp8(x · (448 / amax))`` and its scale ``amax / 448``, both quotients correctly rounded
     (``div_rn``) and the conversion round-to-nearest-even, so the bits equal ``ops.quantize_kv``'s. Each value
     keeps 3 mantissa bits (relative error ≤ 2⁻⁴) against a per-row scale, so one outlier costs only its own
-    row's precision; the scale adds 4 bytes per row (3 % of a 128-value row), half the cache bytes remain.
+    row's precision; the scale adds 4 bytes per row (3 % of a 128-value row), half the cache bytes remain. An
+    int8 cache (``torch.int8``) likewise with 127 for 448, the products rounded to nearest even: uniform steps
+    of amax / 127 instead of 3 significant bits, the same bytes.
 
 Trade-offs tried
     Copying through ``index_copy_``/advanced indexing in PyTorch launches a nonzero/gather for the mask and
@@ -37,18 +39,38 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import next_pow2, require, use_pdl
 
-__all__ = ["FP8_DTYPE", "check_cache", "fp8_row_scales", "quantize_rows", "store_kv", "to_fp8"]
+__all__ = [
+    "FP8_DTYPE",
+    "INT8_DTYPE",
+    "QUANTIZED",
+    "check_cache",
+    "fp8_row_scales",
+    "quantize_rows",
+    "row_scales",
+    "store_kv",
+    "to_8bit",
+    "to_fp8",
+]
 
 FP8_DTYPE = torch.float8_e4m3fn
+INT8_DTYPE = torch.int8
+QUANTIZED = (FP8_DTYPE, INT8_DTYPE)  # the 8-bit caches: one fp32 scale per (token, KV head) row
+_RNE = 12582912.0  # 1.5 · 2^23: (y + _RNE) - _RNE rounds |y| < 2^22 to the nearest integer, ties to even
+
+
+@triton.jit
+def row_scales(amax, TOP: tl.constexpr):
+    """Per-row ``(inv, scale)`` from the rows' absolute max: values are stored as ``q(x · inv)``, read as
+    ``q · scale``; ``inv = TOP / amax`` and ``scale = amax / TOP``, both correctly rounded (amax ≥ 1e-12)."""
+    amax = tl.maximum(amax, 1e-12)
+    top = tl.full(amax.shape, TOP, tl.float32)
+    return tl.math.div_rn(top, amax), tl.math.div_rn(amax, top)
 
 
 @triton.jit
 def fp8_row_scales(amax):
-    """Per-row ``(inv, scale)`` from the rows' absolute max: values are stored as ``fp8(x · inv)``, read as
-    ``fp8 · scale``; ``inv = 448 / amax`` and ``scale = amax / 448``, both correctly rounded (amax ≥ 1e-12)."""
-    amax = tl.maximum(amax, 1e-12)
-    top = tl.full(amax.shape, 448.0, tl.float32)
-    return tl.math.div_rn(top, amax), tl.math.div_rn(amax, top)
+    """``row_scales`` for e4m3 (448)."""
+    return row_scales(amax, 448.0)
 
 
 @triton.jit
@@ -58,11 +80,24 @@ def to_fp8(x, inv):
 
 
 @triton.jit
-def quantize_rows(x, mask):
-    """``x: [R, C]`` fp32 → ``(fp8 values [R, C], scales [R])`` over the lanes in ``mask`` (reference
+def to_8bit(x, inv, INT8: tl.constexpr):
+    """``x · inv`` per row of ``x: [R, C]`` fp32 as e4m3, or as int8 (rounded to nearest even, clamped to ±127:
+    the add and subtract of 1.5 · 2^23 round exactly, so the kernel must be compiled without FMA contraction, which
+    would fuse the multiply into the add)."""
+    if INT8:
+        y = x * inv[:, None]
+        y = (y + _RNE) - _RNE
+        return tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
+    else:
+        return to_fp8(x, inv)
+
+
+@triton.jit
+def quantize_rows(x, mask, INT8: tl.constexpr = False):
+    """``x: [R, C]`` fp32 → ``(8-bit values [R, C], scales [R])`` over the lanes in ``mask`` (reference
     ``ops.quantize_kv``)."""
-    inv, scale = fp8_row_scales(tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1))
-    return to_fp8(x, inv), scale
+    inv, scale = row_scales(tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1), 127.0 if INT8 else 448.0)
+    return to_8bit(x, inv, INT8), scale
 
 
 @triton.jit
@@ -89,6 +124,7 @@ def _store_kv_kernel(
     H_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
     FP8: tl.constexpr,
+    INT8: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     if PDL:  # see _common.use_pdl
@@ -106,8 +142,8 @@ def _store_kv_kernel(
         k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0)
         v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
         if FP8:
-            k8, ks = quantize_rows(k.to(tl.float32), mask)
-            v8, vs = quantize_rows(v.to(tl.float32), mask)
+            k8, ks = quantize_rows(k.to(tl.float32), mask, INT8)
+            v8, vs = quantize_rows(v.to(tl.float32), mask, INT8)
             srow = (slot // block_size) * stride_sb + (slot % block_size) * stride_so + h
             tl.store(k_cache_ptr + dst, k8, mask=mask)
             tl.store(v_cache_ptr + dst, v8, mask=mask)
@@ -125,15 +161,15 @@ def check_cache(
     k_scales: torch.Tensor | None,
     v_scales: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Validate the caches' dtype (the activations' ``dtype``, or FP8) and an FP8 cache's scale tensors
-    (``(num_blocks, block_size, Hk)`` fp32, dense); returns the scales, or None for a cache in the activation
-    dtype, which takes none."""
+    """Validate the caches' dtype (the activations' ``dtype``, or 8-bit: FP8 or int8) and an 8-bit cache's
+    scale tensors (``(num_blocks, block_size, Hk)`` fp32, dense); returns the scales, or None for a cache in the
+    activation dtype, which takes none."""
     require(k_cache.dtype == v_cache.dtype, "k and v caches must share a dtype")
-    require(k_cache.dtype in (dtype, FP8_DTYPE), "cache dtype must match the activations (or be FP8)")
-    if k_cache.dtype != FP8_DTYPE:
-        require(k_scales is None and v_scales is None, "only an FP8 cache takes scales")
+    require(k_cache.dtype in (dtype, *QUANTIZED), "cache dtype must match the activations (or be FP8 or int8)")
+    if k_cache.dtype not in QUANTIZED:
+        require(k_scales is None and v_scales is None, "only an FP8 or int8 cache takes scales")
         return None
-    require(k_scales is not None and v_scales is not None, "an FP8 cache needs k_scales and v_scales")
+    require(k_scales is not None and v_scales is not None, "an FP8 or int8 cache needs k_scales and v_scales")
     assert k_scales is not None and v_scales is not None
     shape = tuple(k_cache.shape[:3])
     for s in (k_scales, v_scales):
@@ -154,7 +190,8 @@ def store_kv(
 ) -> None:
     """Write ``k, v: (T, Hk, D)`` into the paged caches at ``slot_mapping: (T,)``; slots < 0 are skipped.
 
-    An FP8 cache quantizes each (token, head) row and writes its scale to ``k_scales`` / ``v_scales``."""
+    An 8-bit cache (FP8 or int8) quantizes each (token, head) row and writes its scale to ``k_scales`` /
+    ``v_scales``."""
     T, Hk, D = k.shape
     require(v.shape == k.shape, "k and v must have the same shape")
     require(k.stride(2) == 1 and v.stride(2) == 1, "k and v need a unit stride along head_dim")
@@ -187,7 +224,9 @@ def store_kv(
         H_PAD=next_pow2(Hk),
         D_PAD=next_pow2(D),
         FP8=scales is not None,
+        INT8=k_cache.dtype == INT8_DTYPE,
         PDL=pdl,
         num_warps=4,
         launch_pdl=pdl,
+        enable_fp_fusion=k_cache.dtype != INT8_DTYPE,  # int8's rounding (to_8bit)
     )

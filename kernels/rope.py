@@ -51,7 +51,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import next_pow2, require, use_pdl
-from .kv_cache import check_cache, fp8_row_scales, to_fp8
+from .kv_cache import INT8_DTYPE, check_cache, row_scales, to_8bit
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_store_kv", "rotary_embedding"]
 
@@ -96,15 +96,16 @@ def _norm_rope_heads(
 
 
 @triton.jit
-def _store_fp8_halves(x1, x2, cache, scales, mask, h_mask, HALF: tl.constexpr):
-    """Quantize one token's heads held as two halves with one scale per head (the larger half's amax)."""
+def _store_8bit_halves(x1, x2, cache, scales, mask, h_mask, HALF: tl.constexpr, INT8: tl.constexpr):
+    """Quantize one token's heads held as two halves with one scale per head (the larger half's amax), as e4m3
+    or int8."""
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
     a1 = tl.max(tl.where(mask, tl.abs(x1f), 0.0), axis=1)
     a2 = tl.max(tl.where(mask, tl.abs(x2f), 0.0), axis=1)
-    inv, scale = fp8_row_scales(tl.maximum(a1, a2))
-    tl.store(cache, to_fp8(x1f, inv), mask=mask)
-    tl.store(cache + HALF, to_fp8(x2f, inv), mask=mask)
+    inv, scale = row_scales(tl.maximum(a1, a2), 127.0 if INT8 else 448.0)
+    tl.store(cache, to_8bit(x1f, inv, INT8), mask=mask)
+    tl.store(cache + HALF, to_8bit(x2f, inv, INT8), mask=mask)
     tl.store(scales, scale, mask=h_mask)
 
 
@@ -156,6 +157,7 @@ def _qk_rope_kernel(
     FP8: tl.constexpr,
     V_OUT: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    INT8: tl.constexpr = False,
 ):
     if PDL:  # see _common.use_pdl
         gdc_launch_dependents()
@@ -201,8 +203,8 @@ def _qk_rope_kernel(
                 # one scale per (token, head) over both halves: the row's amax is the larger half's
                 srow = (slot // block_size) * stride_sb + (slot % block_size) * stride_so + hk
                 h_mask = hk < n_kv_heads
-                _store_fp8_halves(k1, k2, kc, k_scale_ptr + srow, kmask, h_mask, HALF)
-                _store_fp8_halves(v1, v2, vc, v_scale_ptr + srow, kmask, h_mask, HALF)
+                _store_8bit_halves(k1, k2, kc, k_scale_ptr + srow, kmask, h_mask, HALF, INT8)
+                _store_8bit_halves(v1, v2, vc, v_scale_ptr + srow, kmask, h_mask, HALF, INT8)
             else:
                 tl.store(kc, k1, mask=kmask)
                 tl.store(kc + HALF, k2, mask=kmask)
@@ -314,6 +316,7 @@ def _launch(
         NORM=norm,
         STORE=store,
         FP8=scales is not None,
+        INT8=scales is not None and k_cache.dtype == INT8_DTYPE,
         V_OUT=v_out is not None,
         PDL=pdl,
         num_warps=4,

@@ -13,7 +13,7 @@ _patched = False
 
 
 def patch_interpreter() -> None:
-    """Work around three Triton 3.6 interpreter bugs so CPU runs test what the GPU computes.
+    """Work around four Triton 3.6 interpreter bugs so CPU runs test what the GPU computes.
 
     Call before running kernels under ``TRITON_INTERPRET=1`` (the CPU tests' conftest and the CPU smoke run of
     the benchmarks do). Idempotent; patches only the interpreter, never compiled kernels.
@@ -27,6 +27,7 @@ def patch_interpreter() -> None:
     _patch_scalar_index(interp)
     _patch_bf16_dot(interp, tl.bfloat16, tl.float32)
     _patch_fp8_downcast(interp, tl)
+    _patch_int_to_bf16(interp, tl.bfloat16, tl.float32)
     _patched = True
 
 
@@ -102,3 +103,23 @@ def _patch_fp8_downcast(interp, tl) -> None:
         return interp.TensorHandle(bits, dst_type.scalar)
 
     builder_cls.create_fp_to_fp = create_fp_to_fp
+
+
+def _patch_int_to_bf16(interp, bf16, fp32) -> None:
+    """Convert integers to bf16 by value, as the GPU's ``cvt.rn.bf16`` does (the int8 KV cache widens so).
+
+    The interpreter keeps bf16 as uint16 bits and casts integers with ``astype(uint16)``: 15 became the bits
+    0x000f (1.4e-39) and negative values NaN. Go through fp32 (exact for the integers involved here) and round
+    to bf16 with the interpreter's own fp32 → bf16 conversion.
+    """
+    builder_cls = type(interp.interpreter_builder)
+    original = builder_cls.create_si_to_fp
+
+    def create_si_to_fp(self, src, dst_type):
+        if dst_type.scalar != bf16:
+            return original(self, src, dst_type)
+        wide = src.data.astype(np.float32)
+        data = interp._convert_float(wide, fp32, bf16, None).view(np.uint16).reshape(src.data.shape)
+        return interp.TensorHandle(data, bf16)
+
+    builder_cls.create_si_to_fp = create_si_to_fp

@@ -18,8 +18,8 @@ from kernellab.runtime.request.block_manager import slot_of
 
 class LayerKV(NamedTuple):
     """One layer's paged KV cache: ``k, v: (num_blocks, block_size, Hk, D)`` in the model's dtype, or in
-    ``float8_e4m3fn`` with ``k_scales, v_scales: (num_blocks, block_size, Hk)`` fp32 (one scale per token and
-    KV head; ``runtime/ops.py`` ``quantize_kv``)."""
+    ``float8_e4m3fn`` or ``int8`` with ``k_scales, v_scales: (num_blocks, block_size, Hk)`` fp32 (one scale per
+    token and KV head; ``runtime/ops.py`` ``quantize_kv``)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -134,7 +134,7 @@ def packed_causal_attention(
 def gather_context(
     cache: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The cache rows at ``slots`` → ``(len(slots), Hk, D)`` in ``dtype`` (an FP8 cache dequantized)."""
+    """The cache rows at ``slots`` → ``(len(slots), Hk, D)`` in ``dtype`` (an 8-bit cache dequantized)."""
     row_scales = scales.flatten(0, 1) if scales is not None else None
     return reference.read_cache(cache.flatten(0, 1), slots, row_scales).to(dtype)
 

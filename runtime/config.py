@@ -58,8 +58,8 @@ class ModelConfig:
         return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + h
 
     def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
-        """K and V bytes one token takes over all layers; ``scale_bytes`` per (token, KV head) row for an FP8
-        cache's scales."""
+        """K and V bytes one token takes over all layers; ``scale_bytes`` per (token, KV head) row for an 8-bit
+        (FP8 or int8) cache's scales."""
         return 2 * self.num_layers * (self.kv_size * dtype_bytes + self.num_kv_heads * scale_bytes)
 
     @classmethod
@@ -103,7 +103,7 @@ def _rope_scaling(cfg: dict) -> dict | None:
     return dict(scaling)
 
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,8 @@ class EngineConfig:
     # "auto": the cache in the model's dtype. "fp8" (alias "fp8_e4m3"): float8 e4m3 values with one fp32 scale
     # per token and KV head, written when K/V are stored and read directly by the decode attention: ~half the
     # cache bytes per token, so twice the tokens in the same memory and half the bytes a decode step reads.
+    # "int8": the same bytes and scales, values in uniform steps of amax / 127 (less loss than e4m3's 3
+    # significant bits for K and V as models make them: docs/gpu-engine.md).
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True

@@ -118,7 +118,13 @@ class ModelRunner:
         if int4_weights is not None:
             n = self.model.attach_int4(int4_weights, dtype, cfg.int4_max_rows)
             log.info("int4 weights for %d linears (steps of at most %d rows)", n, cfg.int4_max_rows)
-        self.kv_dtype = torch_ops.FP8_DTYPE if cfg.kv_cache_dtype.startswith("fp8") else dtype
+        self.kv_dtype = (
+            torch_ops.FP8_DTYPE
+            if cfg.kv_cache_dtype.startswith("fp8")
+            else torch_ops.INT8_DTYPE
+            if cfg.kv_cache_dtype == "int8"
+            else dtype
+        )
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = [self._layer_cache() for _ in range(model_cfg.num_layers)]
         kv_bytes = sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv if t is not None)
@@ -127,7 +133,7 @@ class ModelRunner:
             self.num_blocks,
             self.block_size,
             str(self.kv_dtype).removeprefix("torch."),
-            " with per-token scales" if self.kv_dtype == torch_ops.FP8_DTYPE else "",
+            " with per-token scales" if self.kv_dtype in torch_ops.QUANTIZED_KV else "",
             kv_bytes / 2**30,
         )
         # Tells the serving worker's other threads when their Python costs the step nothing (None off CUDA).
@@ -193,7 +199,7 @@ class ModelRunner:
         def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=self.device)
 
-        if self.kv_dtype != torch_ops.FP8_DTYPE:
+        if self.kv_dtype not in torch_ops.QUANTIZED_KV:
             return LayerKV(zeros(shape, self.kv_dtype), zeros(shape, self.kv_dtype))
         # scales start at 0, so a slot never written reads as zeros, as in the other dtypes
         return LayerKV(
@@ -206,9 +212,9 @@ class ModelRunner:
     def _num_kv_blocks(self) -> int:
         if self.cfg.num_kv_blocks:
             return self.cfg.num_kv_blocks
-        fp8 = self.kv_dtype == torch_ops.FP8_DTYPE
-        value_bytes = torch.finfo(self.kv_dtype).bits // 8
-        block_bytes = self.block_size * self.model_cfg.kv_bytes_per_token(value_bytes, 4 if fp8 else 0)
+        quantized = self.kv_dtype in torch_ops.QUANTIZED_KV
+        value_bytes = self.kv_dtype.itemsize
+        block_bytes = self.block_size * self.model_cfg.kv_bytes_per_token(value_bytes, 4 if quantized else 0)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - total * (1 - self.cfg.gpu_memory_utilization) - 2 * 2**30  # activations, graphs

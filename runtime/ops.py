@@ -8,7 +8,8 @@ KV cache layout (per layer): ``k_cache, v_cache: (num_blocks, block_size, Hk, D)
 ``block_id * block_size + offset`` and ``block_tables[b, i]`` is the i-th block of sequence b (-1 past the end).
 An FP8 cache (``torch.float8_e4m3fn``) adds ``k_scales, v_scales: (num_blocks, block_size, Hk)`` fp32: each
 (token, KV head) row of D values is stored as ``fp8(x · 448 / amax)`` with scale ``amax / 448``
-(``quantize_kv``), and read back as ``fp8 · scale``.
+(``quantize_kv``), and read back as ``fp8 · scale``. An int8 cache likewise, with 127 for 448 and the values
+rounded to nearest even; everything said of the FP8 cache below holds for it.
 """
 
 from __future__ import annotations
@@ -144,23 +145,32 @@ def qk_norm_rope(
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value
 FP8_MIN_AMAX = 1e-12  # an all-zero row still gets a finite reciprocal (its values quantize to 0)
+INT8_DTYPE = torch.int8
+INT8_MAX = 127.0  # symmetric: -127 … 127
+# The 8-bit caches, each with the value its rows' amax maps to. Both store one fp32 scale per (token, KV head)
+# row; e4m3 keeps ~3 significant bits of every value, int8 uniform steps of amax / 127 (for K and V spread like
+# a model's, ~4.5× less loss: docs/gpu-engine.md).
+QUANTIZED_KV = {FP8_DTYPE: FP8_MAX, INT8_DTYPE: INT8_MAX}
 
 
-def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x: (..., D)`` → ``(fp8 (..., D), scales (...) fp32)``: one scale per row of D values (per token and KV
-    head in the cache), ``amax / 448``. The values are ``x · (448 / amax)`` rounded to nearest even: a
-    multiply by the correctly rounded reciprocal, so a kernel doing the same two IEEE operations stores the
-    same bits."""
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype = FP8_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x: (..., D)`` → ``(values (..., D) in dtype, scales (...) fp32)``: one scale per row of D values (per
+    token and KV head in the cache), ``amax / top`` (``top``: 448 for e4m3, 127 for int8). The values are
+    ``x · (top / amax)`` rounded to nearest even: a multiply by the correctly rounded reciprocal, so a kernel
+    doing the same two IEEE operations stores the same bits."""
+    top = QUANTIZED_KV[dtype]
     xf = x.float()
     amax = xf.abs().amax(-1).clamp(min=FP8_MIN_AMAX)
     # a tensor divide: ``448.0 / amax`` would be computed as ``amax.reciprocal() * 448`` (two roundings)
-    inv = torch.full_like(amax, FP8_MAX) / amax
-    q = (xf * inv[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, amax / FP8_MAX
+    inv = torch.full_like(amax, top) / amax
+    y = xf * inv[..., None]
+    if dtype == INT8_DTYPE:
+        y = torch.round(y)  # half to even (the cast alone would truncate)
+    return y.clamp(-top, top).to(dtype), amax / top
 
 
 def dequantize_kv(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The fp32 values an FP8 cache row stands for: ``fp8 · scale``."""
+    """The fp32 values an 8-bit cache row stands for: ``value · scale``."""
     return q.float() * scales[..., None]
 
 
@@ -176,16 +186,16 @@ def store_kv(
 ) -> None:
     """Write ``k, v: (T, Hk, D)`` into the paged caches at ``slot_mapping: (T,)``; slots < 0 are skipped.
 
-    An FP8 cache quantizes each (token, head) row (``quantize_kv``) and writes its scale to ``k_scales`` /
-    ``v_scales``."""
+    An 8-bit cache (FP8 or int8) quantizes each (token, head) row (``quantize_kv``) and writes its scale to
+    ``k_scales`` / ``v_scales``."""
     num_blocks, block_size = k_cache.shape[:2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     rows = num_blocks * block_size
     for x, cache, scales in ((k, k_cache, k_scales), (v, v_cache, v_scales)):
-        if cache.dtype == FP8_DTYPE:
-            assert scales is not None, "an FP8 cache needs its scales"
-            q, s = quantize_kv(x[valid])
+        if cache.dtype in QUANTIZED_KV:
+            assert scales is not None, "an 8-bit cache needs its scales"
+            q, s = quantize_kv(x[valid], cache.dtype)
             # scattered as bytes: indexing kernels do not cover float8 on every device
             cache.view(torch.uint8).view(rows, *cache.shape[2:])[slots] = q.view(torch.uint8)
             scales.view(rows, scales.shape[2])[slots] = s
@@ -197,10 +207,10 @@ def read_cache(cache: torch.Tensor, index: torch.Tensor, scales: torch.Tensor | 
     """``cache[index]`` along its first dim (blocks of ``(N, block_size, Hk, D)``, or token rows of its
     ``(N · block_size, Hk, D)`` view with ``scales`` viewed alike), ``index`` int64 of any shape; an FP8 cache's
     values dequantized to fp32 (gathered as bytes: indexing kernels do not cover float8 everywhere)."""
-    if cache.dtype != FP8_DTYPE:
+    if cache.dtype not in QUANTIZED_KV:
         return cache[index]
-    assert scales is not None, "an FP8 cache needs its scales"
-    return dequantize_kv(cache.view(torch.uint8)[index].view(FP8_DTYPE), scales[index])
+    assert scales is not None, "an 8-bit cache needs its scales"
+    return dequantize_kv(cache.view(torch.uint8)[index].view(cache.dtype), scales[index])
 
 
 def _gather_context(

@@ -101,7 +101,7 @@ def preflight(
     memory_gib: Annotated[float, typer.Option(help="GPU/CPU memory to plan for")] = 80.0,
     dtype: str = "bfloat16",
     block_size: int = 16,
-    kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="auto | fp8")] = "auto",
+    kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="auto | fp8 | int8")] = "auto",
 ) -> None:
     """Plan memory without weights: parameter bytes, KV bytes per token, how many tokens/sequences fit."""
     from kernellab.runtime.config import ModelConfig
@@ -117,13 +117,13 @@ def preflight(
     width = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
     params = cfg.num_parameters
     weight_bytes = params * width
-    if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
-        fail(KernellabError(f"--kv-cache-dtype must be auto or fp8, got {kv_cache_dtype!r}"))
-    fp8 = kv_cache_dtype != "auto"
-    kv_token = cfg.kv_bytes_per_token(1, 4) if fp8 else cfg.kv_bytes_per_token(width)
+    if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "int8"):
+        fail(KernellabError(f"--kv-cache-dtype must be auto, fp8 or int8, got {kv_cache_dtype!r}"))
+    eight_bit = kv_cache_dtype != "auto"  # one byte per value and a 4-byte scale per (token, KV head)
+    kv_token = cfg.kv_bytes_per_token(1, 4) if eight_bit else cfg.kv_bytes_per_token(width)
     free = memory_gib * 2**30 - weight_bytes - 2 * 2**30
     tokens = max(0, int(free // kv_token) // block_size * block_size)
-    kv_label = ", fp8 KV cache" if fp8 else ""
+    kv_label = f", {'int8' if kv_cache_dtype == 'int8' else 'fp8'} KV cache" if eight_bit else ""
     table = Table(title=f"preflight: {spec.name} in {memory_gib:g} GiB ({dtype}{kv_label})", show_header=False)
     table.add_row("parameters", f"{params:,}")
     table.add_row("weights", f"{weight_bytes / 2**30:.2f} GiB")
@@ -193,7 +193,7 @@ def bench_offline_cmd(
         "none"
     ],
     kv_cache_dtype: Annotated[
-        str, typer.Option("--kv-cache-dtype", help="auto | fp8 (e4m3, per-token scales)")
+        str, typer.Option("--kv-cache-dtype", help="auto | fp8 (e4m3) | int8, with per-token scales")
     ] = "auto",
     output: Annotated[Path | None, typer.Option()] = None,
 ) -> None:

@@ -160,8 +160,9 @@ class WorkerSettings(StackSettings):
     device: str = "auto"
     dtype: str = "auto"
     weight_quant: str = "none"  # KERNELLAB_WEIGHT_QUANT: "int4" reads a GGUF's 4-bit weights in small CPU steps
-    # KERNELLAB_KV_CACHE_DTYPE: "fp8" stores the KV cache as float8 e4m3 with per-token scales (~2x the tokens)
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
+    # KERNELLAB_KV_CACHE_DTYPE: "fp8" stores the KV cache as float8 e4m3 with per-token scales (~2x the tokens),
+    # "int8" as int8 with the same scales and bytes (docs/gpu-engine.md compares their accuracy)
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "int8"] = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)

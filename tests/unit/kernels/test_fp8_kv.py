@@ -21,8 +21,12 @@ FP8 = torch.float8_e4m3fn
 NAN8 = 0x7F  # an e4m3fn NaN: what an unwritten FP8 slot holds in these tests
 
 
-def _fp8_caches(num_blocks, block_size, Hk, D):
-    caches = [torch.full((num_blocks, block_size, Hk, D), NAN8, dtype=torch.uint8).view(FP8) for _ in range(2)]
+INT8 = torch.int8
+CACHES = [FP8, INT8]  # the 8-bit caches: the same scales and layout, e4m3 or int8 values
+
+
+def _fp8_caches(num_blocks, block_size, Hk, D, dtype=FP8):
+    caches = [torch.full((num_blocks, block_size, Hk, D), NAN8, dtype=torch.uint8).view(dtype) for _ in range(2)]
     scales = [poisoned((num_blocks, block_size, Hk), torch.float32, "cpu") for _ in range(2)]
     return caches, scales
 
@@ -45,16 +49,28 @@ def test_quantize_kv_error_is_bounded_per_row(gen):
     assert (back[5, 1] - x[5, 1]).abs().max() <= x[5, 1].abs().max() * 2**-4
 
 
+def test_quantize_kv_int8_error_is_half_a_step_per_row(gen):
+    x = torch.randn(64, 4, 128, generator=gen) * torch.logspace(-3, 3, 64)[:, None, None]
+    x[3, 1] = 0.0
+    x[7, 0, :4] = torch.tensor([0.5, 1.5, -2.5, 127.0]) * (x[7, 0].abs().max() / 127)  # ties, after the scale
+    q, s = ops.quantize_kv(x, INT8)
+    assert q.dtype == INT8 and s.shape == (64, 4) and q.abs().max() <= 127
+    back = ops.dequantize_kv(q, s)
+    assert torch.equal(back[3, 1], torch.zeros(128))
+    assert ((back - x).abs() <= s[..., None] * (0.5 + 1e-5)).all()  # uniform steps of amax / 127
+
+
+@pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size, Hk, D", [(16, 2, 32), (32, 1, 64), (3, 3, 24)])
-def test_store_kv_fp8_stores_the_reference_bits(block_size, Hk, D, dtype, gen):
+def test_store_kv_fp8_stores_the_reference_bits(block_size, Hk, D, dtype, cache, gen):
     T, num_blocks = 7, 5
     k = (torch.randn(T, Hk, D, generator=gen) * 4).to(dtype)
     v = torch.randn(T, Hk, D, generator=gen).to(dtype)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:T]
     slots[3] = -1
-    (kc, vc), (ks, vs) = _fp8_caches(num_blocks, block_size, Hk, D)
-    (kr, vr), (ksr, vsr) = _fp8_caches(num_blocks, block_size, Hk, D)
+    (kc, vc), (ks, vs) = _fp8_caches(num_blocks, block_size, Hk, D, cache)
+    (kr, vr), (ksr, vsr) = _fp8_caches(num_blocks, block_size, Hk, D, cache)
     store_kv(k, v, kc, vc, slots.to(torch.int32), k_scales=ks, v_scales=vs)
     ops.store_kv(k, v, kr, vr, slots, k_scales=ksr, v_scales=vsr)
     assert torch.equal(_bits(kc), _bits(kr)) and torch.equal(_bits(vc), _bits(vr))
@@ -65,8 +81,9 @@ def test_store_kv_fp8_stores_the_reference_bits(block_size, Hk, D, dtype, gen):
     assert torch.isnan(ks.view(-1, Hk)[~written]).all()  # padding slots (-1) write nothing
 
 
+@pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_qk_norm_rope_store_kv_fp8(dtype, gen):
+def test_qk_norm_rope_store_kv_fp8(dtype, cache, gen):
     """The fused Qwen3 prologue stores exactly ``quantize_kv`` of the k it rotated and of v; its rotated q/k
     are the bf16 path's (checked against the reference in test_rope)."""
     T, Hq, Hk, D, num_blocks, block_size = 9, 4, 2, 64, 4, 16
@@ -78,12 +95,12 @@ def test_qk_norm_rope_store_kv_fp8(dtype, gen):
     kw = (1 + 0.2 * torch.randn(D, generator=gen)).to(dtype)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:T]
     slots[2] = -1
-    (kc, vc), (ks, vs) = _fp8_caches(num_blocks, block_size, Hk, D)
+    (kc, vc), (ks, vs) = _fp8_caches(num_blocks, block_size, Hk, D, cache)
     qr, kr = qk_norm_rope_store_kv(pos, q, k, v, qw, kw, 1e-6, cos_sin, kc, vc, slots, k_scales=ks, v_scales=vs)
     valid = slots >= 0
-    for cache, scales, x in ((kc, ks, kr), (vc, vs, v)):
-        want_q, want_s = ops.quantize_kv(x[valid])
-        assert torch.equal(_bits(cache.view(-1, Hk, D)[slots[valid]]), _bits(want_q))
+    for values, scales, x in ((kc, ks, kr), (vc, vs, v)):
+        want_q, want_s = ops.quantize_kv(x[valid], cache)
+        assert torch.equal(_bits(values.view(-1, Hk, D)[slots[valid]]), _bits(want_q))
         assert torch.equal(scales.view(-1, Hk)[slots[valid]], want_s)
     q_ref, k_ref = ops.qk_norm_rope(pos, q, k, qw, kw, 1e-6, cos_sin)
     tol = 1e-5 if dtype == torch.float32 else 3.2e-2
@@ -101,15 +118,16 @@ FP8_ATTN = [
 ]
 
 
+@pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize("dtype, widen, atol, rtol", FP8_ATTN)
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("splits", [None, 1, 3])
 @pytest.mark.parametrize("Hq, Hk, D", [(4, 2, 32), (9, 3, 64)])
-def test_paged_decode_attention_fp8(Hq, Hk, D, block_size, splits, dtype, widen, atol, rtol, gen):
+def test_paged_decode_attention_fp8(Hq, Hk, D, block_size, splits, dtype, widen, atol, rtol, cache, gen):
     lens = [1, 17, 50]
     q, kc, vc, tables, ctx = _paged_case(lens, Hq, Hk, D, block_size, torch.float32, gen)
-    k8, ks = ops.quantize_kv(kc * 3)
-    v8, vs = ops.quantize_kv(vc)
+    k8, ks = ops.quantize_kv(kc * 3, cache)
+    v8, vs = ops.quantize_kv(vc, cache)
     ks[torch.isnan(kc).all(-1)] = float("nan")  # unused slots stay poisoned: reading one poisons the output
     vs[torch.isnan(vc).all(-1)] = float("nan")
     q = q.to(dtype)
@@ -149,7 +167,7 @@ def test_fp8_cache_scales_are_checked():
     tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="needs k_scales"):
         paged_decode_attention(q, k8, k8, tables, lens, 0.25)
-    with pytest.raises(ValueError, match="only an FP8 cache"):
+    with pytest.raises(ValueError, match="only an FP8 or int8 cache takes scales"):
         kc = torch.zeros(2, 4, 1, 16)
         paged_decode_attention(q, kc, kc, tables, lens, 0.25, k_scales=torch.zeros(2, 4, 1), v_scales=None)
     with pytest.raises(ValueError, match="scales must be"):

@@ -40,12 +40,14 @@ def test_preflight_needs_no_weights():
     assert "114,688 bytes" in proc.stdout  # 2 · 28 layers · 8 KV heads · 128 · 2 bytes
 
 
-def test_preflight_plans_an_fp8_kv_cache():
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+def test_preflight_plans_an_8bit_kv_cache(kv):
     env = {"COLUMNS": "200", "HF_HUB_OFFLINE": "1"}
-    proc = run("preflight", "qwen3-0.6b", "--memory-gib", "80", "--kv-cache-dtype", "fp8", env=env)
+    proc = run("preflight", "qwen3-0.6b", "--memory-gib", "80", "--kv-cache-dtype", kv, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "59,136 bytes" in proc.stdout  # 2 · 28 layers · 8 KV heads · (128 one-byte values + a 4-byte scale)
-    bad = run("preflight", "qwen3-0.6b", "--kv-cache-dtype", "int8", env=env)
+    assert f"{kv} KV" in proc.stdout  # the title names the cache (rich wraps it)
+    bad = run("preflight", "qwen3-0.6b", "--kv-cache-dtype", "int4", env=env)
     assert bad.returncode == 2 and "--kv-cache-dtype" in bad.stderr
 
 
