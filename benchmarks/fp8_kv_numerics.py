@@ -1,12 +1,13 @@
-"""The FP8 KV cache's numerics gate on the embedded real model (SmolLM2-135M, GGUF, CPU).
+"""The 8-bit KV caches' numerics gate (FP8 and int8) on the embedded real model (SmolLM2-135M, GGUF, CPU).
 
 Sequences: each of the benchmarks' chat questions plus ``--new-tokens`` tokens the fp32 model samples
 (temperature 0.8, top-p 0.95). Every position after the first chunk of ``--chunk`` tokens attends a context read
 back from the cache (``kernellab.bench.numerics``), so what the cache stores shows in the logits. Scored against
-HF transformers fp32 on the same GGUF: our fp32 cache (the path itself, expected exact), our FP8 cache, and HF
-bf16 (the gate: FP8 agreement no worse than HF bf16's minus 0.5 points). ``--split`` also quantizes only K or
-only V (quantize → dequantize into an fp32 cache) to show which of the two carries the loss; ``--int8`` does the
-same with int8 (one scale per token and head, the same bytes): K alone, and K and V.
+HF transformers fp32 on the same GGUF: our fp32 cache (the path itself, expected exact), our FP8 and int8
+caches, and HF bf16 (the gate: an 8-bit cache's agreement no worse than HF bf16's minus 0.5 points).
+``--split`` also quantizes only K or only V (quantize → dequantize into an fp32 cache) to show which of the two
+carries the loss; ``--int8`` does the same with int8 (one scale per token and head, the same bytes): K alone,
+and K and V.
 
     python benchmarks/fp8_kv_numerics.py --output results/fp8_kv_cpu.json
 """
@@ -97,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         dt: AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dt).eval()
         for dt in (torch.float32, torch.bfloat16)
     }
-    engines = {"fp32_cache": _engine("auto", args.chunk), "fp8_cache": _engine("fp8", args.chunk)}
+    engines = {
+        "fp32_cache": _engine("auto", args.chunk),
+        "fp8_cache": _engine("fp8", args.chunk),
+        "int8_cache": _engine("int8", args.chunk),
+    }
     if args.split:
         for which in ("k", "v"):
             eng = _engine("auto", args.chunk)
@@ -121,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             "engine_dtype": "float32",
             "reference": "HF transformers float32 on the same GGUF",
         },
-        "kv_cache": "fp8 e4m3, one fp32 scale per token and KV head (amax / 448)",
+        "kv_cache": "fp8 e4m3 (amax / 448) and int8 (amax / 127), one fp32 scale per token and KV head",
         "gate": gate,
     }
     write(args.output, result)
