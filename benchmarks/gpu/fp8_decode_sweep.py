@@ -140,36 +140,15 @@ def pick(result: dict, current: dict, batched: set[tuple[int, int]]) -> dict:
 
 
 def offline_ab(current: dict, best: dict, device: str, rounds: int) -> dict:
-    from kernellab.bench.offline import run_engine
-    from kernellab.bench.workloads import nanovllm
+    from kernellab.bench.offline import gate_offline_setup, run_engine
     from kernellab.kernels import paged_attention
     from kernellab.runtime.config import EngineConfig
     from kernellab.runtime.engine import LLMEngine
 
-    gpu = device == "cuda"
-    model = "qwen3-0.6b"
-    if not gpu:
-        import tempfile
-
-        from kernellab.bench.synthetic import write_checkpoint
-
-        model = str(Path(tempfile.mkdtemp()) / "tiny")
-        write_checkpoint(Path(model), "tiny-qwen3", device="cpu")
-    cfg = dict(
-        model=model,
-        device=device,
-        dtype="bfloat16" if gpu else "float32",
-        random_weights=gpu,
-        max_model_len=2048 if gpu else 512,
-        max_num_seqs=256 if gpu else 16,
-        max_num_batched_tokens=16384 if gpu else 512,
-        kernels="experimental",
-        kv_cache_dtype="fp8",
-        # two engines side by side: 36,000 blocks each cover 256 sequences of 2,048 tokens (32,768 blocks)
-        num_kv_blocks=36000 if gpu else 512,
-        num_scheduler_steps=16,
+    # two engines side by side: 36,000 blocks each cover 256 sequences of 2,048 tokens (32,768 blocks)
+    cfg, prompts, outs = gate_offline_setup(
+        device, kv_cache_dtype="fp8", num_kv_blocks=36000 if device == "cuda" else 512
     )
-    prompts, outs = nanovllm() if gpu else nanovllm(16, 8, 40)
     engines = {}
     for name, launch in (("current", current), ("best", best)):
         paged_attention.FP8_LAUNCH.clear()

@@ -42,35 +42,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))  # cpu: a rehearsal, tiny model
     args = ap.parse_args()
-    from kernellab.bench.offline import run_engine
-    from kernellab.bench.workloads import nanovllm
+    from kernellab.bench.offline import gate_offline_setup, run_engine
     from kernellab.results import provenance
     from kernellab.runtime.config import EngineConfig
     from kernellab.runtime.engine import LLMEngine
 
     gpu = args.device == "cuda"
-    model = "qwen3-0.6b"
-    if not gpu:  # (no decode windows off CUDA: the rehearsal checks the script, not the effect)
-        import tempfile
-
-        from kernellab.bench.synthetic import write_checkpoint
-
-        model = str(Path(tempfile.mkdtemp()) / "tiny")
-        write_checkpoint(Path(model), "tiny-qwen3", device="cpu")
-    cfg = dict(
-        model=model,
-        device=args.device,
-        dtype="bfloat16" if gpu else "float32",
-        random_weights=gpu,
-        max_model_len=2048 if gpu else 512,
-        max_num_seqs=256 if gpu else 16,
-        max_num_batched_tokens=16384 if gpu else 512,
-        kernels="experimental",
-        num_kv_blocks=None if gpu else 512,
-        num_scheduler_steps=16,
-    )
+    # (no decode windows off CUDA: the CPU rehearsal checks the script, not the effect)
+    cfg, prompts, outs = gate_offline_setup(args.device)
     eng = LLMEngine(EngineConfig(**cfg))
-    prompts, outs = nanovllm() if gpu else nanovllm(16, 8, 40)
     one_pass = eng.scheduler.advance_window
     variants = {"one_pass": one_pass, "per_token": per_token(eng.scheduler)}
     runs: list[dict] = []

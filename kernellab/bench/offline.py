@@ -76,6 +76,38 @@ def run_engine(engine, prompts, max_tokens: list[int], label: str, dtype: str) -
     }
 
 
+def gate_offline_setup(device: str, **overrides) -> tuple[dict, list[list[int]], list[int]]:
+    """The engine gate's offline run as the in-process A/B scripts repeat it: ``(EngineConfig keywords, prompts,
+    max_tokens)``. On CUDA: random weights of the exact Qwen3-0.6B shape, 256 sequences, 16,384-token steps,
+    decode windows of 16, nano-vllm's 256 prompts. On a CPU (a rehearsal of a script's path, not of the effect):
+    a tiny Qwen3 checkpoint written to a temporary folder, 16 short prompts. ``overrides`` replace keywords."""
+    gpu = device == "cuda"
+    model = "qwen3-0.6b"
+    if not gpu:
+        import tempfile
+        from pathlib import Path
+
+        from kernellab.bench.synthetic import write_checkpoint
+
+        model = str(Path(tempfile.mkdtemp()) / "tiny")
+        write_checkpoint(Path(model), "tiny-qwen3", device="cpu")
+    cfg = dict(
+        model=model,
+        device=device,
+        dtype="bfloat16" if gpu else "float32",
+        random_weights=gpu,
+        max_model_len=2048 if gpu else 512,
+        max_num_seqs=256 if gpu else 16,
+        max_num_batched_tokens=16384 if gpu else 512,
+        kernels="experimental",
+        num_kv_blocks=None if gpu else 512,
+        num_scheduler_steps=16,
+    )
+    cfg.update(overrides)
+    prompts, outs = nanovllm() if gpu else nanovllm(16, 8, 40)
+    return cfg, prompts, outs
+
+
 def load_hf(model: str, device: str, dtype: torch.dtype, random_weights: bool):
     from transformers import AutoConfig, AutoModelForCausalLM
 
