@@ -177,34 +177,43 @@ def prefill_step_rows(steps: dict) -> list[str]:
 
 
 def fp8_rows(fp8: dict) -> list[str]:
-    """The FP8 KV cache section of the GPU gate, when the artifact has one (tests/gpu/run_fp8.py)."""
+    """The 8-bit KV cache section of the GPU gate, when the artifact has one (tests/gpu/run_fp8.py): FP8, and
+    int8 where the run measured it."""
     if not fp8.get("offline") and not fp8.get("gate"):
         return []
+    runs = {r["kv_cache_dtype"]: r for r in fp8.get("offline", [])}
+    gate = fp8.get("gate") or {}
+    pct = gate.get("agreement_vs_hf_fp32_pct", {})
+    caches = ["fp8", *(["int8"] if "int8" in runs or "int8_cache" in pct else [])]
+    names = {"fp8": "FP8 cache", "int8": "int8 cache"}
     lines = [
         "",
-        'FP8 KV cache (`kv_cache_dtype="fp8"`, same run): offered only while its numerics gate passes.',
+        'FP8 KV cache (`kv_cache_dtype="fp8"`'
+        + (', and `"int8"`' if "int8" in caches else "")
+        + ", same run): offered only while its numerics gate passes.",
         "",
-        "| figure | bf16 cache | FP8 cache | target | met |",
-        "| --- | ---: | ---: | ---: | :---: |",
+        f"| figure | bf16 cache | {' | '.join(names[c] for c in caches)} | target | met |",
+        f"| --- | ---: | {' | '.join('---:' for _ in caches)} | ---: | :---: |",
     ]
-    runs = {r["kv_cache_dtype"]: r for r in fp8.get("offline", [])}
     if "fp8" in runs and "bf16" in runs:
-        got = runs["fp8"]["output_tok_per_s"]
+        got = {c: runs[c]["output_tok_per_s"] for c in caches if c in runs}
+        cells = " | ".join(f"{got[c]:,.0f}" if c in got else "" for c in caches)
+        met = "/".join("yes" if got[c] >= 27000 else "no" for c in caches if c in got)
         lines.append(
-            f"| offline nano-vllm workload, output tok/s | {runs['bf16']['output_tok_per_s']:,.0f} | {got:,.0f} "
-            f"| ≥ 27,000 | {'yes' if got >= 27000 else 'no'} |"
+            f"| offline nano-vllm workload, output tok/s | {runs['bf16']['output_tok_per_s']:,.0f} | {cells} "
+            f"| ≥ 27,000 | {met} |"
         )
     itl = fp8.get("itl_ms_at_2048") or {}
     if itl:
-        lines.append(f"| batch-1 decode ms/token, context 2,048 | {itl['bf16']:.3f} | {itl['fp8']:.3f} | | |")
-    gate = fp8.get("gate")
+        cells = " | ".join(f"{itl[c]:.3f}" if c in itl else "" for c in caches)
+        lines.append(f"| batch-1 decode ms/token, context 2,048 | {itl['bf16']:.3f} | {cells} | | |")
     if gate:
-        pct = gate["agreement_vs_hf_fp32_pct"]
-        ok = gate["pass"]["fp8_cache"]
+        cells = " | ".join(f"{pct[c + '_cache']:.2f} %" if c + "_cache" in pct else "" for c in caches)
+        met = "/".join("yes" if gate["pass"][c + "_cache"] else "no" for c in caches if c + "_cache" in pct)
         lines.append(
             f"| teacher-forced argmax vs HF fp32, context read from the cache ({gate['positions']} positions; "
-            f"HF bf16 {pct['hf_bf16']:.2f} %) | {pct['bf16_cache']:.2f} % | {pct['fp8_cache']:.2f} % "
-            f"| ≥ HF bf16 − 0.5 | {'yes' if ok else 'no'} |"
+            f"HF bf16 {pct['hf_bf16']:.2f} %) | {pct['bf16_cache']:.2f} % | {cells} "
+            f"| ≥ HF bf16 − 0.5 | {met} |"
         )
     return lines
 

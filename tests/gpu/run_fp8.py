@@ -1,4 +1,5 @@
-"""The FP8 KV cache on the GPU, one section of the engine gate (``run_engine.py --only fp8_kv``).
+"""The 8-bit KV caches on the GPU (FP8 e4m3 and int8, both with per-token scales), one section of the engine
+gate (``run_engine.py --only fp8_kv``).
 
 1. Kernel: the paged decode attention reading bf16 vs FP8 caches at the offline workload's shapes, in µs and
    GB/s of the bytes each must read, against the card's measured read bandwidth.
@@ -33,29 +34,36 @@ def _decode_case(batch: int, ctx: int, Hq: int, Hk: int, D: int, bs: int) -> dic
     q = torch.randn(batch, Hq, D, device="cuda", generator=gen, dtype=torch.bfloat16)
     tables = torch.randperm(nblocks, device="cuda").to(torch.int32).view(batch, -1)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    k8, ks = ops.quantize_kv(k)
-    v8, vs = ops.quantize_kv(v)
     scale = D**-0.5
-    fp8 = {"k_scales": ks, "v_scales": vs}
-    ref = ops.paged_decode_attention(q, k8, v8, tables, lens, scale, **fp8)
-    out = paged_decode_attention(q, k8, v8, tables, lens, scale, **fp8)
-    err = float((out.float() - ref.float()).norm() / ref.float().norm())
     t_bf16 = do_bench(lambda: paged_decode_attention(q, k, v, tables, lens, scale), warmup=25, rep=200)
-    t_fp8 = do_bench(lambda: paged_decode_attention(q, k8, v8, tables, lens, scale, **fp8), warmup=25, rep=200)
     tokens = batch * ctx
     bytes_bf16 = 2 * tokens * Hk * D * 2
-    bytes_fp8 = 2 * tokens * Hk * (D + 4)
-    return {
+    bytes_8bit = 2 * tokens * Hk * (D + 4)
+    row = {
         "batch": batch,
         "context": ctx,
         "bf16_us": round(t_bf16 * 1e3, 2),
-        "fp8_us": round(t_fp8 * 1e3, 2),
-        "speedup": round(t_bf16 / t_fp8, 3),
         "bf16_gbs": round(bytes_bf16 / t_bf16 / 1e6, 1),
-        "fp8_gbs": round(bytes_fp8 / t_fp8 / 1e6, 1),
-        "fp8_pct_of_read_bw": round(100 * bytes_fp8 / t_fp8 / 1e6 / READ_BW_GBS, 1),
-        "fp8_rel_err_vs_reference": err,
     }
+    for name, dtype in (("fp8", ops.FP8_DTYPE), ("int8", ops.INT8_DTYPE)):
+        k8, ks = ops.quantize_kv(k, dtype)
+        v8, vs = ops.quantize_kv(v, dtype)
+        sc = {"k_scales": ks, "v_scales": vs}
+        ref = ops.paged_decode_attention(q, k8, v8, tables, lens, scale, **sc)
+        out = paged_decode_attention(q, k8, v8, tables, lens, scale, **sc)
+        err = float((out.float() - ref.float()).norm() / ref.float().norm())
+        t = do_bench(
+            lambda k8=k8, v8=v8, sc=sc: paged_decode_attention(q, k8, v8, tables, lens, scale, **sc), warmup=25, rep=200
+        )
+        row |= {
+            f"{name}_us": round(t * 1e3, 2),
+            f"{name}_speedup" if name != "fp8" else "speedup": round(t_bf16 / t, 3),
+            f"{name}_gbs": round(bytes_8bit / t / 1e6, 1),
+            f"{name}_pct_of_read_bw": round(100 * bytes_8bit / t / 1e6 / READ_BW_GBS, 1),
+            f"{name}_rel_err_vs_reference": err,
+        }
+        del k8, v8, ks, vs
+    return row
 
 
 def _decode_kernel(report: dict, log) -> None:
@@ -67,7 +75,8 @@ def _decode_kernel(report: dict, log) -> None:
         log(
             f"fp8 decode kernel B={batch} ctx={ctx}: bf16 {row['bf16_us']} µs ({row['bf16_gbs']} GB/s), "
             f"fp8 {row['fp8_us']} µs ({row['fp8_gbs']} GB/s, {row['fp8_pct_of_read_bw']} %), "
-            f"rel err {row['fp8_rel_err_vs_reference']:.1e}"
+            f"rel err {row['fp8_rel_err_vs_reference']:.1e}; int8 {row['int8_us']} µs ({row['int8_pct_of_read_bw']} %), "
+            f"rel err {row['int8_rel_err_vs_reference']:.1e}"
         )
         torch.cuda.empty_cache()
     report["kernel"] = {"shape": {"Hq": Hq, "Hk": Hk, "D": D, "block_size": bs}, "rows": rows}
@@ -82,6 +91,7 @@ def _numerics(hf_bf16, weights, report: dict, engine, hf_model, log) -> None:
     engines = {
         "bf16_cache": engine(weights, **chunk),
         "fp8_cache": engine(weights, kv_cache_dtype="fp8", **chunk),
+        "int8_cache": engine(weights, kv_cache_dtype="int8", **chunk),
         "fp32_reference": engine(weights, dtype="float32", kernels="none", cuda_graphs=False, **chunk),
     }
     hf_fp32 = hf_model(torch.float32)
@@ -90,8 +100,9 @@ def _numerics(hf_bf16, weights, report: dict, engine, hf_model, log) -> None:
     report["gate"] = gate
     pct = gate["agreement_vs_hf_fp32_pct"]
     log(
-        f"fp8 gate: agreement vs HF fp32 fp8 {pct['fp8_cache']:.2f}%  bf16 cache {pct['bf16_cache']:.2f}%  "
-        f"HF bf16 {pct['hf_bf16']:.2f}%  → pass={gate['pass']['fp8_cache']}"
+        f"fp8 gate: agreement vs HF fp32 fp8 {pct['fp8_cache']:.2f}%  int8 {pct['int8_cache']:.2f}%  bf16 cache "
+        f"{pct['bf16_cache']:.2f}%  HF bf16 {pct['hf_bf16']:.2f}%  → pass fp8={gate['pass']['fp8_cache']} "
+        f"int8={gate['pass']['int8_cache']}"
     )
     del hf_fp32, engines
     gc.collect()
@@ -110,10 +121,10 @@ def _speed(weights, report: dict, engine, log) -> None:
 
     prompts, outs = nanovllm()
     runs = []
-    for kv in ("auto", "fp8"):
+    for kv in ("auto", "fp8", "int8"):
         eng = engine(weights, kv_cache_dtype=kv, max_num_seqs=256, num_kv_blocks=None, num_scheduler_steps=16)
         run = run_engine(eng, prompts, outs, "nanovllm-256", "bfloat16")
-        run["kv_cache_dtype"] = "bf16" if kv == "auto" else "fp8"
+        run["kv_cache_dtype"] = "bf16" if kv == "auto" else kv
         run["kv_blocks"] = eng.runner.num_blocks
         runs.append(run)
         log(
@@ -123,18 +134,21 @@ def _speed(weights, report: dict, engine, log) -> None:
         gc.collect()
         torch.cuda.empty_cache()
     itl = {}
-    for kv in ("auto", "fp8"):
+    for kv in ("auto", "fp8", "int8"):
         eng = engine(weights, kv_cache_dtype=kv, max_num_seqs=8, max_model_len=4096)
-        itl["bf16" if kv == "auto" else "fp8"] = round(statistics.median(engine_itl(eng, 2048, new_tokens=48)) * 1e3, 3)
+        itl["bf16" if kv == "auto" else kv] = round(statistics.median(engine_itl(eng, 2048, new_tokens=48)) * 1e3, 3)
         del eng
-    log(f"batch-1 ITL @2048: bf16 cache {itl['bf16']} ms, fp8 cache {itl['fp8']} ms")
+    log(f"batch-1 ITL @2048: bf16 cache {itl['bf16']} ms, fp8 cache {itl['fp8']} ms, int8 cache {itl['int8']} ms")
     fp8 = next(r for r in runs if r["kv_cache_dtype"] == "fp8")
+    int8 = next(r for r in runs if r["kv_cache_dtype"] == "int8")
     report["offline"] = runs
     report["itl_ms_at_2048"] = itl
     report["targets"] = {
         "offline_fp8_tok_s_min": OFFLINE_FP8_TARGET,
         "offline_fp8_tok_s": fp8["output_tok_per_s"],
         "offline_fp8_met": fp8["output_tok_per_s"] >= OFFLINE_FP8_TARGET,
+        "offline_int8_tok_s": int8["output_tok_per_s"],
+        "offline_int8_met": int8["output_tok_per_s"] >= OFFLINE_FP8_TARGET,
     }
 
 
