@@ -55,7 +55,9 @@ __all__ = [
 FP8_DTYPE = torch.float8_e4m3fn
 INT8_DTYPE = torch.int8
 QUANTIZED = (FP8_DTYPE, INT8_DTYPE)  # the 8-bit caches: one fp32 scale per (token, KV head) row
-_RNE = 12582912.0  # 1.5 · 2^23: (y + _RNE) - _RNE rounds |y| < 2^22 to the nearest integer, ties to even
+# 1.5 · 2^23: (y + _RNE) - _RNE rounds |y| < 2^22 to the nearest integer, ties to even (a constexpr: a kernel may
+# read no other global)
+_RNE = tl.constexpr(12582912.0)
 
 
 @triton.jit
@@ -96,7 +98,11 @@ def to_8bit(x, inv, INT8: tl.constexpr):
 def quantize_rows(x, mask, INT8: tl.constexpr = False):
     """``x: [R, C]`` fp32 → ``(8-bit values [R, C], scales [R])`` over the lanes in ``mask`` (reference
     ``ops.quantize_kv``)."""
-    inv, scale = row_scales(tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1), 127.0 if INT8 else 448.0)
+    amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1)
+    if INT8:
+        inv, scale = row_scales(amax, 127.0)
+    else:
+        inv, scale = row_scales(amax, 448.0)
     return to_8bit(x, inv, INT8), scale
 
 

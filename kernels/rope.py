@@ -103,7 +103,10 @@ def _store_8bit_halves(x1, x2, cache, scales, mask, h_mask, HALF: tl.constexpr, 
     x2f = x2.to(tl.float32)
     a1 = tl.max(tl.where(mask, tl.abs(x1f), 0.0), axis=1)
     a2 = tl.max(tl.where(mask, tl.abs(x2f), 0.0), axis=1)
-    inv, scale = row_scales(tl.maximum(a1, a2), 127.0 if INT8 else 448.0)
+    if INT8:
+        inv, scale = row_scales(tl.maximum(a1, a2), 127.0)
+    else:
+        inv, scale = row_scales(tl.maximum(a1, a2), 448.0)
     tl.store(cache, to_8bit(x1f, inv, INT8), mask=mask)
     tl.store(cache + HALF, to_8bit(x2f, inv, INT8), mask=mask)
     tl.store(scales, scale, mask=h_mask)

@@ -34,12 +34,14 @@ BS = 16
 
 
 def _paged(gen, B, ctx, Hq, Hk, D, dtype, fp8):
+    """``fp8``: False, or the 8-bit cache's dtype (True: FP8)."""
     blocks = B * -(-ctx // BS)
     cache = lambda: torch.randn(blocks, BS, Hk, D, generator=gen).to(dtype)  # noqa: E731
     k_cache, v_cache = cache(), cache()
     scales = {}
     if fp8:
-        (k_cache, ks), (v_cache, vs) = ops.quantize_kv(k_cache.float()), ops.quantize_kv(v_cache.float())
+        q8 = ops.FP8_DTYPE if fp8 is True else fp8
+        (k_cache, ks), (v_cache, vs) = ops.quantize_kv(k_cache.float(), q8), ops.quantize_kv(v_cache.float(), q8)
         scales = {"k_scales": ks, "v_scales": vs}
     tables = torch.randperm(blocks, generator=gen).to(torch.int32).view(B, -1)
     lens = torch.full((B,), ctx, dtype=torch.int32)
@@ -80,8 +82,8 @@ def _exercise(gen: torch.Generator) -> None:
             rope.rotary_embedding(pos, q, k, cos_sin)
             nw = rnd(D, dtype=dtype)
             rope.qk_norm_rope(pos, q, k, nw, nw, 1e-6, cos_sin)
-            for fp8 in (False, True):
-                if fp8 and dtype == torch.float32:
+            for fp8 in (False, True, torch.int8):  # the cache: as the activations, FP8, int8
+                if fp8 is not False and dtype == torch.float32:
                     continue
                 _, kc, vc, _, _, scales = _paged(gen, 2, 32, Hq, Hk, D, dtype, fp8)
                 slots = torch.randperm(kc.shape[0] * BS, generator=gen)[:6]
@@ -172,6 +174,8 @@ def test_every_recorded_launch_compiles_for_sm90():
         if launch["kernel"] == "_paged_decode_kernel"
     }
     assert splits == {(False, False), (True, False), (False, True), (True, True)}
+    stores = {launch["constexprs"].get("INT8") for launch in launches if launch["kernel"] == "_store_kv_kernel"}
+    assert stores == {False, True}  # FP8 and int8 writes both compiled
     failures = compile_check.compile_records(launches)
     assert not failures, "\n\n".join(
         f"{f['launch']['kernel']} {f['launch']['constexprs']}:\n{f['error']}" for f in failures
