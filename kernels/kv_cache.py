@@ -44,9 +44,8 @@ __all__ = [
     "INT8_DTYPE",
     "QUANTIZED",
     "check_cache",
-    "fp8_row_scales",
     "quantize_rows",
-    "row_scales",
+    "row_scales_8bit",
     "store_kv",
     "to_8bit",
     "to_fp8",
@@ -70,9 +69,12 @@ def row_scales(amax, TOP: tl.constexpr):
 
 
 @triton.jit
-def fp8_row_scales(amax):
-    """``row_scales`` for e4m3 (448)."""
-    return row_scales(amax, 448.0)
+def row_scales_8bit(amax, INT8: tl.constexpr):
+    """``row_scales`` for the 8-bit cache: int8 (127) or e4m3 (448)."""
+    if INT8:
+        return row_scales(amax, 127.0)
+    else:
+        return row_scales(amax, 448.0)
 
 
 @triton.jit
@@ -98,11 +100,7 @@ def to_8bit(x, inv, INT8: tl.constexpr):
 def quantize_rows(x, mask, INT8: tl.constexpr = False):
     """``x: [R, C]`` fp32 → ``(8-bit values [R, C], scales [R])`` over the lanes in ``mask`` (reference
     ``ops.quantize_kv``)."""
-    amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1)
-    if INT8:
-        inv, scale = row_scales(amax, 127.0)
-    else:
-        inv, scale = row_scales(amax, 448.0)
+    inv, scale = row_scales_8bit(tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1), INT8)
     return to_8bit(x, inv, INT8), scale
 
 

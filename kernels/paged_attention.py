@@ -85,6 +85,8 @@ _LOG2E = 1.4426950408889634
 # tiles, 4 warps, 2 stages took 256 × 1,024 from 394 to 280 µs and 64 × 1,024 from 136 to 77 µs, with a third of
 # the error, and the offline workload with the FP8 cache from 16,649 to 21,322 tok/s (+28 %, interleaved).
 LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 2}
+# 2^9: P·V's fp16 operand is p·vs·2^9 (see "Precision"); acc gives it back after the walk
+_P_SCALE = tl.constexpr(512.0)
 FP8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16"}
 # The fewest context tokens one slice takes (see "Trade-offs tried"): below it, publishing a partial and merging
 # it costs more than walking a few more tiles in the same program.
@@ -312,12 +314,12 @@ def _paged_decode_kernel(
                 if WIDEN_F16:
                     # P·V's fp16 operand is p·vs·2^9 ≈ p·(the token's V amax), as vs = amax / 448: without the
                     # factor, small p·vs fall below fp16's normal range. The power of two leaves acc exactly.
-                    vs = vs * 512.0
+                    vs = vs * _P_SCALE
                 k = k.to(q.dtype)
                 v = v.to(q.dtype)
             m_i, l_i, acc = _attend_tile(q, k, v, ks, vs, t_mask, m_i, l_i, acc, qk_scale, IEEE, FP8)
         if WIDEN_F16:
-            acc = acc * (1.0 / 512.0)
+            acc = acc * (1.0 / _P_SCALE)
         if ROPE:  # noqa: SIM102 (a constexpr guard: the tensor test must not be compiled without ROPE)
             if end == ctx:  # the new token, from registers (its cache row may not be written yet)
                 s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale

@@ -51,7 +51,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import next_pow2, require, use_pdl
-from .kv_cache import INT8_DTYPE, check_cache, row_scales, to_8bit
+from .kv_cache import INT8_DTYPE, check_cache, row_scales_8bit, to_8bit
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_store_kv", "rotary_embedding"]
 
@@ -103,10 +103,7 @@ def _store_8bit_halves(x1, x2, cache, scales, mask, h_mask, HALF: tl.constexpr, 
     x2f = x2.to(tl.float32)
     a1 = tl.max(tl.where(mask, tl.abs(x1f), 0.0), axis=1)
     a2 = tl.max(tl.where(mask, tl.abs(x2f), 0.0), axis=1)
-    if INT8:
-        inv, scale = row_scales(tl.maximum(a1, a2), 127.0)
-    else:
-        inv, scale = row_scales(tl.maximum(a1, a2), 448.0)
+    inv, scale = row_scales_8bit(tl.maximum(a1, a2), INT8)
     tl.store(cache, to_8bit(x1f, inv, INT8), mask=mask)
     tl.store(cache + HALF, to_8bit(x2f, inv, INT8), mask=mask)
     tl.store(scales, scale, mask=h_mask)

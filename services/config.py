@@ -104,16 +104,18 @@ class StackSettings(BaseSettings):
         if not cpus:
             return
         allowed = bindable_cpus()
-        try:
-            if not cpus <= allowed:  # a core the host lacks, or outside the container's cpuset: say so, not EINVAL
-                raise OSError
-            os.sched_setaffinity(0, cpus)
-        except OSError:
-            raise ValueError(
-                f"KERNELLAB_CPUS={self.cpus!r} names cores this process may not run on: "
-                f"{', '.join(map(str, sorted(cpus - allowed) or sorted(cpus)))} "
-                f"(it may use {', '.join(map(str, sorted(allowed)))})"
-            ) from None
+        if cpus <= allowed:
+            try:
+                os.sched_setaffinity(0, cpus)
+                return
+            except OSError:
+                pass
+        # a core the host lacks, or outside the container's cpuset: say so, not EINVAL
+        raise ValueError(
+            f"KERNELLAB_CPUS={self.cpus!r} names cores this process may not run on: "
+            f"{', '.join(map(str, sorted(cpus - allowed) or sorted(cpus)))} "
+            f"(it may use {', '.join(map(str, sorted(allowed)))})"
+        )
 
     @field_validator("key_prefix")
     @classmethod
