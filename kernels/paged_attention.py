@@ -84,10 +84,29 @@ _LOG2E = 1.4426950408889634
 # (results/gpu/engine_h200_dev/fp8_decode_sweep_3240917.json, 36 settings at the gate's shapes): fp16, 128-token
 # tiles, 4 warps, 2 stages took 256 × 1,024 from 394 to 280 µs and 64 × 1,024 from 136 to 77 µs, with a third of
 # the error, and the offline workload with the FP8 cache from 16,649 to 21,322 tok/s (+28 %, interleaved).
-LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 2}
+# "k_first": the scores come from K·qᵀ, the tile as the dot's first operand (see "Trade-offs tried").
+LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 2, "k_first": False}
 # 2^9: P·V's fp16 operand is p·vs·2^9 (see "Precision"); acc gives it back after the walk
 _P_SCALE = tl.constexpr(512.0)
-FP8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16"}
+FP8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16", "k_first": False}
+# The int8 cache's: as FP8's, and "i8_asm": on a GPU its tiles widen to fp16 by byte permutes and one fp16x2
+# subtraction per pair (_widen_8bit) instead of a conversion instruction per value.
+INT8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16", "k_first": False, "i8_asm": False}
+# Four int8 (one 32-bit register) → four fp16 (two), exactly: flip the sign bits (x + 128, offset binary), set
+# each byte as the low half of an fp16 whose high byte is 0x64 (the value 1024 + x + 128, as 1024's ulp is 1),
+# subtract 1152 from both halves. PRMT and LOP3 run on the integer pipes at 4× the rate of I2F.
+_I8X4_TO_F16X4 = tl.constexpr(
+    "{\n"
+    ".reg .b32 u, lo, hi, hb, off;\n"
+    "xor.b32 u, $2, 0x80808080;\n"
+    "mov.b32 hb, 0x64646464;\n"
+    "prmt.b32 lo, u, hb, 0x5140;\n"
+    "prmt.b32 hi, u, hb, 0x7362;\n"
+    "mov.b32 off, 0x64806480;\n"
+    "sub.f16x2 $0, lo, off;\n"
+    "sub.f16x2 $1, hi, off;\n"
+    "}"
+)
 # The fewest context tokens one slice takes (see "Trade-offs tried"): below it, publishing a partial and merging
 # it costs more than walking a few more tiles in the same program.
 MIN_SLICE_TOKENS = 64
@@ -113,17 +132,31 @@ def _load_tile(table, t0, end, k_cache_ptr, v_cache_ptr, block_size, stride_cb, 
 
 
 @triton.jit
+def _widen_8bit(x, dtype: tl.constexpr, I8_ASM: tl.constexpr):
+    """An FP8 or int8 tile widened exactly to ``dtype``; with ``I8_ASM`` an int8 tile goes to fp16 through
+    ``_I8X4_TO_F16X4`` (a GPU only: the interpreter runs no PTX)."""
+    if I8_ASM:
+        return tl.inline_asm_elementwise(_I8X4_TO_F16X4, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
 def _join_halves(x1, x2, ROWS: tl.constexpr, HALF: tl.constexpr):
     """``[ROWS, HALF]`` first and second halves of head vectors → ``[ROWS, 2·HALF]``."""
     return tl.reshape(tl.permute(tl.join(x1, x2), (0, 2, 1)), (ROWS, 2 * HALF))
 
 
 @triton.jit
-def _attend_tile(q, k, v, ks, vs, t_mask, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, FP8: tl.constexpr):
+def _attend_tile(q, k, v, ks, vs, t_mask, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, FP8: tl.constexpr,
+                 K_FIRST: tl.constexpr = False):  # fmt: skip
     """One tile of keys/values into the online softmax ``(m_i, l_i, acc)`` (base 2); FP8 tiles come widened to q's
-    dtype with their per-token scales ``ks``/``vs``."""
+    dtype with their per-token scales ``ks``/``vs``. ``K_FIRST``: the scores come from ``K·qᵀ`` (the tile as the
+    dot's first operand), transposed after."""
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    elif K_FIRST:
+        s = tl.trans(tl.dot(k, tl.trans(q))) * qk_scale
     else:
         s = tl.dot(q, tl.trans(k)) * qk_scale
     if FP8:
@@ -169,7 +202,7 @@ def _paged_decode_kernel(
     stride_vnh,
     stride_cs,
     qk_scale,
-    block_size,
+    block_size: tl.constexpr,  # a power of two or not: a constant makes a token's block and offset cheap
     n_splits,
     min_slice,
     n_q_heads,
@@ -197,6 +230,8 @@ def _paged_decode_kernel(
     ROPE: tl.constexpr = False,
     HALF: tl.constexpr = 64,
     PDL: tl.constexpr = False,
+    K_FIRST: tl.constexpr = False,
+    I8_ASM: tl.constexpr = False,
 ):
     if PDL:  # see _common.use_pdl; every program waits, even a slice that exits at once (the chain's order)
         gdc_launch_dependents()
@@ -286,7 +321,7 @@ def _paged_decode_kernel(
                     tl.store(v_cache_ptr + new_row + d, v_new, mask=d_mask)
             if start < walk_end:  # (a one-token context has no cached tile)
                 m_i, l_i, acc = _attend_tile(
-                    q, k_first, v_first, l_i, l_i, first_mask, m_i, l_i, acc, qk_scale, IEEE, False
+                    q, k_first, v_first, l_i, l_i, first_mask, m_i, l_i, acc, qk_scale, IEEE, False, K_FIRST
                 )
             loop_start = start + BLOCK_N
         else:
@@ -315,9 +350,9 @@ def _paged_decode_kernel(
                     # P·V's fp16 operand is p·vs·2^9 ≈ p·(the token's V amax), as vs = amax / 448: without the
                     # factor, small p·vs fall below fp16's normal range. The power of two leaves acc exactly.
                     vs = vs * _P_SCALE
-                k = k.to(q.dtype)
-                v = v.to(q.dtype)
-            m_i, l_i, acc = _attend_tile(q, k, v, ks, vs, t_mask, m_i, l_i, acc, qk_scale, IEEE, FP8)
+                k = _widen_8bit(k, q.dtype, I8_ASM)
+                v = _widen_8bit(v, q.dtype, I8_ASM)
+            m_i, l_i, acc = _attend_tile(q, k, v, ks, vs, t_mask, m_i, l_i, acc, qk_scale, IEEE, FP8, K_FIRST)
         if WIDEN_F16:
             acc = acc * (1.0 / _P_SCALE)
         if ROPE:  # noqa: SIM102 (a constexpr guard: the tensor test must not be compiled without ROPE)
@@ -401,6 +436,8 @@ def paged_decode_attention(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
     fp8_widen: str | None = None,
+    k_first: bool | None = None,
+    i8_asm: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q: (B, Hq, D)`` over the paged caches; returns ``(B, Hq, D)`` in q's dtype.
 
@@ -408,19 +445,31 @@ def paged_decode_attention(
     ``min_slice``: the fewest tokens a slice takes (rounded up to whole ``block_n`` tiles; default
     ``MIN_SLICE_TOKENS``), so a short context runs in one program without the merge. An FP8
     cache (``float8_e4m3fn``) comes with ``k_scales, v_scales: (num_blocks, block_size, Hk)`` fp32. Launch
-    settings left None come from ``LAUNCH`` (``FP8_LAUNCH`` for an FP8 cache); ``fp8_widen``: the dtype FP8
-    tiles widen to for the dots of a bf16 q, ``"bf16"`` or ``"f16"``.
+    settings left None come from ``LAUNCH`` (``FP8_LAUNCH`` / ``INT8_LAUNCH`` for an 8-bit cache); ``fp8_widen``:
+    the dtype 8-bit tiles widen to for the dots of a bf16 q, ``"bf16"`` or ``"f16"``; ``k_first``: scores as
+    ``K·qᵀ``; ``i8_asm``: an int8 cache's tiles widen through byte permutes (CUDA only; see ``INT8_LAUNCH``).
     """
-    cfg = {**(FP8_LAUNCH if k_scales is not None else LAUNCH)}
-    for key, value in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages)):
+    eight_bit = k_scales is not None
+    cfg = {**(LAUNCH if not eight_bit else INT8_LAUNCH if k_cache.dtype == torch.int8 else FP8_LAUNCH)}
+    for key, value in (
+        ("block_n", block_n),
+        ("num_warps", num_warps),
+        ("num_stages", num_stages),
+        ("widen", fp8_widen),
+        ("k_first", k_first),
+        ("i8_asm", i8_asm),
+    ):
         if value is not None:
             cfg[key] = value
-    widen = fp8_widen or cfg.get("widen", "bf16")
+    widen = cfg.get("widen", "bf16")
     require(widen in ("bf16", "f16"), "fp8_widen must be 'bf16' or 'f16'")
+    widen_f16 = widen == "f16" and eight_bit and q.dtype == torch.bfloat16
+    f16_tiles = widen_f16 or (eight_bit and q.dtype == torch.float16)
     return _decode(
         q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, cfg["block_n"],
-        min_slice, cfg["num_warps"], cfg["num_stages"], k_scales, v_scales, None,
-        widen_f16=widen == "f16" and k_scales is not None and q.dtype == torch.bfloat16,
+        min_slice, cfg["num_warps"], cfg["num_stages"], k_scales, v_scales, None, widen_f16=widen_f16,
+        k_first=bool(cfg.get("k_first")),
+        i8_asm=bool(cfg.get("i8_asm")) and k_cache.dtype == torch.int8 and f16_tiles and q.is_cuda,
     )  # fmt: skip
 
 
@@ -442,10 +491,11 @@ def paged_decode_attention_qk_norm_rope(
     out: torch.Tensor | None = None,
     max_context_len: int | None = None,
     splits: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     min_slice: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    k_first: bool | None = None,
 ) -> torch.Tensor:
     """A decode step's attention from its raw q/k/v projections (Qwen3): ``qk_norm_rope_store_kv`` at positions
     ``context_lens - 1``, then ``paged_decode_attention``, in one launch (reference
@@ -463,14 +513,15 @@ def paged_decode_attention_qk_norm_rope(
     require(slot_mapping.shape == (B,), "slot_mapping must be (B,)")
     rope = (k, v, q_norm_weight, k_norm_weight, cos_sin_cache, slot_mapping, eps)
     return _decode(
-        q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, block_n, min_slice,
-        num_warps, num_stages, None, None, rope,
+        q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits,
+        block_n or LAUNCH["block_n"], min_slice, num_warps or LAUNCH["num_warps"], num_stages or LAUNCH["num_stages"],
+        None, None, rope, k_first=LAUNCH["k_first"] if k_first is None else k_first,
     )  # fmt: skip
 
 
 def _decode(
     q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, block_n, min_slice,
-    num_warps, num_stages, k_scales, v_scales, rope, widen_f16=False,
+    num_warps, num_stages, k_scales, v_scales, rope, widen_f16=False, k_first=False, i8_asm=False,
 ):  # fmt: skip
     B, Hq, D = q.shape
     _, block_size, Hk, Dc = k_cache.shape
@@ -541,6 +592,8 @@ def _decode(
         ROPE=rope is not None,
         HALF=D // 2,
         PDL=pdl,
+        K_FIRST=k_first,
+        I8_ASM=i8_asm,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,

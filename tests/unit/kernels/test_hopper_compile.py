@@ -128,6 +128,14 @@ def _with_hopper_variants(launches: list[dict]) -> list[dict]:
         if launch["kernel"] == "_gemv_kernel" and (c["W_BITS"] != 16 or c["USE_DOT"] or c["SPLIT"]):
             continue
         extra.append({**launch, "constexprs": {**c, "PDL": True}, "options": {**launch["options"], "launch_pdl": True}})
+    for launch in launches + extra:  # the decode attention's GPU-only and launch-setting forms
+        if launch["kernel"] != "_paged_decode_kernel" or launch["constexprs"].get("IEEE"):
+            continue
+        c = launch["constexprs"]
+        extra.append({**launch, "constexprs": {**c, "K_FIRST": True}})
+        if launch["signature"]["k_cache_ptr"] == "*i8" and c["WIDEN_F16"]:  # int8 tiles widened by byte permutes
+            extra.append({**launch, "constexprs": {**c, "I8_ASM": True}})
+            extra.append({**launch, "constexprs": {**c, "I8_ASM": True, "K_FIRST": True}})
     return launches + extra
 
 
@@ -174,6 +182,8 @@ def test_every_recorded_launch_compiles_for_sm90():
         if launch["kernel"] == "_paged_decode_kernel"
     }
     assert splits == {(False, False), (True, False), (False, True), (True, True)}
+    decode = [launch["constexprs"] for launch in launches if launch["kernel"] == "_paged_decode_kernel"]
+    assert {(c["K_FIRST"], c["I8_ASM"]) for c in decode} == {(False, False), (True, False), (False, True), (True, True)}
     stores = {launch["constexprs"].get("INT8") for launch in launches if launch["kernel"] == "_store_kv_kernel"}
     assert stores == {False, True}  # FP8 and int8 writes both compiled
     failures = compile_check.compile_records(launches)

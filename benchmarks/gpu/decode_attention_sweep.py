@@ -1,0 +1,293 @@
+#!/usr/bin/env python3
+"""The paged decode attention on the H200, per KV-cache dtype: launch settings and kernel forms, then the offline
+workload with the best of them against the current defaults.
+
+1. Kernel sweep at the gate's shapes (Qwen3-0.6B: 16 query / 8 KV heads, head_dim 128, blocks of 16), for the
+   bf16 cache (``LAUNCH``), the FP8 cache (``FP8_LAUNCH``) and the int8 cache (``INT8_LAUNCH``): ``block_n`` ×
+   ``num_warps`` × ``k_first`` (scores as K·qᵀ) × for int8 ``i8_asm`` (tiles widened by byte permutes), each
+   checked against the fp32 reference (``ops``; over the dequantized cache for 8-bit) and timed with
+   ``triton.testing.do_bench``; GB/s of the bytes each must read. Batch 1 also times the fused decode op
+   (QK-norm + RoPE + KV write inside; the batch-1 ITL path) with and without ``k_first``.
+2. Offline nano-vllm workload (256 prompts, greedy, ``ignore_eos``) on engines kept side by side: the bf16 cache
+   at ``LAUNCH`` as it stands, the bf16 cache at the sweep's best (when it differs) and the int8 cache at its
+   best, in interleaved rounds; the launch dicts are set before each engine is built (its CUDA graphs keep them)
+   and before each of its runs (eager steps read them at call time).
+
+    export ROOT=$PWD KERNELLAB_COMMIT=<sha>; source benchmarks/gpu/env.sh
+    python3 $ROOT/benchmarks/gpu/decode_attention_sweep.py --out "$OUT"          # on the device machine
+    python3 benchmarks/gpu/decode_attention_sweep.py --out /tmp/x --device cpu   # rehearsal (interpreter, tiny)
+
+Writes ``decode_attention_sweep.json`` after each part (schema kernellab.bench.decode_attention_sweep/v1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+READ_BW_GBS = 3630.0  # the H200's measured read bandwidth (tests/gpu/run_fp8.py)
+SHAPE = {"Hq": 16, "Hk": 8, "D": 128, "block_size": 16}
+CACHES = ("bf16", "fp8", "int8")
+KEYS = ("block_n", "num_warps", "num_stages", "widen", "k_first", "i8_asm")
+
+
+def _launch_dicts():
+    from kernellab.kernels import paged_attention as pa
+
+    return {"bf16": pa.LAUNCH, "fp8": pa.FP8_LAUNCH, "int8": pa.INT8_LAUNCH}
+
+
+def _case(batch: int, ctx: int, device: str) -> dict:
+    from kernellab.runtime import ops
+
+    Hq, Hk, D, bs = SHAPE["Hq"], SHAPE["Hk"], SHAPE["D"], SHAPE["block_size"]
+    nblocks = batch * (ctx // bs)
+    gen = torch.Generator(device=device).manual_seed(batch)
+    k = torch.randn(nblocks, bs, Hk, D, device=device, generator=gen, dtype=torch.bfloat16)
+    v = torch.randn(nblocks, bs, Hk, D, device=device, generator=gen, dtype=torch.bfloat16)
+    q = torch.randn(batch, Hq, D, device=device, generator=gen, dtype=torch.bfloat16)
+    tables = torch.randperm(nblocks, device=device).to(torch.int32).view(batch, -1)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    c = {"q": q, "tables": tables, "lens": lens, "caches": {}}
+    c["caches"]["bf16"] = (k, v, {}, ops.paged_decode_attention(q.float(), k.float(), v.float(), tables, lens, D**-0.5))
+    for name, dtype in (("fp8", ops.FP8_DTYPE), ("int8", ops.INT8_DTYPE)):
+        (k8, ks), (v8, vs) = ops.quantize_kv(k, dtype), ops.quantize_kv(v, dtype)
+        sc = {"k_scales": ks, "v_scales": vs}
+        c["caches"][name] = (k8, v8, sc, ops.paged_decode_attention(q, k8, v8, tables, lens, D**-0.5, **sc).float())
+    return c
+
+
+def _fused_case(ctx: int, device: str, k_first: bool, bench) -> dict:
+    """Batch 1 through the fused decode op (the ITL path): µs and error against its reference."""
+    from kernellab.kernels.paged_attention import paged_decode_attention_qk_norm_rope
+    from kernellab.runtime import ops
+
+    Hq, Hk, D, bs = SHAPE["Hq"], SHAPE["Hk"], SHAPE["D"], SHAPE["block_size"]
+    gen = torch.Generator(device=device).manual_seed(ctx)
+    nblocks = ctx // bs + 1
+    rnd = lambda *s: torch.randn(*s, device=device, generator=gen, dtype=torch.bfloat16)  # noqa: E731
+    kc, vc = rnd(nblocks, bs, Hk, D), rnd(nblocks, bs, Hk, D)
+    q, k, v = rnd(1, Hq, D), rnd(1, Hk, D), rnd(1, Hk, D)
+    qw, kw = 1 + 0.1 * rnd(D), 1 + 0.1 * rnd(D)
+    cos_sin = ops.rope_cos_sin_cache(D, ctx + 1, 1e6, device=device).to(torch.bfloat16)
+    tables = torch.arange(nblocks, device=device, dtype=torch.int32).view(1, -1)
+    lens = torch.tensor([ctx], dtype=torch.int32, device=device)
+    slots = torch.tensor([ctx - 1], device=device)
+    args = (q, k, v, qw, kw, 1e-6, cos_sin, kc, vc, slots, tables, lens, D**-0.5)
+    ref = ops.paged_decode_attention_qk_norm_rope(*args[:7], kc.clone(), vc.clone(), *args[9:]).float()
+    fn = lambda: paged_decode_attention_qk_norm_rope(*args, max_context_len=4096, k_first=k_first)  # noqa: E731
+    err = float((fn().float() - ref).norm() / ref.norm())
+    return {"context": ctx, "k_first": k_first, "us": round(bench(fn), 2), "rel_err_vs_reference": err}
+
+
+def sweep(cases: list[tuple[int, int]], device: str, configs: dict[str, list[dict]], fused_ctx: list[int]) -> dict:
+    from kernellab.kernels.paged_attention import paged_decode_attention
+
+    gpu = device == "cuda"
+    if gpu:
+        from triton.testing import do_bench
+
+        def bench(fn):
+            return do_bench(fn, warmup=10, rep=60) * 1e3  # µs
+    else:
+
+        def bench(fn):
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e6
+
+    D, Hk = SHAPE["D"], SHAPE["Hk"]
+    rows = []
+    for batch, ctx in cases:
+        c = _case(batch, ctx, device)
+        tokens = batch * ctx
+        row = {"batch": batch, "context": ctx, **{name: [] for name in CACHES}}
+        for name in CACHES:
+            k, v, sc, ref = c["caches"][name]
+            nbytes = 2 * tokens * Hk * (D * 2 if name == "bf16" else D + 4)
+            for cfg in configs[name]:
+                kw = {k_: cfg[k_] for k_ in ("block_n", "num_warps", "num_stages", "k_first")}
+                if name != "bf16":
+                    kw["fp8_widen"] = cfg["widen"]
+                if name == "int8":
+                    kw["i8_asm"] = cfg["i8_asm"]
+
+                def run(c=c, k=k, v=v, sc=sc, kw=kw):
+                    return paged_decode_attention(c["q"], k, v, c["tables"], c["lens"], D**-0.5, **sc, **kw)
+
+                try:
+                    err = float((run().float() - ref).norm() / ref.norm())
+                    us = bench(run)
+                except Exception as exc:  # a setting the compiler refuses: recorded, not fatal
+                    row[name].append({**cfg, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                    continue
+                gbs = nbytes / us / 1e3
+                row[name].append(
+                    {
+                        **cfg,
+                        "us": round(us, 2),
+                        "gbs": round(gbs, 1),
+                        "pct_of_read_bw": round(100 * gbs / READ_BW_GBS, 1),
+                        "rel_err_vs_reference": err,
+                    }
+                )
+        rows.append(row)
+        line = []
+        for name in CACHES:
+            ok = [r for r in row[name] if "us" in r]
+            if ok:
+                b = min(ok, key=lambda r: r["us"])
+                line.append(
+                    f"{name} {b['us']:.1f} µs ({b['pct_of_read_bw']} %, {_ident(b)}, err {b['rel_err_vs_reference']:.1e})"
+                )
+        print(f"B={batch:4d} ctx={ctx:5d}: " + "; ".join(line), flush=True)
+        del c
+        if gpu:
+            torch.cuda.empty_cache()
+    fused = [_fused_case(ctx, device, kf, bench) for ctx in fused_ctx for kf in (False, True)]
+    for f in fused:
+        print(f"fused B=1 ctx={f['context']} k_first={f['k_first']}: {f['us']} µs, err {f['rel_err_vs_reference']:.1e}")
+    return {"shape": SHAPE, "rows": rows, "fused_batch1": fused}
+
+
+def _ident(cfg: dict) -> str:
+    return "/".join(str(cfg.get(k)) for k in KEYS if k in cfg)
+
+
+def pick(result: dict, name: str, current: dict, batched: set[tuple[int, int]]) -> dict:
+    """The setting with the least total time over the batched cases (the offline workload's decode), among those
+    whose error is at most 1.25× the current setting's in each case."""
+    rows = [r for r in result["rows"] if (r["batch"], r["context"]) in batched]
+    totals: dict[str, tuple[float, dict]] = {}
+    for cfg_rows in zip(*(r[name] for r in rows), strict=True):
+        if any("us" not in x for x in cfg_rows):
+            continue
+        ok = True
+        for r, x in zip(rows, cfg_rows, strict=True):
+            cur = next(y for y in r[name] if all(y.get(k) == current.get(k) for k in current))
+            ok &= x["rel_err_vs_reference"] <= 1.25 * cur["rel_err_vs_reference"]
+        if ok:
+            cfg = {k: cfg_rows[0][k] for k in current}
+            totals[_ident(cfg)] = (sum(x["us"] for x in cfg_rows), cfg)
+    return min(totals.values(), key=lambda t: t[0])[1]
+
+
+def offline_ab(variants: dict[str, tuple[str, dict]], device: str, rounds: int) -> dict:
+    """``variants``: name → (cache dtype, its launch dict)."""
+    from kernellab.bench.offline import gate_offline_setup, run_engine
+    from kernellab.runtime.config import EngineConfig
+    from kernellab.runtime.engine import LLMEngine
+
+    dicts = _launch_dicts()
+    saved = {k: dict(v) for k, v in dicts.items()}
+
+    def apply(cache: str, launch: dict) -> None:
+        dicts[cache].clear()
+        dicts[cache].update(launch)
+
+    # engines side by side: 20,480 blocks cover the workload's 256 sequences at once (~18,000 blocks at the end)
+    blocks = 20480 if device == "cuda" else 512
+    engines, cfgs = {}, {}
+    prompts = outs = None
+    for name, (cache, launch) in variants.items():
+        cfg, prompts, outs = gate_offline_setup(
+            device, kv_cache_dtype="auto" if cache == "bf16" else cache, num_kv_blocks=blocks
+        )
+        apply(cache, launch)
+        engines[name] = LLMEngine(EngineConfig(**cfg))  # graphs captured with this setting
+        cfgs[name] = cfg
+    runs = []
+    names = list(variants)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            cache, launch = variants[name]
+            apply(cache, launch)
+            eng = engines[name]
+            if not eng.reset_prefix_cache():
+                raise RuntimeError("the engine is not idle between runs")
+            run = run_engine(eng, prompts, outs, "nanovllm-256", cfgs[name]["dtype"])
+            runs.append({"variant": name, "round": r, **{k: run[k] for k in ("output_tok_per_s", "seconds")}})
+            print(f"offline round {r} {name:10s} {run['output_tok_per_s']:>9.0f} tok/s", flush=True)
+    for cache, launch in saved.items():
+        apply(cache, launch)
+    median = {n: statistics.median(x["output_tok_per_s"] for x in runs if x["variant"] == n) for n in names}
+    base = names[0]
+    return {
+        "engine": {n: {k: v for k, v in c.items() if k != "model"} for n, c in cfgs.items()},
+        "variants": {n: {"cache": c, "launch": launch} for n, (c, launch) in variants.items()},
+        "runs": runs,
+        "median_tok_s": median,
+        f"over_{base}": {n: round(median[n] / median[base], 4) for n in names},
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--rounds", type=int, default=2, help="offline rounds per variant")
+    args = ap.parse_args()
+    gpu = args.device == "cuda"
+    if not gpu:  # Triton's interpreter, read when a kernel is decorated, with the fixes the CPU tests use
+        os.environ["TRITON_INTERPRET"] = "1"
+        from kernellab.kernels.testing import patch_interpreter
+
+        patch_interpreter()
+    from kernellab.results import provenance
+
+    current = {name: dict(d) for name, d in _launch_dicts().items()}
+    if gpu:
+        cases = [(64, 1024), (256, 1024), (1, 4096)]
+        tiles, warps, fused_ctx = (64, 128), (4, 8), [128, 2048]
+    else:  # the interpreter: the script's path, a handful of settings
+        cases = [(2, 64), (4, 64)]
+        tiles, warps, fused_ctx = (16, 32), (4,), [40]
+    configs: dict[str, list[dict]] = {}
+    for name in CACHES:
+        grid = itertools.product(tiles, warps, (False, True), (False, True) if name == "int8" else (False,))
+        configs[name] = [
+            {
+                **current[name],
+                "block_n": bn,
+                "num_warps": w,
+                "k_first": kf,
+                **({"i8_asm": asm} if name == "int8" else {}),
+            }
+            for bn, w, kf, asm in grid
+        ]
+        if current[name] not in configs[name]:
+            configs[name].append(dict(current[name]))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "schema": "kernellab.bench.decode_attention_sweep/v1",
+        "provenance": provenance(args.device),
+        "current_launch": current,
+        "kernel": sweep(cases, args.device, configs, fused_ctx),
+    }
+    path = out / "decode_attention_sweep.json"
+    path.write_text(json.dumps(result, indent=1))
+    batched = {c for c in cases if c[0] > 1}
+    best = {name: pick(result["kernel"], name, current[name], batched) for name in CACHES}
+    result["best_launch"] = best
+    print(f"best: {json.dumps(best)}", flush=True)
+    path.write_text(json.dumps(result, indent=1))
+    variants = {"bf16": ("bf16", current["bf16"])}
+    if best["bf16"] != current["bf16"]:
+        variants["bf16-best"] = ("bf16", best["bf16"])
+    variants["int8-best"] = ("int8", best["int8"])
+    result["offline"] = offline_ab(variants, args.device, args.rounds)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"offline medians: {result['offline']['median_tok_s']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
