@@ -107,11 +107,13 @@ def _numerics(hf_bf16, weights, report: dict, engine, hf_model, log) -> None:
     del hf_fp32, engines
     gc.collect()
 
-    # greedy graph replays (multi-step windows) == eager single steps, with the FP8 cache
-    eng = engine(weights, kv_cache_dtype="fp8")
-    report["graph_equals_eager"] = graph_equals_eager(eng, seqs[:16])
-    log(f"fp8 graph == eager: {report['graph_equals_eager']['pass']}")
-    del eng
+    # greedy graph replays (multi-step windows) == eager single steps, with each 8-bit cache
+    for kv in ("fp8", "int8"):
+        eng = engine(weights, kv_cache_dtype=kv)
+        check = graph_equals_eager(eng, seqs[:16])
+        report["graph_equals_eager" if kv == "fp8" else f"graph_equals_eager_{kv}"] = check
+        log(f"{kv} graph == eager: {check['pass']}")
+        del eng
 
 
 def _speed(weights, report: dict, engine, log) -> None:
@@ -154,7 +156,9 @@ def _speed(weights, report: dict, engine, log) -> None:
 
 def fp8_kv(hf_bf16, weights, report: dict, engine, hf_model, log) -> None:
     """Run the three parts into ``report["fp8_kv"]``; ``engine``/``hf_model``/``log`` are run_engine's helpers."""
-    section: dict = {}
+    from kernellab.kernels import paged_attention
+
+    section: dict = {"launch": {"fp8": dict(paged_attention.FP8_LAUNCH), "int8": dict(paged_attention.INT8_LAUNCH)}}
     report["fp8_kv"] = section
     for part in (
         lambda: _decode_kernel(section, log),

@@ -92,11 +92,9 @@ def test_paged_decode_slices_follow_the_real_context(min_slice, gen):
 
 
 @pytest.mark.parametrize(
-    "lens, splits, min_slice, k_first",
-    [([1, 17, 50, 3], None, None, False), ([300, 2, 64, 129], 32, None, False), ([300, 65], 32, 40, False),
-     ([1, 17, 50, 3], None, None, True), ([300, 2, 64, 129], 32, None, True)],
-)  # fmt: skip
-def test_paged_decode_attention_qk_norm_rope(lens, splits, min_slice, k_first, gen):
+    "lens, splits, min_slice", [([1, 17, 50, 3], None, None), ([300, 2, 64, 129], 32, None), ([300, 65], 32, 40)]
+)
+def test_paged_decode_attention_qk_norm_rope(lens, splits, min_slice, gen):
     """The fused decode op against its reference (QK-norm + RoPE + KV write, then paged decode attention): the same
     output, the new token written at its slot (a slot < 0 left alone), every other cache row untouched. q/k/v are
     strided views of one fused projection row, as the model passes them."""
@@ -122,7 +120,7 @@ def test_paged_decode_attention_qk_norm_rope(lens, splits, min_slice, k_first, g
     out = poisoned((B, Hq, D), torch.float32, "cpu")
     y = paged_decode_attention_qk_norm_rope(
         q, k, v, qw, kw, 1e-6, cos_sin, kc, vc, slots, wide, ctx, D**-0.5, out=out, splits=splits, block_n=16,
-        min_slice=min_slice, k_first=k_first,
+        min_slice=min_slice,
     )  # fmt: skip
     # the padding row attends its new token from registers but the reference reads its (unwritten) cache row
     assert_close(y[:-1], ref[:-1], 1e-5, 1e-5, "fused decode")

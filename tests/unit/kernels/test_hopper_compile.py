@@ -132,10 +132,10 @@ def _with_hopper_variants(launches: list[dict]) -> list[dict]:
         if launch["kernel"] != "_paged_decode_kernel" or launch["constexprs"].get("IEEE"):
             continue
         c = launch["constexprs"]
-        extra.append({**launch, "constexprs": {**c, "K_FIRST": True}})
-        if launch["signature"]["k_cache_ptr"] == "*i8" and c["WIDEN_F16"]:  # int8 tiles widened by byte permutes
+        if launch["signature"]["k_cache_ptr"] == "*i8" and c["WIDEN_F16"]:  # int8: byte permutes, int8 scores
             extra.append({**launch, "constexprs": {**c, "I8_ASM": True}})
-            extra.append({**launch, "constexprs": {**c, "I8_ASM": True, "K_FIRST": True}})
+            extra.append({**launch, "constexprs": {**c, "I8_ASM": True, "QK_INT8": True}})
+            extra.append({**launch, "constexprs": {**c, "QK_INT8": True}})
     return launches + extra
 
 
@@ -183,7 +183,7 @@ def test_every_recorded_launch_compiles_for_sm90():
     }
     assert splits == {(False, False), (True, False), (False, True), (True, True)}
     decode = [launch["constexprs"] for launch in launches if launch["kernel"] == "_paged_decode_kernel"]
-    assert {(c["K_FIRST"], c["I8_ASM"]) for c in decode} == {(False, False), (True, False), (False, True), (True, True)}
+    assert {(c["I8_ASM"], c["QK_INT8"]) for c in decode} == {(False, False), (True, False), (False, True), (True, True)}
     stores = {launch["constexprs"].get("INT8") for launch in launches if launch["kernel"] == "_store_kv_kernel"}
     assert stores == {False, True}  # FP8 and int8 writes both compiled
     failures = compile_check.compile_records(launches)
