@@ -73,7 +73,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import cached_empty, cached_zeros, cdiv, next_pow2, num_sms, require, use_pdl
-from .kv_cache import check_cache, quantize_rows
+from .kv_cache import check_cache
 from .rope import _norm_rope_heads
 
 __all__ = ["num_splits", "paged_decode_attention", "paged_decode_attention_qk_norm_rope"]
@@ -90,9 +90,8 @@ _P_SCALE = tl.constexpr(512.0)
 FP8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16"}
 # The int8 cache's: as FP8's, and "i8_asm": on a GPU its tiles widen to fp16 by byte permutes and one fp16x2
 # subtraction per pair (_widen_8bit) instead of a conversion instruction per value (H200, 256 × 1,024: 305 → 262
-# µs, the same error; results/gpu/engine_h200_dev/decode_attention_sweep_e2b0cad.json); "qk_int8": q is quantized to
-# int8 per head (amax / 127) and the scores come from an int8 dot with the K tile as stored (no widening of K).
-INT8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16", "i8_asm": True, "qk_int8": False}
+# µs, the same error; results/gpu/engine_h200_dev/decode_attention_sweep_e2b0cad.json).
+INT8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16", "i8_asm": True}
 # Four int8 (one 32-bit register) → four fp16 (two), exactly: flip the sign bits (x + 128, offset binary), set
 # each byte as the low half of an fp16 whose high byte is 0x64 (the value 1024 + x + 128, as 1024's ulp is 1),
 # subtract 1152 from both halves. PRMT and LOP3 run on the integer pipes at 4× the rate of I2F.
@@ -149,15 +148,11 @@ def _join_halves(x1, x2, ROWS: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, k, v, ks, vs, t_mask, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, FP8: tl.constexpr,
-                 QK_INT8: tl.constexpr = False, q_scale=None):  # fmt: skip
+def _attend_tile(q, k, v, ks, vs, t_mask, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, FP8: tl.constexpr):
     """One tile of keys/values into the online softmax ``(m_i, l_i, acc)`` (base 2); FP8 tiles come widened to q's
-    dtype with their per-token scales ``ks``/``vs``. ``QK_INT8``: q is int8 with per-row scales ``q_scale`` and k the
-    int8 tile as stored: the scores are an exact int32 dot, scaled after."""
+    dtype with their per-token scales ``ks``/``vs``."""
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-    elif QK_INT8:
-        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * (q_scale * qk_scale)[:, None]
     else:
         s = tl.dot(q, tl.trans(k)) * qk_scale
     if FP8:
@@ -232,7 +227,6 @@ def _paged_decode_kernel(
     HALF: tl.constexpr = 64,
     PDL: tl.constexpr = False,
     I8_ASM: tl.constexpr = False,
-    QK_INT8: tl.constexpr = False,
 ):
     if PDL:  # see _common.use_pdl; every program waits, even a slice that exits at once (the chain's order)
         gdc_launch_dependents()
@@ -333,9 +327,6 @@ def _paged_decode_kernel(
             )
             if WIDEN_F16:  # FP8 tiles widen to fp16 (one conversion instruction per pair): q joins them there
                 q = q.to(tl.float16)
-        q_scale = l_i  # unused without QK_INT8
-        if QK_INT8:  # q per head row as int8 (amax / 127, nearest even): the scores' dot takes the K tile as stored
-            q, q_scale = quantize_rows(q.to(tl.float32), g_mask[:, None] & d_mask[None, :], True)
 
         for t0 in range(loop_start, walk_end, BLOCK_N):
             t, t_mask, block, k, v = _load_tile(
@@ -354,10 +345,9 @@ def _paged_decode_kernel(
                     # P·V's fp16 operand is p·vs·2^9 ≈ p·(the token's V amax), as vs = amax / 448: without the
                     # factor, small p·vs fall below fp16's normal range. The power of two leaves acc exactly.
                     vs = vs * _P_SCALE
-                if not QK_INT8:
-                    k = _widen_8bit(k, q.dtype, I8_ASM)
-                v = _widen_8bit(v, tl.float16 if QK_INT8 else q.dtype, I8_ASM)
-            m_i, l_i, acc = _attend_tile(q, k, v, ks, vs, t_mask, m_i, l_i, acc, qk_scale, IEEE, FP8, QK_INT8, q_scale)
+                k = _widen_8bit(k, q.dtype, I8_ASM)
+                v = _widen_8bit(v, q.dtype, I8_ASM)
+            m_i, l_i, acc = _attend_tile(q, k, v, ks, vs, t_mask, m_i, l_i, acc, qk_scale, IEEE, FP8)
         if WIDEN_F16:
             acc = acc * (1.0 / _P_SCALE)
         if ROPE:  # noqa: SIM102 (a constexpr guard: the tensor test must not be compiled without ROPE)
@@ -442,7 +432,6 @@ def paged_decode_attention(
     v_scales: torch.Tensor | None = None,
     fp8_widen: str | None = None,
     i8_asm: bool | None = None,
-    qk_int8: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q: (B, Hq, D)`` over the paged caches; returns ``(B, Hq, D)`` in q's dtype.
 
@@ -452,8 +441,7 @@ def paged_decode_attention(
     cache (``float8_e4m3fn``) comes with ``k_scales, v_scales: (num_blocks, block_size, Hk)`` fp32. Launch
     settings left None come from ``LAUNCH`` (``FP8_LAUNCH`` / ``INT8_LAUNCH`` for an 8-bit cache); ``fp8_widen``:
     the dtype 8-bit tiles widen to for the dots of a bf16 q, ``"bf16"`` or ``"f16"``; ``i8_asm``: an int8
-    cache's tiles widen through byte permutes (CUDA only); ``qk_int8``: int8 q and K for the scores (int8 cache;
-    see ``INT8_LAUNCH``).
+    cache's tiles widen through byte permutes (CUDA only; see ``INT8_LAUNCH``).
     """
     eight_bit = k_scales is not None
     cfg = {**(LAUNCH if not eight_bit else INT8_LAUNCH if k_cache.dtype == torch.int8 else FP8_LAUNCH)}
@@ -463,7 +451,6 @@ def paged_decode_attention(
         ("num_stages", num_stages),
         ("widen", fp8_widen),
         ("i8_asm", i8_asm),
-        ("qk_int8", qk_int8),
     ):
         if value is not None:
             cfg[key] = value
@@ -475,7 +462,6 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, cfg["block_n"],
         min_slice, cfg["num_warps"], cfg["num_stages"], k_scales, v_scales, None, widen_f16=widen_f16,
         i8_asm=bool(cfg.get("i8_asm")) and k_cache.dtype == torch.int8 and f16_tiles and q.is_cuda,
-        qk_int8=bool(cfg.get("qk_int8")) and k_cache.dtype == torch.int8 and f16_tiles,
     )  # fmt: skip
 
 
@@ -526,7 +512,7 @@ def paged_decode_attention_qk_norm_rope(
 
 def _decode(
     q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, block_n, min_slice,
-    num_warps, num_stages, k_scales, v_scales, rope, widen_f16=False, i8_asm=False, qk_int8=False,
+    num_warps, num_stages, k_scales, v_scales, rope, widen_f16=False, i8_asm=False,
 ):  # fmt: skip
     B, Hq, D = q.shape
     _, block_size, Hk, Dc = k_cache.shape
@@ -598,7 +584,6 @@ def _decode(
         HALF=D // 2,
         PDL=pdl,
         I8_ASM=i8_asm,
-        QK_INT8=qk_int8,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,

@@ -128,14 +128,12 @@ def _with_hopper_variants(launches: list[dict]) -> list[dict]:
         if launch["kernel"] == "_gemv_kernel" and (c["W_BITS"] != 16 or c["USE_DOT"] or c["SPLIT"]):
             continue
         extra.append({**launch, "constexprs": {**c, "PDL": True}, "options": {**launch["options"], "launch_pdl": True}})
-    for launch in launches + extra:  # the decode attention's GPU-only and launch-setting forms
-        if launch["kernel"] != "_paged_decode_kernel" or launch["constexprs"].get("IEEE"):
+    for launch in launches + extra:  # the decode attention's GPU-only form
+        if launch["kernel"] != "_paged_decode_kernel":
             continue
         c = launch["constexprs"]
-        if launch["signature"]["k_cache_ptr"] == "*i8" and c["WIDEN_F16"]:  # int8: byte permutes, int8 scores
+        if launch["signature"]["k_cache_ptr"] == "*i8" and c["WIDEN_F16"]:  # int8 tiles widened by byte permutes
             extra.append({**launch, "constexprs": {**c, "I8_ASM": True}})
-            extra.append({**launch, "constexprs": {**c, "I8_ASM": True, "QK_INT8": True}})
-            extra.append({**launch, "constexprs": {**c, "QK_INT8": True}})
     return launches + extra
 
 
@@ -183,7 +181,7 @@ def test_every_recorded_launch_compiles_for_sm90():
     }
     assert splits == {(False, False), (True, False), (False, True), (True, True)}
     decode = [launch["constexprs"] for launch in launches if launch["kernel"] == "_paged_decode_kernel"]
-    assert {(c["I8_ASM"], c["QK_INT8"]) for c in decode} == {(False, False), (True, False), (False, True), (True, True)}
+    assert {c["I8_ASM"] for c in decode} == {False, True}
     stores = {launch["constexprs"].get("INT8") for launch in launches if launch["kernel"] == "_store_kv_kernel"}
     assert stores == {False, True}  # FP8 and int8 writes both compiled
     failures = compile_check.compile_records(launches)
