@@ -186,11 +186,25 @@ def fp8_rows(fp8: dict) -> list[str]:
     pct = gate.get("agreement_vs_hf_fp32_pct", {})
     caches = ["fp8", *(["int8"] if "int8" in runs or "int8_cache" in pct else [])]
     names = {"fp8": "FP8 cache", "int8": "int8 cache"}
+    passing = [names[c] for c in caches if (gate.get("pass") or {}).get(c + "_cache")]
+    failing = [names[c] for c in caches if c + "_cache" in pct and not gate["pass"][c + "_cache"]]
+    verdict = "; ".join(
+        x
+        for x in (
+            f"{' and '.join(passing)} {'pass' if len(passing) > 1 else 'passes'} it" if passing else "",
+            f"{' and '.join(failing)} {'miss' if len(failing) > 1 else 'misses'} it" if failing else "",
+        )
+        if x
+    )
+    when = (fp8.get("provenance") or {}).get("date")
     lines = [
         "",
-        'FP8 KV cache (`kv_cache_dtype="fp8"`'
-        + (', and `"int8"`' if "int8" in caches else "")
-        + ", same run): offered only while its numerics gate passes.",
+        "8-bit KV caches (`kv_cache_dtype` "
+        + " / ".join(f'`"{c}"`' for c in caches)
+        + "; one scale per token and KV head, ~1.9× the tokens"
+        + (f"; the same commit, a second device call at {when}" if when else ", same run")
+        + "): one is worth offering only where its numerics gate passes"
+        + (f" ({verdict})." if verdict else "."),
         "",
         f"| figure | bf16 cache | {' | '.join(names[c] for c in caches)} | target | met |",
         f"| --- | ---: | {' | '.join('---:' for _ in caches)} | ---: | :---: |",

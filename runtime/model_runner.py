@@ -127,8 +127,8 @@ class ModelRunner:
         )
         if cfg.kv_cache_dtype.startswith("fp8"):
             log.warning(
-                "the FP8 KV cache misses its numerics gate (H200, Qwen3-0.6B shape: 94.0 %% agreement with HF fp32 "
-                "against the 95.4 %% required; docs/gpu-engine.md); the int8 cache passes it with the same bytes: "
+                "the FP8 KV cache misses its numerics gate (H200, Qwen3-0.6B shape: 94.0 % agreement with HF fp32 "
+                "against the 95.4 % required; docs/gpu-engine.md); the int8 cache passes it with the same bytes: "
                 "kv_cache_dtype='int8'"
             )
         self.num_blocks = self._num_kv_blocks()
