@@ -47,7 +47,10 @@ Precision
     is exact in both, and q and ``P`` get fp16's 10 mantissa bits instead of 7; ``P`` goes into its dot as
     ``p · vs · 2^9`` (about p times the token's V amax: clear of fp16's subnormals), and the 2^9 leaves ``acc``
     exactly after the walk. q must then fit fp16's range (|q| < 65,504), as it does after Qwen3's QK-norm and in
-    the Llama models served here.
+    the Llama models served here. An int8 cache (the same layout and scales, values ``round(x · 127 / amax)``)
+    widens exactly to fp16 too; on a GPU it does so by byte permutes (``_I8X4_TO_F16X4``: flip the sign bits, put
+    each byte under the exponent of 1,024, subtract 1,152 from both halves of a register) instead of one I2F
+    conversion per value, whose pipe runs at a quarter of the integer rate.
 
 Trade-offs tried
     (H200 sweeps in ``benchmarks/kernels/bench_attention.py``, figures in docs/kernels.md.) At batch 64 × 1,024
@@ -63,6 +66,18 @@ Trade-offs tried
     would move it: prefetching the block-table entries of all tiles at kernel start, PDL to hide the launch,
     or leaving the merge to a kernel that runs anyway (fused into the o_proj GEMV's prologue). One program
     per query head (no GQA grouping) would read K/V G times.
+
+    8-bit caches (H200 sweeps, ``benchmarks/gpu/decode_attention_sweep.py``; results/gpu/engine_h200_dev/
+    decode_attention_sweep_*.json). At 256 × 1,024 the FP8 and int8 kernels take ~260 µs like the bf16 one (255
+    µs, 4.2 TB/s) although they read half the bytes: 58 % of the read bandwidth for theirs. Compiled for sm_90
+    (SASS counts, ``ptxas -v``), their loop issues ~1.5× the bf16 loop's instructions per token and needs 222
+    registers against 114 (two CTAs per SM instead of four), and the K tile, the dot's transposed operand, comes
+    out of shared memory a byte per instruction. What was tried: widening int8 by byte permutes (kept: 305 → 262
+    µs, the same error); scores as K·qᵀ with the tile as the first operand (wgmma from registers; 6 % fewer
+    instructions, yet 260 → 278 µs for FP8 and no gain for bf16: dropped); q quantized to int8 per head so the
+    scores are an int8 dot of the tile as stored (245 µs, 7 % faster, but 8× the output error, 6.9e-3 against
+    8.7e-4: dropped); 64-token tiles, 8 warps, 3-4 stages (all slower or equal). What would move it: V stored
+    transposed within a block, so both operands load in wide rows, or a dot with 8-bit operands for P·V too.
 """
 
 from __future__ import annotations
