@@ -135,6 +135,12 @@ def preflight(
     Console().print(table)
     if tokens < spec.max_model_len:
         err.print("[yellow]warning:[/] not even one full-context sequence fits; lower --max-model-len")
+    if not eight_bit:  # the 8-bit option that passes the KV-cache numerics gate (docs/gpu-engine.md)
+        int8_tokens = max(0, int(free // cfg.kv_bytes_per_token(1, 4)) // block_size * block_size)
+        err.print(
+            f"--kv-cache-dtype int8 would hold {int8_tokens:,} tokens ({int8_tokens / max(tokens, 1):.2f}×): "
+            "int8 values with one scale per token and KV head, within the numerics gate"
+        )
 
 
 @app.command()

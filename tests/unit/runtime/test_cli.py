@@ -38,6 +38,7 @@ def test_preflight_needs_no_weights():
     assert proc.returncode == 0, proc.stderr
     assert "596,049,920" in proc.stdout  # Qwen3-0.6B's parameter count
     assert "114,688 bytes" in proc.stdout  # 2 · 28 layers · 8 KV heads · 128 · 2 bytes
+    assert "--kv-cache-dtype int8 would hold" in proc.stderr and "(1.94×)" in proc.stderr  # 114,688 / 59,136 bytes
 
 
 @pytest.mark.parametrize("kv", ["fp8", "int8"])
