@@ -76,8 +76,11 @@ Trade-offs tried
     µs, the same error); scores as K·qᵀ with the tile as the first operand (wgmma from registers; 6 % fewer
     instructions, yet 260 → 278 µs for FP8 and no gain for bf16: dropped); q quantized to int8 per head so the
     scores are an int8 dot of the tile as stored (245 µs, 7 % faster, but 8× the output error, 6.9e-3 against
-    8.7e-4: dropped); 64-token tiles, 8 warps, 3-4 stages (all slower or equal). What would move it: V stored
-    transposed within a block, so both operands load in wide rows, or a dot with 8-bit operands for P·V too.
+    8.7e-4: dropped); the int8 conversion marked impure so the compiler keeps it on the tile as loaded (16-byte
+    shared-memory reads, the fp16 tiles staged for ldmatrix: no byte loads left, but 103 KB of shared memory;
+    262 → 282 µs, offline −8 % against −4 %: dropped); 64-token tiles, 8 warps, 3-4 stages (all slower or equal).
+    What would move it: V stored transposed within a block, so both operands load in wide rows without staging,
+    or a dot with 8-bit operands for P·V too.
 """
 
 from __future__ import annotations
@@ -106,8 +109,7 @@ FP8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16"}
 # The int8 cache's: as FP8's, and "i8_asm": on a GPU its tiles widen to fp16 by byte permutes and one fp16x2
 # subtraction per pair (_widen_8bit) instead of a conversion instruction per value (H200, 256 × 1,024: 305 → 262
 # µs, the same error; results/gpu/engine_h200_dev/decode_attention_sweep_e2b0cad.json).
-# "i8_stage": see _widen_8bit (not measured yet).
-INT8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16", "i8_asm": True, "i8_stage": False}
+INT8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16", "i8_asm": True}
 # Four int8 (one 32-bit register) → four fp16 (two), exactly: flip the sign bits (x + 128, offset binary), set
 # each byte as the low half of an fp16 whose high byte is 0x64 (the value 1024 + x + 128, as 1024's ulp is 1),
 # subtract 1152 from both halves. PRMT and LOP3 run on the integer pipes at 4× the rate of I2F.
@@ -148,13 +150,11 @@ def _load_tile(table, t0, end, k_cache_ptr, v_cache_ptr, block_size, stride_cb, 
 
 
 @triton.jit
-def _widen_8bit(x, dtype: tl.constexpr, I8_ASM: tl.constexpr, I8_STAGE: tl.constexpr = False):
+def _widen_8bit(x, dtype: tl.constexpr, I8_ASM: tl.constexpr):
     """An FP8 or int8 tile widened exactly to ``dtype``; with ``I8_ASM`` an int8 tile goes to fp16 through
-    ``_I8X4_TO_F16X4`` (a GPU only: the interpreter runs no PTX). ``I8_STAGE``: the conversion is marked impure,
-    so the compiler keeps it where it is written, on the tile as loaded (wide shared-memory reads), and stages the
-    fp16 result for the dot (ldmatrix) instead of moving it after a byte-wise load in the dot's layout."""
+    ``_I8X4_TO_F16X4`` (a GPU only: the interpreter runs no PTX)."""
     if I8_ASM:
-        return tl.inline_asm_elementwise(_I8X4_TO_F16X4, "=r,=r,r", [x], dtype=tl.float16, is_pure=not I8_STAGE, pack=4)
+        return tl.inline_asm_elementwise(_I8X4_TO_F16X4, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
     else:
         return x.to(dtype)
 
@@ -245,7 +245,6 @@ def _paged_decode_kernel(
     HALF: tl.constexpr = 64,
     PDL: tl.constexpr = False,
     I8_ASM: tl.constexpr = False,
-    I8_STAGE: tl.constexpr = False,
 ):
     if PDL:  # see _common.use_pdl; every program waits, even a slice that exits at once (the chain's order)
         gdc_launch_dependents()
@@ -364,8 +363,8 @@ def _paged_decode_kernel(
                     # P·V's fp16 operand is p·vs·2^9 ≈ p·(the token's V amax), as vs = amax / 448: without the
                     # factor, small p·vs fall below fp16's normal range. The power of two leaves acc exactly.
                     vs = vs * _P_SCALE
-                k = _widen_8bit(k, q.dtype, I8_ASM, I8_STAGE)
-                v = _widen_8bit(v, q.dtype, I8_ASM, I8_STAGE)
+                k = _widen_8bit(k, q.dtype, I8_ASM)
+                v = _widen_8bit(v, q.dtype, I8_ASM)
             m_i, l_i, acc = _attend_tile(q, k, v, ks, vs, t_mask, m_i, l_i, acc, qk_scale, IEEE, FP8)
         if WIDEN_F16:
             acc = acc * (1.0 / _P_SCALE)
@@ -451,7 +450,6 @@ def paged_decode_attention(
     v_scales: torch.Tensor | None = None,
     fp8_widen: str | None = None,
     i8_asm: bool | None = None,
-    i8_stage: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q: (B, Hq, D)`` over the paged caches; returns ``(B, Hq, D)`` in q's dtype.
 
@@ -461,7 +459,7 @@ def paged_decode_attention(
     cache (``float8_e4m3fn``) comes with ``k_scales, v_scales: (num_blocks, block_size, Hk)`` fp32. Launch
     settings left None come from ``LAUNCH`` (``FP8_LAUNCH`` / ``INT8_LAUNCH`` for an 8-bit cache); ``fp8_widen``:
     the dtype 8-bit tiles widen to for the dots of a bf16 q, ``"bf16"`` or ``"f16"``; ``i8_asm``: an int8
-    cache's tiles widen through byte permutes (CUDA only; see ``INT8_LAUNCH``); ``i8_stage``: see ``_widen_8bit``.
+    cache's tiles widen through byte permutes (CUDA only; see ``INT8_LAUNCH``).
     """
     eight_bit = k_scales is not None
     cfg = {**(LAUNCH if not eight_bit else INT8_LAUNCH if k_cache.dtype == torch.int8 else FP8_LAUNCH)}
@@ -471,7 +469,6 @@ def paged_decode_attention(
         ("num_stages", num_stages),
         ("widen", fp8_widen),
         ("i8_asm", i8_asm),
-        ("i8_stage", i8_stage),
     ):
         if value is not None:
             cfg[key] = value
@@ -483,7 +480,6 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, cfg["block_n"],
         min_slice, cfg["num_warps"], cfg["num_stages"], k_scales, v_scales, None, widen_f16=widen_f16,
         i8_asm=bool(cfg.get("i8_asm")) and k_cache.dtype == torch.int8 and f16_tiles and q.is_cuda,
-        i8_stage=bool(cfg.get("i8_stage")),
     )  # fmt: skip
 
 
@@ -534,7 +530,7 @@ def paged_decode_attention_qk_norm_rope(
 
 def _decode(
     q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, block_n, min_slice,
-    num_warps, num_stages, k_scales, v_scales, rope, widen_f16=False, i8_asm=False, i8_stage=False,
+    num_warps, num_stages, k_scales, v_scales, rope, widen_f16=False, i8_asm=False,
 ):  # fmt: skip
     B, Hq, D = q.shape
     _, block_size, Hk, Dc = k_cache.shape
@@ -606,7 +602,6 @@ def _decode(
         HALF=D // 2,
         PDL=pdl,
         I8_ASM=i8_asm,
-        I8_STAGE=i8_asm and i8_stage,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,

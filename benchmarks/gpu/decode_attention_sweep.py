@@ -4,7 +4,7 @@ workload with the best of them against the current defaults.
 
 1. Kernel sweep at the gate's shapes (Qwen3-0.6B: 16 query / 8 KV heads, head_dim 128, blocks of 16), for the
    bf16 cache (``LAUNCH``), the FP8 cache (``FP8_LAUNCH``) and the int8 cache (``INT8_LAUNCH``): ``block_n`` ×
-   ``num_warps`` × ``num_stages`` × for int8 ``i8_asm`` (tiles widened by byte permutes) × ``i8_stage``, each
+   ``num_warps`` × ``num_stages`` × for int8 ``i8_asm`` (tiles widened by byte permutes), each
    checked against the fp32 reference (``ops``; over the dequantized cache for 8-bit) and timed with
    ``triton.testing.do_bench``; GB/s of the bytes each must read. (Batch 1 is timed too, but one call there is
    bound by the host's launch, not the kernel.)
@@ -35,7 +35,7 @@ import torch
 READ_BW_GBS = 3630.0  # the H200's measured read bandwidth (tests/gpu/run_fp8.py)
 SHAPE = {"Hq": 16, "Hk": 8, "D": 128, "block_size": 16}
 CACHES = ("bf16", "fp8", "int8")
-KEYS = ("block_n", "num_warps", "num_stages", "widen", "i8_asm", "i8_stage")
+KEYS = ("block_n", "num_warps", "num_stages", "widen", "i8_asm")
 
 
 def _launch_dicts():
@@ -94,7 +94,7 @@ def sweep(cases: list[tuple[int, int]], device: str, configs: dict[str, list[dic
                 if name != "bf16":
                     kw["fp8_widen"] = cfg["widen"]
                 if name == "int8":
-                    kw |= {"i8_asm": cfg["i8_asm"], "i8_stage": cfg["i8_stage"]}
+                    kw["i8_asm"] = cfg["i8_asm"]
 
                 def run(c=c, k=k, v=v, sc=sc, kw=kw):
                     return paged_decode_attention(c["q"], k, v, c["tables"], c["lens"], D**-0.5, **sc, **kw)
@@ -229,16 +229,16 @@ def main() -> int:
     swept = [c for c in CACHES if c == "bf16" or c in args.caches.split(",")]
     configs: dict[str, list[dict]] = {}
     for name in swept:
-        forms = [(True, False), (True, True)] if name == "int8" else [(None, None)]
+        forms = (True, False) if name == "int8" else (None,)
         configs[name] = [
             {
                 **current[name],
                 "block_n": bn,
                 "num_warps": w,
                 "num_stages": st,
-                **({"i8_asm": asm, "i8_stage": stage} if name == "int8" else {}),
+                **({"i8_asm": asm} if name == "int8" else {}),
             }
-            for bn, w, st, (asm, stage) in itertools.product(tiles, warps, stages, forms)
+            for bn, w, st, asm in itertools.product(tiles, warps, stages, forms)
         ]
         if current[name] not in configs[name]:
             configs[name].append(dict(current[name]))

@@ -134,7 +134,6 @@ def _with_hopper_variants(launches: list[dict]) -> list[dict]:
         c = launch["constexprs"]
         if launch["signature"]["k_cache_ptr"] == "*i8" and c["WIDEN_F16"]:  # int8 tiles widened by byte permutes
             extra.append({**launch, "constexprs": {**c, "I8_ASM": True}})
-            extra.append({**launch, "constexprs": {**c, "I8_ASM": True, "I8_STAGE": True}})
     return launches + extra
 
 
