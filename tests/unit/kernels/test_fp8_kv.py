@@ -181,3 +181,54 @@ def test_fp8_cache_scales_are_checked():
             k_scales=bad,
             v_scales=bad,
         )
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("lens, splits", [([1, 17, 50, 3], None), ([300, 2, 64, 129], 32)])
+def test_fused_decode_attention_with_an_8bit_cache(lens, splits, dtype, atol, cache, gen):
+    """The fused decode op (QK-norm, RoPE, KV write and attention in one launch) on an FP8 / int8 cache: the new
+    token's row and scale bit for bit as the unfused kernel (``qk_norm_rope_store_kv``) writes them (a slot < 0
+    left alone); the output of the two unfused kernels, which read the new token back from the cache, and in fp32
+    that of the torch reference (in bf16 the reference's own QK-norm + RoPE rounds q differently, by up to an ulp)."""
+    from kernellab.kernels.paged_attention import paged_decode_attention_qk_norm_rope
+
+    Hq, Hk, D, bs = 4, 2, 32, 16
+    B = len(lens)
+    _, kc, vc, tables, ctx = _paged_case(lens, Hq, Hk, D, bs, torch.float32, gen)
+    (kc, ks), (vc, vs) = ops.quantize_kv(kc.nan_to_num(), cache), ops.quantize_kv(vc.nan_to_num(), cache)
+    qkv = torch.randn(B, (Hq + 2 * Hk) * D, generator=gen).to(dtype)
+    q, k, v = (x.view(B, -1, D) for x in qkv.split([Hq * D, Hk * D, Hk * D], dim=-1))
+    slots = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(lens)])
+    slots[-1] = -1  # a padding row: nothing written
+    qw = (1 + 0.2 * torch.randn(D, generator=gen)).to(dtype)
+    kw = (1 + 0.2 * torch.randn(D, generator=gen)).to(dtype)
+    cos_sin = ops.rope_cos_sin_cache(D, 512, 1e6)
+    wide = torch.full((B, 64), -1, dtype=torch.int32)
+    wide[:, : tables.shape[1]] = tables
+    ref_cache = [t.clone() for t in (kc, vc, ks, vs)]
+    ref = ops.paged_decode_attention_qk_norm_rope(
+        q, k, v, qw, kw, 1e-6, cos_sin, ref_cache[0], ref_cache[1], slots, tables, ctx, D**-0.5,
+        k_scales=ref_cache[2], v_scales=ref_cache[3],
+    )  # fmt: skip
+    unfused = [t.clone() for t in (kc, vc, ks, vs)]  # the cache as the two-kernel path leaves it
+    q_rot, _ = qk_norm_rope_store_kv(
+        ctx.long() - 1, q, k, v, qw, kw, 1e-6, cos_sin, unfused[0], unfused[1], slots, k_scales=unfused[2],
+        v_scales=unfused[3],
+    )  # fmt: skip
+    out = poisoned((B, Hq, D), dtype, "cpu")
+    y = paged_decode_attention_qk_norm_rope(
+        q, k, v, qw, kw, 1e-6, cos_sin, kc, vc, slots, wide, ctx, D**-0.5, out=out, splits=splits, block_n=16,
+        k_scales=ks, v_scales=vs,
+    )  # fmt: skip
+    for name, got, want in zip(("k", "v", "k scales", "v scales"), (kc, vc, ks, vs), unfused, strict=True):
+        assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got, want.view(torch.uint8)
+                           if want.element_size() == 1 else want), name  # fmt: skip
+    # the padding row attends its new token from registers but the references read its (unwritten) cache row
+    sc = {"k_scales": unfused[2], "v_scales": unfused[3]}
+    two_kernels = paged_decode_attention(
+        q_rot, unfused[0], unfused[1], wide, ctx, D**-0.5, splits=splits, block_n=16, **sc
+    )
+    assert_close(y[:-1], two_kernels[:-1], atol / 2, atol / 2, f"fused decode vs two kernels, {cache} cache")
+    if dtype == torch.float32:
+        assert_close(y[:-1], ref[:-1], atol, atol, f"fused decode vs reference, {cache} cache")
