@@ -92,7 +92,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import cached_empty, cached_zeros, cdiv, next_pow2, num_sms, require, use_pdl
 from .kv_cache import check_cache
-from .rope import _norm_rope_heads, quantize_halves
+from .rope import _norm_rope_heads
 
 __all__ = ["num_splits", "paged_decode_attention", "paged_decode_attention_qk_norm_rope"]
 
@@ -157,20 +157,6 @@ def _widen_8bit(x, dtype: tl.constexpr, I8_ASM: tl.constexpr):
         return tl.inline_asm_elementwise(_I8X4_TO_F16X4, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
     else:
         return x.to(dtype)
-
-
-@triton.jit
-def _tile_scales(k_scale_ptr, v_scale_ptr, block, t, t_mask, stride_sb, stride_so, hk, block_size: tl.constexpr,
-                 WIDEN_F16: tl.constexpr):  # fmt: skip
-    """An 8-bit tile's per-token K and V scales; V's times 2^9 when the tiles widen to fp16 (see "Precision")."""
-    srow = block * stride_sb + (t % block_size) * stride_so + hk
-    ks = tl.load(k_scale_ptr + srow, mask=t_mask, other=0.0)
-    vs = tl.load(v_scale_ptr + srow, mask=t_mask, other=0.0)
-    if WIDEN_F16:
-        # P·V's fp16 operand is p·vs·2^9 ≈ p·(the token's V amax), as vs = amax / 448: without the factor, small
-        # p·vs fall below fp16's normal range. The power of two leaves acc exactly.
-        vs = vs * _P_SCALE
-    return ks, vs
 
 
 @triton.jit
@@ -259,7 +245,6 @@ def _paged_decode_kernel(
     HALF: tl.constexpr = 64,
     PDL: tl.constexpr = False,
     I8_ASM: tl.constexpr = False,
-    INT8: tl.constexpr = False,
 ):
     if PDL:  # see _common.use_pdl; every program waits, even a slice that exits at once (the chain's order)
         gdc_launch_dependents()
@@ -300,17 +285,10 @@ def _paged_decode_kernel(
             # one began), so the slice's first tile is loaded before waiting for the QKV projection (PDL): its
             # latency overlaps that kernel instead of following it.
             walk_end = tl.minimum(end, ctx - 1)
-            t_first, first_mask, first_block, k_first, v_first = _load_tile(
+            _, first_mask, _, k_first, v_first = _load_tile(
                 table, start, walk_end, k_cache_ptr, v_cache_ptr, block_size, stride_cb, stride_co, stride_ch, hk, d,
                 d_mask, BLOCK_N,
             )  # fmt: skip
-            ks_first = l_i  # unused without FP8
-            vs_first = l_i
-            if FP8:  # an 8-bit tile's scales are older tokens' too
-                ks_first, vs_first = _tile_scales(
-                    k_scale_ptr, v_scale_ptr, first_block, t_first, first_mask, stride_sb, stride_so, hk, block_size,
-                    WIDEN_F16,
-                )  # fmt: skip
             if PDL:
                 gdc_wait()
             act_ty = q_ptr.dtype.element_ty
@@ -332,8 +310,6 @@ def _paged_decode_kernel(
                 True,
             )
             q = _join_halves(q1, q2, G_PAD, HALF)
-            if WIDEN_F16:
-                q = q.to(tl.float16)
             k1, k2, _ = _norm_rope_heads(
                 kn_ptr + b.to(tl.int64) * stride_knb + hk * stride_knh,
                 stride_knh,
@@ -347,39 +323,18 @@ def _paged_decode_kernel(
                 HALF,
                 True,
             )
-            vp = vn_ptr + b.to(tl.int64) * stride_vnb + hk * stride_vnh + dh[None, :]
-            v1 = tl.load(vp)
-            v2 = tl.load(vp + HALF)
-            k_sc = l_i  # unused without FP8
-            v_sc = l_i
-            if FP8:  # the new token as an 8-bit cache stores it (kv_cache.store_kv's values and scale)
-                row_mask = dh[None, :] < HALF
-                k1, k2, k_sc = quantize_halves(k1, k2, row_mask, INT8)
-                v1, v2, v_sc = quantize_halves(v1, v2, row_mask, INT8)
+            k_new = _join_halves(k1, k2, 1, HALF)
+            v_new = tl.load(vn_ptr + b.to(tl.int64) * stride_vnb + hk * stride_vnh + d, mask=d_mask, other=0.0)
             if split == 0:
                 slot = tl.load(slot_ptr + b).to(tl.int64)
                 if slot >= 0:
                     new_row = (slot // block_size) * stride_cb + (slot % block_size) * stride_co + hk * stride_ch
                     tl.store(k_cache_ptr + new_row + dh[None, :], k1)
                     tl.store(k_cache_ptr + new_row + HALF + dh[None, :], k2)
-                    tl.store(v_cache_ptr + new_row + dh[None, :], v1)
-                    tl.store(v_cache_ptr + new_row + HALF + dh[None, :], v2)
-                    if FP8:
-                        one = tl.arange(0, 1)
-                        srow = (slot // block_size) * stride_sb + (slot % block_size) * stride_so + hk
-                        tl.store(k_scale_ptr + srow + one, k_sc)
-                        tl.store(v_scale_ptr + srow + one, v_sc)
-            k_new = _join_halves(k1, k2, 1, HALF)
-            v_new = tl.reshape(_join_halves(v1, v2, 1, HALF), (2 * HALF,))
-            if FP8:  # attended from registers as it will be read back: dequantized
-                k_new = k_new.to(tl.float32) * k_sc[:, None]
-                v_new = v_new.to(tl.float32) * tl.sum(v_sc, axis=0)
-            if FP8:  # (widened outside the branch below: a runtime branch may not change a variable's type)
-                k_first = _widen_8bit(k_first, q.dtype, I8_ASM)
-                v_first = _widen_8bit(v_first, q.dtype, I8_ASM)
+                    tl.store(v_cache_ptr + new_row + d, v_new, mask=d_mask)
             if start < walk_end:  # (a one-token context has no cached tile)
                 m_i, l_i, acc = _attend_tile(
-                    q, k_first, v_first, ks_first, vs_first, first_mask, m_i, l_i, acc, qk_scale, IEEE, FP8
+                    q, k_first, v_first, l_i, l_i, first_mask, m_i, l_i, acc, qk_scale, IEEE, False
                 )
             loop_start = start + BLOCK_N
         else:
@@ -399,11 +354,15 @@ def _paged_decode_kernel(
             ks = l_i  # unused without FP8
             vs = l_i
             if FP8:
-                # 8-bit rows widen exactly to q's dtype; their per-token scales multiply the scores' columns (K) and
+                # FP8 rows widen exactly to q's dtype; their per-token scales multiply the scores' columns (K) and
                 # the probabilities' columns (V) instead of a dequantized copy of the tile
-                ks, vs = _tile_scales(
-                    k_scale_ptr, v_scale_ptr, block, t, t_mask, stride_sb, stride_so, hk, block_size, WIDEN_F16
-                )
+                srow = block * stride_sb + (t % block_size) * stride_so + hk
+                ks = tl.load(k_scale_ptr + srow, mask=t_mask, other=0.0)
+                vs = tl.load(v_scale_ptr + srow, mask=t_mask, other=0.0)
+                if WIDEN_F16:
+                    # P·V's fp16 operand is p·vs·2^9 ≈ p·(the token's V amax), as vs = amax / 448: without the
+                    # factor, small p·vs fall below fp16's normal range. The power of two leaves acc exactly.
+                    vs = vs * _P_SCALE
                 k = _widen_8bit(k, q.dtype, I8_ASM)
                 v = _widen_8bit(v, q.dtype, I8_ASM)
             m_i, l_i, acc = _attend_tile(q, k, v, ks, vs, t_mask, m_i, l_i, acc, qk_scale, IEEE, FP8)
@@ -502,17 +461,7 @@ def paged_decode_attention(
     the dtype 8-bit tiles widen to for the dots of a bf16 q, ``"bf16"`` or ``"f16"``; ``i8_asm``: an int8
     cache's tiles widen through byte permutes (CUDA only; see ``INT8_LAUNCH``).
     """
-    cfg = _launch(q, k_cache, k_scales is not None, block_n, num_warps, num_stages, fp8_widen, i8_asm)
-    return _decode(
-        q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, cfg["block_n"],
-        min_slice, cfg["num_warps"], cfg["num_stages"], k_scales, v_scales, None, widen_f16=cfg["widen_f16"],
-        i8_asm=cfg["i8_asm"],
-    )  # fmt: skip
-
-
-def _launch(q, k_cache, eight_bit, block_n, num_warps, num_stages, fp8_widen, i8_asm) -> dict:
-    """The launch settings of a decode attention call: the cache dtype's dict with the caller's overrides, and
-    whether 8-bit tiles widen to fp16 and an int8 cache's through byte permutes (a GPU only)."""
+    eight_bit = k_scales is not None
     cfg = {**(LAUNCH if not eight_bit else INT8_LAUNCH if k_cache.dtype == torch.int8 else FP8_LAUNCH)}
     for key, value in (
         ("block_n", block_n),
@@ -525,10 +474,13 @@ def _launch(q, k_cache, eight_bit, block_n, num_warps, num_stages, fp8_widen, i8
             cfg[key] = value
     widen = cfg.get("widen", "bf16")
     require(widen in ("bf16", "f16"), "fp8_widen must be 'bf16' or 'f16'")
-    cfg["widen_f16"] = widen == "f16" and eight_bit and q.dtype == torch.bfloat16
-    f16_tiles = cfg["widen_f16"] or (eight_bit and q.dtype == torch.float16)
-    cfg["i8_asm"] = bool(cfg.get("i8_asm")) and k_cache.dtype == torch.int8 and f16_tiles and q.is_cuda
-    return cfg
+    widen_f16 = widen == "f16" and eight_bit and q.dtype == torch.bfloat16
+    f16_tiles = widen_f16 or (eight_bit and q.dtype == torch.float16)
+    return _decode(
+        q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, cfg["block_n"],
+        min_slice, cfg["num_warps"], cfg["num_stages"], k_scales, v_scales, None, widen_f16=widen_f16,
+        i8_asm=bool(cfg.get("i8_asm")) and k_cache.dtype == torch.int8 and f16_tiles and q.is_cuda,
+    )  # fmt: skip
 
 
 def paged_decode_attention_qk_norm_rope(
@@ -553,32 +505,26 @@ def paged_decode_attention_qk_norm_rope(
     min_slice: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    k_scales: torch.Tensor | None = None,
-    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A decode step's attention from its raw q/k/v projections (Qwen3): ``qk_norm_rope_store_kv`` at positions
     ``context_lens - 1``, then ``paged_decode_attention``, in one launch (reference
     ``ops.paged_decode_attention_qk_norm_rope``). ``q: (B, Hq, D)``, ``k, v: (B, Hk, D)`` may be strided views
     of the fused QKV row (unit stride along D); the new token's k and v are written at ``slot_mapping`` (slots
-    < 0: not written) and attended from registers, as the cache will hold them. Caches of q's dtype, or 8-bit
-    (FP8 / int8) with ``k_scales, v_scales``: the new row quantized as ``kv_cache.store_kv`` does, the launch
-    settings those of ``paged_decode_attention`` for that cache. D a power of two."""
+    < 0: not written) and attended from registers. bf16/fp16 caches; D a power of two."""
     B, D = q.shape[0], q.shape[2]
     Hk = k_cache.shape[2]
     require(D >= 16 and D & (D - 1) == 0, "head_dim must be a power of two")
-    eight_bit = k_scales is not None
-    require(eight_bit or k_cache.dtype == q.dtype, "a cache of q's dtype, or an 8-bit one with its scales")
+    require(k_cache.dtype == q.dtype, "the fused op writes caches of q's dtype (no FP8)")
     for name, t in (("k", k), ("v", v)):
         require(t.shape == (B, Hk, D) and t.stride(2) == 1 and t.dtype == q.dtype, f"{name} must be (B, Hk, D)")
     require(q_norm_weight.shape == (D,) and k_norm_weight.shape == (D,), "norm weights must be (head_dim,)")
     require(cos_sin_cache.shape[-1] == D and cos_sin_cache.stride(-1) == 1, "cos_sin_cache must be (P, head_dim)")
     require(slot_mapping.shape == (B,), "slot_mapping must be (B,)")
     rope = (k, v, q_norm_weight, k_norm_weight, cos_sin_cache, slot_mapping, eps)
-    cfg = _launch(q, k_cache, eight_bit, block_n, num_warps, num_stages, None, None)
     return _decode(
-        q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, cfg["block_n"],
-        min_slice, cfg["num_warps"], cfg["num_stages"], k_scales, v_scales, rope, widen_f16=cfg["widen_f16"],
-        i8_asm=cfg["i8_asm"],
+        q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits,
+        block_n or LAUNCH["block_n"], min_slice, num_warps or LAUNCH["num_warps"], num_stages or LAUNCH["num_stages"],
+        None, None, rope,
     )  # fmt: skip
 
 
@@ -651,7 +597,6 @@ def _decode(
         S_PAD=next_pow2(n_split),
         IEEE=q.dtype == torch.float32,
         FP8=scales is not None,
-        INT8=k_cache.dtype == torch.int8,
         WIDEN_F16=widen_f16,
         ROPE=rope is not None,
         HALF=D // 2,

@@ -96,23 +96,16 @@ def _norm_rope_heads(
 
 
 @triton.jit
-def quantize_halves(x1, x2, mask, INT8: tl.constexpr):
-    """One token's heads held as two halves ``[heads, HALF]`` → their e4m3 or int8 values and one scale per head
-    (the larger half's amax), as ``kv_cache.store_kv`` stores them."""
+def _store_8bit_halves(x1, x2, cache, scales, mask, h_mask, HALF: tl.constexpr, INT8: tl.constexpr):
+    """Quantize one token's heads held as two halves with one scale per head (the larger half's amax), as e4m3
+    or int8."""
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
     a1 = tl.max(tl.where(mask, tl.abs(x1f), 0.0), axis=1)
     a2 = tl.max(tl.where(mask, tl.abs(x2f), 0.0), axis=1)
     inv, scale = row_scales_8bit(tl.maximum(a1, a2), INT8)
-    return to_8bit(x1f, inv, INT8), to_8bit(x2f, inv, INT8), scale
-
-
-@triton.jit
-def _store_8bit_halves(x1, x2, cache, scales, mask, h_mask, HALF: tl.constexpr, INT8: tl.constexpr):
-    """Quantize one token's heads held as two halves with one scale per head, as e4m3 or int8, and store them."""
-    q1, q2, scale = quantize_halves(x1, x2, mask, INT8)
-    tl.store(cache, q1, mask=mask)
-    tl.store(cache + HALF, q2, mask=mask)
+    tl.store(cache, to_8bit(x1f, inv, INT8), mask=mask)
+    tl.store(cache + HALF, to_8bit(x2f, inv, INT8), mask=mask)
     tl.store(scales, scale, mask=h_mask)
 
 

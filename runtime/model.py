@@ -195,12 +195,13 @@ class CausalLM(nn.Module):
 
     def _fused_decode(self, meta: AttentionMetadata, rows: int, kv: LayerKV) -> bool:
         """Whether this step's attention takes the QK-norm, RoPE and KV write inside (decode rows only, Qwen3, the
-        fused kernel enabled; any cache dtype, an 8-bit one's new rows quantized inside too)."""
+        fused kernel enabled, a cache in the model's dtype)."""
         return (
             self.cfg.qk_norm
             and "paged_decode_attention_qk_norm_rope" in self.ops.enabled
             and meta.num_decode_tokens == rows > 0
             and rows <= FUSED_DECODE_MAX_ROWS
+            and kv.k_scales is None
         )
 
     def decode_attention(
@@ -225,7 +226,6 @@ class CausalLM(nn.Module):
             meta.decode_block_tables,
             meta.decode_context_lens,
             self.scale,
-            **({"k_scales": kv.k_scales, "v_scales": kv.v_scales} if kv.k_scales is not None else {}),
         )
         return o.reshape(-1, cfg.q_size), residual
 

@@ -370,19 +370,14 @@ def paged_decode_attention_qk_norm_rope(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
-    *,
-    k_scales: torch.Tensor | None = None,
-    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A decode step's attention from its raw projections: ``qk_norm_rope_store_kv`` of each row at position
-    ``context_lens - 1``, then ``paged_decode_attention`` (Qwen3's decode layer, one op for the fused kernel);
-    8-bit caches come with their scales."""
+    ``context_lens - 1``, then ``paged_decode_attention`` (Qwen3's decode layer, one op for the fused kernel)."""
     positions = context_lens.long() - 1
-    sc = {"k_scales": k_scales, "v_scales": v_scales}
     q, _ = qk_norm_rope_store_kv(
-        positions, q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping, **sc
+        positions, q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping
     )
-    return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, **sc)
+    return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 _PADDED: dict = {}

@@ -92,11 +92,11 @@ def _exercise(gen: torch.Generator) -> None:
                 for B, ctx in ((1, 300), (40, 20)):  # split across slices; one slice per sequence
                     qd, kc2, vc2, tables, lens, sc = _paged(gen, B, ctx, Hq, Hk, D, dtype, fp8)
                     paged_attention.paged_decode_attention(qd, kc2, vc2, tables, lens, D**-0.5, **sc)
-                    # the decode attention with the QK-norm, RoPE and KV write inside (8-bit rows quantized there)
-                    kd, vd = rnd(B, Hk, D, dtype=dtype), rnd(B, Hk, D, dtype=dtype)
-                    paged_attention.paged_decode_attention_qk_norm_rope(
-                        qd, kd, vd, nw, nw, 1e-6, cos_ctx, kc2, vc2, lens.long() - 1, tables, lens, D**-0.5, **sc
-                    )
+                    if not fp8:  # the decode attention with the QK-norm, RoPE and KV write inside
+                        kd, vd = rnd(B, Hk, D, dtype=dtype), rnd(B, Hk, D, dtype=dtype)
+                        paged_attention.paged_decode_attention_qk_norm_rope(
+                            qd, kd, vd, nw, nw, 1e-6, cos_ctx, kc2, vc2, lens.long() - 1, tables, lens, D**-0.5
+                        )
                 if not fp8:  # steps that prefill: v copied dense too
                     v_out = torch.empty_like(v)
                     rope.qk_norm_rope_store_kv(pos, q, k, v, nw, nw, 1e-6, cos_sin, kc, vc, slots, v_out=v_out)

@@ -80,7 +80,7 @@ def test_the_engine_logs_its_fast_path_at_startup(tiny_checkpoints, caplog):
     assert "CUDA graphs off (device cpu)" in line and "store_kv" in line
 
 
-def triton_qwen3(tiny_checkpoints, disabled: tuple[str, ...], kv_cache_dtype: str = "auto") -> LLMEngine:
+def triton_qwen3(tiny_checkpoints, disabled: tuple[str, ...]) -> LLMEngine:
     """The tiny 2-layer Qwen3 on the CPU with every Triton kernel (interpreter) but ``disabled``."""
     return LLMEngine(
         model=str(tiny_checkpoints["qwen3"]),
@@ -91,7 +91,6 @@ def triton_qwen3(tiny_checkpoints, disabled: tuple[str, ...], kv_cache_dtype: st
         disabled_kernels=disabled,
         num_kv_blocks=32,
         max_model_len=128,
-        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -172,46 +171,3 @@ def test_decode_attention_takes_the_qk_norm_rope_and_keeps_its_tokens(tiny_check
             eng.step()
     decode = [x for x in launches if x["kernel"] == "_paged_decode_kernel"]
     assert decode and not any(x["constexprs"].get("ROPE") for x in decode)
-
-
-@pytest.mark.skipif(not os.environ.get("TRITON_INTERPRET"), reason="runs the Triton kernels under the interpreter")
-def test_fused_decode_attention_with_an_int8_cache_keeps_the_tokens(tiny_checkpoints):
-    """The same with an int8 KV cache: decode steps quantize the new token's rows inside the fused attention
-    (its launches are 8-bit ones); the greedy tokens equal the two kernels', and so does the cache: the first
-    layer's rows and scales bit for bit, later layers' within one int8 step."""
-    from kernellab.kernels.compile_check import record_launches
-    from kernellab.kernels.testing import patch_interpreter
-    from kernellab.runtime.request.sampling import SamplingParams
-
-    patch_interpreter()
-    op = "paged_decode_attention_qk_norm_rope"
-    tokens, fused, caches = {}, {}, {}
-    for disabled in ((), (op,)):
-        eng = triton_qwen3(tiny_checkpoints, disabled, kv_cache_dtype="int8")
-        for t in (t for kv in eng.runner.kv_caches for t in kv if t is not None):
-            t.zero_()  # the pool is allocated uninitialised: rows never written compare equal after this
-        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-        eng.add_request("a", list(range(5, 25)), params)
-        eng.add_request("b", list(range(40, 47)), params)
-        out: dict[str, list[int]] = {}
-        with record_launches() as launches:
-            while eng.has_unfinished_requests():
-                for o in eng.step():
-                    out.setdefault(o.request_id, []).extend(o.new_token_ids)
-        tokens[disabled] = out
-        fused[disabled] = [
-            x["constexprs"]["FP8"]
-            for x in launches
-            if x["kernel"] == "_paged_decode_kernel" and x["constexprs"]["ROPE"]
-        ]
-        caches[disabled] = [t.clone() for kv in eng.runner.kv_caches for t in kv if t is not None]
-    assert fused[()] == [True] * 10 and fused[(op,)] == []  # 5 decode steps × 2 layers, reading int8 tiles
-    assert tokens[()] == tokens[(op,)] and all(len(t) == 6 for t in tokens[()].values())
-    # layer 0 (k, v, their scales) is written from the same inputs: bit for bit; later layers' inputs carry the
-    # first attention's last roundings (the new token attended from registers or from the cache): a step at most
-    per_layer = 4
-    for i, (a, b) in enumerate(zip(caches[()], caches[(op,)], strict=True)):
-        if i < per_layer:
-            assert torch.equal(a, b), i
-        elif a.dtype == torch.int8:
-            assert (a.int() - b.int()).abs().max() <= 1, i
