@@ -3,8 +3,8 @@
 # importable without installing it (the repo's folders are the kernellab subpackages), then run the gates.
 #   bash tests/gpu/run.sh "$OUT"            # engine gate (numerics, speed, HF peer, kernel ablation)
 # One device call runs at most 10 minutes; the whole gate takes longer, so split it:
-#   bash tests/gpu/run.sh "$OUT/gate" --skip offline_sweep --skip fp8_kv     # ~7 min
-#   bash tests/gpu/run.sh "$OUT/fp8" --only fp8_kv                           # ~4 min: the FP8 and int8 caches
+#   bash tests/gpu/run.sh "$OUT/gate" --skip offline_sweep --skip fp8_kv     # ~5-9 min (host-dependent)
+#   bash tests/gpu/run.sh "$OUT/fp8" --only fp8_kv                           # ~2.5 min: the FP8 and int8 caches
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT_DIR=${1:-${OUT:-$ROOT/out}}
