@@ -5,6 +5,7 @@
 # One device call runs at most 10 minutes; the whole gate takes longer, so split it:
 #   bash tests/gpu/run.sh "$OUT/gate" --skip offline_sweep --skip fp8_kv     # ~5-9 min (host-dependent)
 #   bash tests/gpu/run.sh "$OUT/fp8" --only fp8_kv                           # ~2.5 min: the FP8 and int8 caches
+#   python3 tests/gpu/merge_sections.py "$OUT/gate/engine_h200.json" "$OUT/fp8/engine_h200.json" -o engine_h200.json
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT_DIR=${1:-${OUT:-$ROOT/out}}

@@ -1,0 +1,49 @@
+#!/usr/bin/env python3
+"""Join the engine gate's two device calls into one artifact: the gate run without its 8-bit section and the
+``--only fp8_kv`` run at the same commit (one call runs at most 10 minutes; together they take longer).
+
+    python3 tests/gpu/merge_sections.py GATE/engine_h200.json FP8/engine_h200.json -o results/gpu/engine_h200.json
+
+The 8-bit section keeps its own provenance; the commits must match, errors of both runs are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def merge(gate: dict, fp8: dict) -> dict:
+    if "fp8_kv" not in fp8:
+        raise ValueError("the second artifact has no fp8_kv section (run it with --only fp8_kv)")
+    g, f = gate["provenance"].get("commit"), fp8["provenance"].get("commit")
+    if g != f:
+        raise ValueError(f"the two runs are of different commits ({g} and {f})")
+    out = dict(gate)
+    out["fp8_kv"] = {
+        **fp8["fp8_kv"],
+        "provenance": fp8["provenance"],
+        "run": "a second device call at the same commit: bash tests/gpu/run.sh OUT --only fp8_kv",
+    }
+    out["errors"] = list(gate.get("errors", [])) + list(fp8.get("errors", []))
+    out["sections_run"] = (
+        "bash tests/gpu/run.sh OUT --skip offline_sweep --skip fp8_kv, then --only fp8_kv (one device call runs at "
+        "most 10 minutes)"
+    )
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("gate")
+    ap.add_argument("fp8")
+    ap.add_argument("-o", "--out", required=True)
+    args = ap.parse_args()
+    merged = merge(json.loads(Path(args.gate).read_text()), json.loads(Path(args.fp8).read_text()))
+    Path(args.out).write_text(json.dumps(merged, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
