@@ -186,15 +186,9 @@ def fp8_rows(fp8: dict) -> list[str]:
     pct = gate.get("agreement_vs_hf_fp32_pct", {})
     caches = ["fp8", *(["int8"] if "int8" in runs or "int8_cache" in pct else [])]
     names = {"fp8": "FP8 cache", "int8": "int8 cache"}
-    passing = [names[c] for c in caches if (gate.get("pass") or {}).get(c + "_cache")]
-    failing = [names[c] for c in caches if c + "_cache" in pct and not gate["pass"][c + "_cache"]]
+    judged = (gate.get("pass") or {}) if pct else {}
     verdict = "; ".join(
-        x
-        for x in (
-            f"{' and '.join(passing)} {'pass' if len(passing) > 1 else 'passes'} it" if passing else "",
-            f"{' and '.join(failing)} {'miss' if len(failing) > 1 else 'misses'} it" if failing else "",
-        )
-        if x
+        f"{names[c]} {'passes' if judged[c + '_cache'] else 'misses'} it" for c in caches if c + "_cache" in judged
     )
     when = (fp8.get("provenance") or {}).get("date")
     lines = [

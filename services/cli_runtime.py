@@ -119,10 +119,15 @@ def preflight(
     weight_bytes = params * width
     if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "int8"):
         fail(KernellabError(f"--kv-cache-dtype must be auto, fp8 or int8, got {kv_cache_dtype!r}"))
-    eight_bit = kv_cache_dtype != "auto"  # one byte per value and a 4-byte scale per (token, KV head)
-    kv_token = cfg.kv_bytes_per_token(1, 4) if eight_bit else cfg.kv_bytes_per_token(width)
+    eight_bit = kv_cache_dtype != "auto"
+    kv_8bit = cfg.kv_bytes_per_token(1, 4)  # one byte per value and a 4-byte scale per (token, KV head)
+    kv_token = kv_8bit if eight_bit else cfg.kv_bytes_per_token(width)
     free = memory_gib * 2**30 - weight_bytes - 2 * 2**30
-    tokens = max(0, int(free // kv_token) // block_size * block_size)
+
+    def fit(per_token: int) -> int:  # whole blocks of tokens in the memory left
+        return max(0, int(free // per_token) // block_size * block_size)
+
+    tokens = fit(kv_token)
     kv_label = f", {'int8' if kv_cache_dtype == 'int8' else 'fp8'} KV cache" if eight_bit else ""
     table = Table(title=f"preflight: {spec.name} in {memory_gib:g} GiB ({dtype}{kv_label})", show_header=False)
     table.add_row("parameters", f"{params:,}")
@@ -136,7 +141,7 @@ def preflight(
     if tokens < spec.max_model_len:
         err.print("[yellow]warning:[/] not even one full-context sequence fits; lower --max-model-len")
     if not eight_bit:  # the 8-bit option that passes the KV-cache numerics gate (docs/gpu-engine.md)
-        int8_tokens = max(0, int(free // cfg.kv_bytes_per_token(1, 4)) // block_size * block_size)
+        int8_tokens = fit(kv_8bit)
         err.print(
             f"--kv-cache-dtype int8 would hold {int8_tokens:,} tokens ({int8_tokens / max(tokens, 1):.2f}×): "
             "int8 values with one scale per token and KV head, within the numerics gate"
