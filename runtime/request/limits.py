@@ -1,0 +1,65 @@
+"""What a request is checked against before it may run: the model's vocabulary and context (no torch, no engine).
+
+``RequestLimits.check`` is the validation half of ``LLMEngine.prepare_request``; it is plain data, so the worker's
+request reader process (services/worker/reader.py) checks requests with it before handing them over, and the
+engine's thread only builds what passed (``LLMEngine.prepare_checked``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kernellab.runtime.request.errors import ContextLengthError, InvalidRequestError
+from kernellab.runtime.request.sampling import SamplingParams
+from kernellab.runtime.request.token_ids import TokenIds
+
+
+def valid_token_ids(tokens: list[int], vocab: int) -> bool:
+    """Integers (not bools) in ``[0, vocab)``. Checked per distinct type, then with ``min``/``max``: a per-token
+    generator cost ~1.5 ms for 32 prompts of 512 tokens, on the worker's step thread between two steps."""
+    kinds = set(map(type, tokens))
+    return all(issubclass(k, int) and k is not bool for k in kinds) and min(tokens) >= 0 and max(tokens) < vocab
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    vocab_size: int
+    max_model_len: int
+
+    def check(self, request_id: str, prompt_token_ids, params: SamplingParams, output_token_ids=()) -> int:
+        """Raise what is wrong with the request (``InvalidRequestError``, ``ContextLengthError``); else return the
+        number of tokens it may generate (``max_tokens``, or what the context leaves)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
+        vocab, limit = self.vocab_size, self.max_model_len
+        n_prompt = len(prompt_token_ids)
+        if not n_prompt:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if isinstance(prompt_token_ids, TokenIds):  # unpacked from the wire: non-negative ints, maximum known
+            valid = prompt_token_ids.max_id < vocab and (
+                not output_token_ids or valid_token_ids(list(output_token_ids), vocab)
+            )
+        else:
+            valid = valid_token_ids([*prompt_token_ids, *output_token_ids], vocab)
+        if not valid:
+            raise InvalidRequestError(f"token ids must be integers in [0, {vocab})", param="prompt")
+        total = n_prompt + len(output_token_ids)
+        if total >= limit:
+            raise ContextLengthError(
+                f"the prompt has {total} tokens; this model's context is {limit} tokens, which leaves no room to "
+                "generate",
+                param="prompt",
+            )
+        if params.max_tokens is None:
+            max_tokens = limit - n_prompt
+        elif n_prompt + params.max_tokens > limit:
+            raise ContextLengthError(
+                f"max_tokens={params.max_tokens} plus the prompt's {n_prompt} tokens exceeds the context of "
+                f"{limit} tokens",
+                param="max_tokens",
+            )
+        else:
+            max_tokens = params.max_tokens
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias keys must be token ids in [0, {vocab})", param="logit_bias")
+        return max_tokens
