@@ -105,9 +105,6 @@ VARIANTS = {
     "nogate": {"KERNELLAB_READER_YIELDS_TO_STEP": "0"},
     # a 0.1 ms GIL switch interval in the worker instead of 0.5 ms
     "si100": {"KERNELLAB_SWITCH_INTERVAL_S": "0.0001"},
-    # the request reader in a child process (services/worker/reader.py), or a thread of the worker's process
-    "readerproc": {"KERNELLAB_READER_PROCESS": "1"},
-    "readerthread": {"KERNELLAB_READER_PROCESS": "0"},
 }
 GATEWAY_VARIANTS = {"slowpath": {"KERNELLAB_GATEWAY_FAST_PATH": "0"}}  # generation routes through FastAPI
 # "-pin": the worker on two physical cores of its own (KERNELLAB_CPUS), the gateway tier and the load generator's

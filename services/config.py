@@ -206,11 +206,6 @@ class WorkerSettings(StackSettings):
     # requests in (runtime/host_gate.py; engines on CUDA). Off by default: no TTFT gain measured on the H200 (the
     # module says why); the serving benchmark's "-gate" phases turn it on.
     reader_yields_to_step: bool = False
-    # KERNELLAB_READER_PROCESS: the request reader runs in a child process (services/worker/reader.py): reading,
-    # decoding and checking a burst of requests no longer take the GIL from the step loop launching kernels; a
-    # thread here only builds what it hands over. Off: a thread of the worker's process does all of it (the serving
-    # benchmark's "-readerthread" phases).
-    reader_process: bool = False
     # sys.setswitchinterval of the worker process: how long a thread that wants the GIL waits before the holder is
     # asked to drop it (Python's default is 5 ms). 0.1 ms measured no better on the H200 (docs/deploy.md).
     switch_interval_s: float = Field(0.0005, gt=0, le=0.1)

@@ -21,17 +21,6 @@ class KernellabError(Exception):
     def to_openai(self) -> dict:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
-    def __reduce__(self):
-        # Pickled whole (the worker's reader process hands request errors over): the default rebuilds the class
-        # from ``args`` alone, which loses param and code and fails for subclasses with other signatures.
-        return _rebuild, (type(self), self.message, self.param, self.code)
-
-
-def _rebuild(cls: type[KernellabError], message: str, param: str | None, code: str | None) -> KernellabError:
-    exc = cls.__new__(cls)
-    KernellabError.__init__(exc, message, param=param, code=code)
-    return exc
-
 
 class ConfigError(KernellabError):
     """A server-side configuration mistake: an engine setting out of range, a checkpoint or chat template the

@@ -6,8 +6,6 @@ add requests, step, abort, report stats; ``check_integrity`` runs when idle; ``l
 last step ran (rows, tokens) for step traces. ``add_request`` is ``prepare_request`` (validation and building,
 safe on another thread while ``step`` runs; the worker's I/O thread calls it) then ``add_prepared`` (the enqueue,
 on the engine's thread); the prepared value is the engine's own and only goes back to ``add_prepared``.
-``prepare_request`` is itself ``request_limits.check`` (plain data: the worker's reader process runs it) then
-``prepare_checked``.
 """
 
 from __future__ import annotations
@@ -85,23 +83,6 @@ class Engine(Protocol):
     ) -> Any: ...
 
     def add_prepared(self, prepared: Any) -> None: ...
-
-    # prepare_request in two halves: the checks as plain, picklable data (the worker's reader process runs them:
-    # ``.check(request_id, prompt_token_ids, params, output_token_ids) -> max_tokens``), then the building, for a
-    # request that passed them
-    @property
-    def request_limits(self) -> Any: ...
-
-    def prepare_checked(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        max_tokens: int,
-        priority: int = 0,
-        deadline: float | None = None,
-        output_token_ids=(),
-    ) -> Any: ...
 
     def abort(self, request_id: str) -> bool: ...
 

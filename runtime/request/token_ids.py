@@ -38,15 +38,12 @@ def pack_token_ids(ids: list[int]) -> bytes | None:
     return packed.tobytes()
 
 
-def unpack_token_ids(data: bytes, max_id: int | None = None) -> TokenIds:
-    """Raises ValueError for a length that is not a multiple of four. ``max_id``: their maximum where a trusted
-    side already computed it (the worker's reader process), else computed here."""
+def unpack_token_ids(data: bytes) -> TokenIds:
+    """Raises ValueError for a length that is not a multiple of four."""
     if len(data) % 4:
         raise ValueError(f"packed token ids of {len(data)} bytes (not a multiple of 4)")
     unpacked = array(_CODE)
     unpacked.frombytes(data)
     if sys.byteorder == "big":
         unpacked.byteswap()
-    if max_id is None:
-        max_id = int(np.frombuffer(data, dtype="<u4").max()) if data else -1
-    return TokenIds(unpacked.tolist(), max_id)
+    return TokenIds(unpacked.tolist(), int(np.frombuffer(data, dtype="<u4").max()) if data else -1)

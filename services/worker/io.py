@@ -3,9 +3,7 @@
 - ``request reader``: XREADGROUP (interactive first, batch capped to a share of capacity), only as many
   requests as the worker has room for, so that several workers share the load. Each entry read goes through
   ``prepare`` (the step loop's: message to engine request, validated) here, while the loop is in a step, so
-  that between steps the loop only enqueues it. With ``reader_process`` it runs in a child process instead
-  (services/worker/reader.py: the reading, decoding and checking leave this process's GIL), and a thread here
-  receives its records and has ``complete`` build each.
+  that between steps the loop only enqueues it.
 - ``cancel reader``: XREAD of the broadcast cancel stream; remembers recent cancels for requests not yet seen.
 - ``writer``: each step's chunks and XACKs in one MULTI/EXEC pipeline (so a gateway's blocked XREAD wakes once
   per step with every stream's new entry). While Redis is away it keeps the batch and retries; after
@@ -23,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.synchronize import Event as EventType
 from typing import TYPE_CHECKING, Any, cast
 
 import redis
@@ -31,7 +28,6 @@ import redis
 from kernellab.services.queue.broker import Delivery, WorkerQueue, connect, decode_cancel
 from kernellab.services.queue.keys import Keys
 from kernellab.services.queue.protocol import CancelMessage, ErrorMessage, Heartbeat, OutputChunk, encode
-from kernellab.services.worker.reader import ReaderProcess, ReaderSpec
 
 if TYPE_CHECKING:
     from redis.typing import StreamIdT
@@ -77,40 +73,16 @@ class Holdings:
     def __init__(self) -> None:
         self._lock = threading.Condition()
         self._held: dict[str, Delivery] = {}
-        self._batch = 0  # how many of them are batch requests
-        # Called under the lock with (held, held batch) after every change: a request reader process reads only
-        # what the worker has room for (services/worker/reader.py).
-        self.publish: Callable[[int, int], None] | None = None
-
-    def _changed(self) -> None:
-        if self.publish is not None:
-            self.publish(len(self._held), self._batch)
-
-    def _put(self, d: Delivery) -> None:
-        old = self._held.get(d.message.engine_id)
-        if old is not None and old.message.priority == "batch":
-            self._batch -= 1
-        self._held[d.message.engine_id] = d
-        if d.message.priority == "batch":
-            self._batch += 1
-
-    def _pop(self, eid: str) -> Delivery:
-        d = self._held.pop(eid)
-        if d.message.priority == "batch":
-            self._batch -= 1
-        return d
 
     def add(self, d: Delivery) -> None:
         with self._lock:
-            self._put(d)
-            self._changed()
+            self._held[d.message.engine_id] = d
 
     def release(self, deliveries: list[Delivery]) -> None:
         with self._lock:
             for d in deliveries:
                 if self._held.get(d.message.engine_id) is d:
-                    self._pop(d.message.engine_id)
-            self._changed()
+                    del self._held[d.message.engine_id]
             self._lock.notify_all()
 
     def count(self, priority: str | None = None) -> int:
@@ -130,8 +102,7 @@ class Holdings:
         with self._lock:
             for eid, d in list(self._held.items()):
                 if d.stream == stream and d.entry_id in wanted:
-                    out.append(self._pop(eid))
-            self._changed()
+                    out.append(self._held.pop(eid))
             self._lock.notify_all()
         return out
 
@@ -194,8 +165,6 @@ class RedisIO:
         metrics=None,
         outage_grace_s: float = 2.0,
         admit: Callable[[], None] | None = None,
-        reader_process: ReaderSpec | None = None,
-        complete: Callable[..., Any] | None = None,
     ):
         self.url, self.keys, self.worker_id = url, keys, worker_id
         self.max_num_seqs, self.batch_share = max_num_seqs, batch_share
@@ -211,8 +180,7 @@ class RedisIO:
         self.holdings = Holdings()
         self.cancels = RecentCancels(request_timeout_s)
         self.outbox: queue.SimpleQueue[WriteBatch | None] = queue.SimpleQueue()
-        # cleared on drain: read and reclaim nothing new (with a reader process, the event it shares)
-        self.accepting: threading.Event | EventType = threading.Event()
+        self.accepting = threading.Event()  # cleared on drain: read and reclaim nothing new
         self.accepting.set()
         self.stopping = threading.Event()
         self.redis_ok = threading.Event()
@@ -221,33 +189,8 @@ class RedisIO:
         # it holds entries not yet in the inbox, or is looking for more right after handing some over. A burst's
         # later reads (decoding and preparing tens of requests) can outlast the loop's first gather gap; while
         # this is set, the loop's gather keeps waiting (WorkerSettings.gather_max_s bounds it).
-        self._reading = False
+        self.reading = False
         self._threads: list[threading.Thread] = []
-        # The request reader in a process of its own (services/worker/reader.py), or None: a thread here. Its
-        # records are built into the inbox's "add" payload by ``complete`` (delivery, received, params, max_tokens,
-        # error) on the thread that receives them.
-        self.reader: ReaderProcess | None = None
-        if reader_process is not None:
-            if complete is None:
-                raise ValueError("a request reader process needs complete()")
-            done = complete
-            self.reader = ReaderProcess(
-                reader_process,
-                hold=self.holdings.add,
-                deliver=lambda d, received, *checked: self.inbox.put(("add", done(d, received, *checked))),
-                redis_down=self._down,
-                redis_up=self.redis_ok.set,
-            )
-            self.holdings.publish = self.reader.publish
-            self.accepting = self.reader.accepting  # drain reaches the child (a multiprocessing event)
-
-    @property
-    def reading(self) -> bool:
-        return self._reading or (self.reader is not None and self.reader.reading())
-
-    @reading.setter
-    def reading(self, value: bool) -> None:
-        self._reading = value
 
     def _queue(self, blocking_ms: int = 0) -> WorkerQueue:
         return WorkerQueue(
@@ -255,16 +198,12 @@ class RedisIO:
         )
 
     def start(self) -> None:
-        threads = [
+        for name, target in (
+            ("request-reader", self._read_requests),
             ("cancel-reader", self._read_cancels),
             ("writer", self._write),
             ("housekeeping", self._housekeeping),
-        ]
-        if self.reader is not None:
-            self.reader.start()
-        else:
-            threads.insert(0, ("request-reader", self._read_requests))
-        for name, target in threads:
+        ):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
@@ -272,8 +211,6 @@ class RedisIO:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop reading, flush the writer (everything queued before this call is written first), leave."""
         self.accepting.clear()
-        if self.reader is not None:
-            self.reader.stop(timeout)
         self.outbox.put(None)
         self.stopping.set()
         for t in self._threads:

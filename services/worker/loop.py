@@ -38,7 +38,6 @@ from kernellab.services.queue.keys import Keys
 from kernellab.services.queue.protocol import ErrorMessage, Heartbeat, OutputChunk
 from kernellab.services.worker.io import RedisIO, WriteBatch
 from kernellab.services.worker.metrics import WorkerMetrics
-from kernellab.services.worker.reader import ReaderSpec
 from kernellab.services.worker.trace import StepTrace
 
 log = logging.getLogger("kernellab.worker")
@@ -102,22 +101,6 @@ class Worker:
         self.metrics = WorkerMetrics(self.model_name)
         self.metrics_url = ""
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        reader = None
-        if s.reader_process:
-            limits = getattr(engine, "request_limits", None)
-            if limits is None or not hasattr(engine, "prepare_checked"):
-                log.warning("the engine has no request_limits/prepare_checked: the request reader stays a thread")
-            else:
-                reader = ReaderSpec(
-                    s.redis_url,
-                    self.keys,
-                    self.worker_id,
-                    s.max_num_seqs,
-                    s.batch_share,
-                    s.max_deliveries,
-                    limits,
-                    s.log_level,
-                )
         self.io = RedisIO(
             s.redis_url,
             self.keys,
@@ -134,8 +117,6 @@ class Worker:
             prepare=self.prepare if s.prepare_in_reader else self._defer,
             metrics=self.metrics,
             admit=self.gate.admit if self.gate is not None and s.reader_yields_to_step else None,
-            reader_process=reader,
-            complete=self.complete,
         )
         self.active: dict[str, Active] = {}
         self.trace = StepTrace(s.step_trace) if s.step_trace else None
@@ -199,35 +180,6 @@ class Worker:
                 priority=PRIORITY_VALUE.get(msg.priority, 0),
                 deadline=msg.deadline,
                 output_token_ids=list(d.emitted or []),
-            )
-        except Exception as exc:
-            item.error = exc
-        return item
-
-    def complete(
-        self,
-        d: Delivery,
-        received: float,
-        params: SamplingParams | None,
-        max_tokens: int | None,
-        error: Exception | None,
-    ) -> Incoming:
-        """``prepare`` for a request the reader process read and checked (services/worker/reader.py): only the
-        building is left (the sequence; a grammar or stop-string state where asked for). Called by the thread that
-        receives the process's records, beside the step loop, as ``prepare`` is by the reader thread."""
-        item = Incoming(d, received, error=error)
-        if d.finished or error is not None or params is None or max_tokens is None:
-            return item
-        msg = d.message
-        try:
-            item.prepared = self.engine.prepare_checked(
-                msg.engine_id,
-                msg.prompt_token_ids,
-                params,
-                max_tokens,
-                PRIORITY_VALUE.get(msg.priority, 0),
-                msg.deadline,
-                list(d.emitted or []),
             )
         except Exception as exc:
             item.error = exc

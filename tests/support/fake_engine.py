@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 
 from kernellab.runtime.host_gate import HostGate
 from kernellab.runtime.request.errors import ContextLengthError, InvalidRequestError
@@ -18,20 +17,6 @@ class _Seq:
         self.rid, self.prompt, self.params, self.deadline = rid, prompt, params, deadline
         self.output = list(emitted)
         self.max_tokens = params.max_tokens
-
-
-@dataclass(frozen=True)
-class FakeLimits:
-    """The fake engine's checks as plain data (the worker's reader process runs them)."""
-
-    max_model_len: int
-
-    def check(self, request_id, prompt_token_ids, params, output_token_ids=()) -> int | None:
-        if not len(prompt_token_ids):
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if len(prompt_token_ids) + len(output_token_ids) >= self.max_model_len:
-            raise ContextLengthError("prompt too long", param="prompt")
-        return params.max_tokens
 
 
 class FakeEngine:
@@ -65,18 +50,13 @@ class FakeEngine:
             )
         )
 
-    @property
-    def request_limits(self) -> FakeLimits:
-        return FakeLimits(self.max_model_len)
-
     def prepare_request(self, request_id, prompt_token_ids, params, *, priority=0, deadline=None, output_token_ids=()):
-        self.request_limits.check(request_id, prompt_token_ids, params, output_token_ids)
-        return _Seq(request_id, list(prompt_token_ids), params, deadline, output_token_ids)
-
-    def prepare_checked(
-        self, request_id, prompt_token_ids, params, max_tokens, priority=0, deadline=None, output_token_ids=()
-    ):
-        return _Seq(request_id, list(prompt_token_ids), params, deadline, output_token_ids)
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if len(prompt) + len(output_token_ids) >= self.max_model_len:
+            raise ContextLengthError("prompt too long", param="prompt")
+        return _Seq(request_id, prompt, params, deadline, output_token_ids)
 
     def add_prepared(self, seq: _Seq) -> None:
         if seq.rid in self.seqs:
