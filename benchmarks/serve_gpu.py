@@ -105,8 +105,14 @@ VARIANTS = {
     "nogate": {"KERNELLAB_READER_YIELDS_TO_STEP": "0"},
     # a 0.1 ms GIL switch interval in the worker instead of 0.5 ms
     "si100": {"KERNELLAB_SWITCH_INTERVAL_S": "0.0001"},
+    # the worker and the gateway tier leave their startup objects in the garbage collector's generations (before
+    # gc_freeze)
+    "nogcfreeze": {"KERNELLAB_GC_FREEZE": "0"},
 }
-GATEWAY_VARIANTS = {"slowpath": {"KERNELLAB_GATEWAY_FAST_PATH": "0"}}  # generation routes through FastAPI
+GATEWAY_VARIANTS = {
+    "slowpath": {"KERNELLAB_GATEWAY_FAST_PATH": "0"},  # generation routes through FastAPI
+    "nogcfreeze": VARIANTS["nogcfreeze"],  # a variant in both sets applies to the worker and the gateway tier
+}
 # "-pin": the worker on two physical cores of its own (KERNELLAB_CPUS), the gateway tier and the load generator's
 # client processes on the rest (split_cores), so a burst's HTTP and Redis work never shares a core with the step
 # loop. Both settings are filled in per host at run time.
@@ -606,7 +612,10 @@ def main() -> int:
                     env_over["KERNELLAB_CPUS"], gateway_over["KERNELLAB_CPUS"] = worker_cpus, rest
                     log(f"-{PINNED}: worker on cpus {worker_cpus}; gateway tier and clients on {rest}")
                 else:
-                    (gateway_over if v in GATEWAY_VARIANTS else env_over).update({**VARIANTS, **GATEWAY_VARIANTS}[v])
+                    if v in GATEWAY_VARIANTS:
+                        gateway_over.update(GATEWAY_VARIANTS[v])
+                    if v in VARIANTS or v not in GATEWAY_VARIANTS:
+                        env_over.update(VARIANTS[v])
             # the load generator's client processes (spawned per run) inherit this process's binding
             os.sched_setaffinity(0, parse_cpu_list(gateway_over.get("KERNELLAB_CPUS", "")) or all_cpus)
             if env_over != worker_env:
@@ -837,6 +846,12 @@ def print_table(a: dict) -> None:
                     + (
                         f"; first steps' launch / device wait ms {r['timeline']['step_launch_wait_ms'][:4]}"
                         if r["timeline"].get("step_launch_wait_ms")
+                        else ""
+                    )
+                    + (
+                        f"; worker GC ms: first steps {r['timeline'].get('step_gc_ms', [])[:4]}, run total / "
+                        f"largest {r['timeline']['gc_ms']}"
+                        if r["timeline"].get("gc_ms")
                         else ""
                     )
                 )

@@ -64,6 +64,10 @@ class StackSettings(BaseSettings):
     output_ttl_s: int = Field(600, ge=1)  # lifetime of kl:out:{id} after its last write
     request_timeout_s: float = Field(600.0, gt=0)  # per-request deadline from its arrival at the gateway
     log_level: str = "info"
+    # KERNELLAB_GC_FREEZE: once started, move every object alive (modules, model, tokenizer) out of the garbage
+    # collector's generations (observability.freeze_heap), so no full collection walks them while serving (155 ms a
+    # walk on the CI box with the embedded model loaded). Off: Python's default (the serving benchmark's -nogcfreeze)
+    gc_freeze: bool = True
     # Request-layer choices shared by the gateway, the batch runner and the RunPod handler:
     # KERNELLAB_GENERATION_CONFIG: "auto" takes sampling defaults (temperature, top_p, top_k, ...) from the model's
     # generation_config.json for requests that leave them out; "none": temperature 1, no filtering.

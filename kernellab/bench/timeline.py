@@ -29,7 +29,8 @@ SSE write, the socket, the client).
 ``steps`` lists the run's first steps (those ending after t0): start (ms after t0), duration (ms), rows,
 tokens, and how many first tokens each made: a stack whose first steps differ from the engine's in size or
 timing shows it there. ``step_launch_wait_ms`` (worker traces with a host gate) splits the same steps into their
-launch and their device waits.
+launch and their device waits, ``step_gc_ms`` gives the worker's garbage-collector time in each, and ``gc_ms`` its
+total over the run's steps and the largest in one.
 """
 
 from __future__ import annotations
@@ -167,17 +168,29 @@ def timeline(
             ],
         }
         | _gate_split(ordered[:first_steps])
+        | _gc(ordered)
     )
+
+
+def _gc(steps: list[dict]) -> dict:
+    """``gc_ms``: the worker's garbage-collector time over the run's steps, [total, the largest in one step]
+    (traces that record it)."""
+    pauses = [s["gc_dt"] for s in steps if s.get("gc_dt") is not None]
+    return {"gc_ms": [round(sum(pauses) * 1e3, 2), round(max(pauses) * 1e3, 2)]} if pauses else {}
 
 
 def _gate_split(steps: list[dict]) -> dict:
     """``step_launch_wait_ms``: for the same first steps, [ms from the step's start to its first device wait
     (None: none), ms in device waits]: the part of each step the worker's request reader may run in (worker
-    traces with a host gate only)."""
-    if not any("wait_dt" in s for s in steps):
-        return {}
+    traces with a host gate only). ``step_gc_ms``: the worker's garbage-collector time in each (traces that
+    record it)."""
 
     def ms(v: float | None) -> float | None:
         return None if v is None else round(v * 1e3, 2)
 
-    return {"step_launch_wait_ms": [[ms(s.get("launch_dt")), ms(s.get("wait_dt"))] for s in steps]}
+    out = {}
+    if any("wait_dt" in s for s in steps):
+        out["step_launch_wait_ms"] = [[ms(s.get("launch_dt")), ms(s.get("wait_dt"))] for s in steps]
+    if any("gc_dt" in s for s in steps):
+        out["step_gc_ms"] = [ms(s.get("gc_dt")) for s in steps]
+    return out

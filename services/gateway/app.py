@@ -71,7 +71,9 @@ class _Stream(StreamingResponse):
             self._on_close()
 
 
-def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
+def create_app(settings: GatewaySettings, tokenizer=None, *, freeze_heap: bool = False) -> FastAPI:
+    """``freeze_heap``: once started (the tokenizer loaded), freeze this process's objects out of the garbage
+    collector's reach (observability.freeze_heap; the server entry passes ``settings.gc_freeze``, tests leave it)."""
     spec = resolve_model(settings.model)
     metrics = GatewayMetrics(spec.name)
     state: dict[str, Gateway] = {}
@@ -86,6 +88,10 @@ def create_app(settings: GatewaySettings, tokenizer=None) -> FastAPI:
         gw = Gateway(settings, tok, spec.name, settings.max_model_len or spec.max_model_len, metrics)
         app.state.gateway = state["gw"] = gw
         await gw.start()
+        if freeze_heap:
+            from kernellab.services.observability import freeze_heap as freeze
+
+            freeze()
         metrics_server = None
         if settings.gateway_metrics_port:
             from kernellab.services.observability import MetricsServer

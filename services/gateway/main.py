@@ -47,7 +47,7 @@ def serve_one(settings: GatewaySettings, sock: socket.socket | None = None) -> N
 
     from kernellab.services.gateway.app import create_app
 
-    app = create_app(settings)
+    app = create_app(settings, freeze_heap=settings.gc_freeze)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

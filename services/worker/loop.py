@@ -33,6 +33,7 @@ from kernellab.runtime.request.errors import KernellabError
 from kernellab.runtime.request.outputs import Engine
 from kernellab.runtime.request.sampling import SamplingParams
 from kernellab.services.config import WorkerSettings
+from kernellab.services.observability import GC_PAUSES
 from kernellab.services.queue.broker import Delivery, WorkerQueue, connect
 from kernellab.services.queue.keys import Keys
 from kernellab.services.queue.protocol import ErrorMessage, Heartbeat, OutputChunk
@@ -120,6 +121,8 @@ class Worker:
         )
         self.active: dict[str, Active] = {}
         self.trace = StepTrace(s.step_trace) if s.step_trace else None
+        self.metrics.registry.register(GC_PAUSES.install())
+        self._gc_mark = GC_PAUSES.total()  # the step trace's gc_dt: collector time since the last step's line
         self.draining = threading.Event()
         self.stopped = threading.Event()
         self._stats = engine.stats()
@@ -247,7 +250,8 @@ class Worker:
             first = self._emit(outputs)
             if self.trace is not None:
                 gate = (self.gate.launch_s, self.gate.wait_s) if self.gate is not None else None
-                self.trace.step(t0, t1 - t0, self.engine.last_schedule, first, time.monotonic() - t1, gate)
+                gc_s, self._gc_mark = GC_PAUSES.total() - self._gc_mark, GC_PAUSES.total()
+                self.trace.step(t0, t1 - t0, self.engine.last_schedule, first, time.monotonic() - t1, gate, gc_s)
             self._refresh_stats()
 
     def _check_stall(self, since: float) -> None:

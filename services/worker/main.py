@@ -15,7 +15,7 @@ log = logging.getLogger("kernellab.worker")
 
 def serve(settings: WorkerSettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from kernellab.services.observability import MetricsServer
+    from kernellab.services.observability import MetricsServer, freeze_heap
     from kernellab.services.worker.loop import Worker
 
     # The I/O threads need the GIL for well under a millisecond per step; by default a thread waiting for it
@@ -25,6 +25,8 @@ def serve(settings: WorkerSettings) -> None:
     if settings.nice:
         os.nice(settings.nice)
     worker = Worker(settings)
+    if settings.gc_freeze:
+        freeze_heap()  # the engine, its CUDA graphs and the tokenizer live as long as the process
     server = None
     if settings.worker_metrics_port:
         server = MetricsServer(

@@ -6,7 +6,7 @@ can line its own send and receive times up with the worker's):
 
     {"ev": "add", "t": ..., "rid": "cmpl-…", "i": 0, "prompt": 512, "recv": ...}
     {"ev": "step", "t": ..., "dt": ..., "rows": 32, "tokens": 8192, "first": ["cmpl-…:0", …], "emit_dt": ...,
-     "launch_dt": ..., "wait_dt": ...}
+     "launch_dt": ..., "wait_dt": ..., "gc_dt": ...}
 
 ``add``: ``t`` when the step loop took the request in (the engine has it from then on); ``recv`` when the
 worker's I/O thread had read it from Redis (it prepares it next, ``Worker.prepare``): ``t - recv`` is the wait
@@ -15,7 +15,8 @@ existed lack it. ``step``: ``rows`` / ``tokens``: what the engine scheduled (whe
 whose first token the step made; ``emit_dt``: handing the step's chunks to the writer thread, including the wait
 for first tokens to reach Redis; ``launch_dt`` / ``wait_dt`` (engines with a host gate, runtime/host_gate.py): from
 the step's start to its first wait for the device (null: none), and the time in those waits, when the request
-reader may run. Events are buffered and written (formatted then, not on the loop's time between
+reader may run; ``gc_dt``: time the worker's process spent in the garbage collector since the previous step's line
+(the step, its emit and the take-in before it; observability.GcPauses). Events are buffered and written (formatted then, not on the loop's time between
 steps) whenever the engine goes idle, and at exit.
 """
 
@@ -45,11 +46,14 @@ class StepTrace:
         first: list[str],
         emit_dt: float,
         gate: tuple[float | None, float] | None = None,
+        gc_s: float | None = None,
     ) -> None:
         rows, tokens = shape if shape is not None else (None, None)
         ev = {"ev": "step", "t": t, "dt": dt, "rows": rows, "tokens": tokens, "first": first, "emit_dt": emit_dt}
         if gate is not None:
             ev["launch_dt"], ev["wait_dt"] = gate
+        if gc_s is not None:
+            ev["gc_dt"] = gc_s
         self._events.append(ev)
 
     def flush(self) -> None:

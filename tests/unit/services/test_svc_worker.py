@@ -273,7 +273,7 @@ def test_step_trace_records_each_request_and_the_step_that_made_its_first_token(
     steps = [e for e in events if e["ev"] == "step"]
     firsts = [rid for e in steps for rid in e["first"]]
     assert sorted(firsts) == ["req-trace-0:0", "req-trace-1:0"]  # each first token once
-    assert all(e["dt"] >= 0 and e["emit_dt"] >= 0 for e in steps)
+    assert all(e["dt"] >= 0 and e["emit_dt"] >= 0 and e["gc_dt"] >= 0 for e in steps)
     assert [e["t"] for e in steps] == sorted(e["t"] for e in steps)
 
 
