@@ -278,6 +278,7 @@ def gpu_serve_table() -> str:
         "si100": "0.1 ms GIL switch interval",
         "loopprep": "requests prepared by the step loop",
         "slowpath": "generation routes through FastAPI",
+        "nogcfreeze": "startup heap not frozen out of the garbage collector",
     }
     for name, ph in f["stack_by_phase"].items():
         g, *variants = name.removeprefix("g").split("-")
