@@ -98,6 +98,8 @@ VARIANTS = {
     "loopprep": {"KERNELLAB_PREPARE_IN_READER": "0"},
     # steps that prefill run eagerly instead of replaying the piecewise CUDA graphs (the behaviour before them)
     "nopiecewise": {"KERNELLAB_PIECEWISE_GRAPHS": "0"},
+    # steps of several fresh prompts through the piecewise graphs, not one whole-step graph (before them)
+    "nofreshgraphs": {"KERNELLAB_FRESH_PROMPT_GRAPHS": "0"},
     # the gather ends at its quiet gap even while the request reader is busy with a read (the behaviour before)
     "noreaderwait": {"KERNELLAB_GATHER_FOLLOWS_READER": "0"},
     # the request reader decodes and prepares only while the loop waits (runtime/host_gate.py; off by default)

@@ -127,7 +127,8 @@ def packed_causal_attention(
     if not q.is_cuda:  # the bounds themselves (no sync here): a graph's host lists are only its buckets'
         cu_q_host, cu_k_host = cu_q.tolist(), cu_k.tolist()
     for (qs, qe), (ks, ke) in zip(itertools.pairwise(cu_q_host), itertools.pairwise(cu_k_host), strict=True):
-        out[qs:qe] = reference.causal_attention(q[qs:qe], k[ks:ke], v[ks:ke], scale, group)
+        if qe > qs:  # zero-length chunks pad a graph's offsets
+            out[qs:qe] = reference.causal_attention(q[qs:qe], k[ks:ke], v[ks:ke], scale, group)
     return out
 
 

@@ -139,6 +139,9 @@ class EngineConfig:
     # Steps that prefill replay CUDA graphs of the forward's row-wise pieces, captured per token bucket up to
     # max_num_batched_tokens, with attention eager in between (runtime/graphs.py PiecewiseGraphs); needs cuda_graphs.
     piecewise_graphs: bool = True
+    # Steps of several fresh prompts (a burst's first step) replay one whole-step graph per (tokens, prompts) bucket
+    # (runtime/graphs.py FRESH_*_BUCKETS) instead of the piecewise graphs' ~85 launches; needs cuda_graphs.
+    fresh_prompt_graphs: bool = True
     # Greedy decode steps run back to back on the GPU between host syncs (vLLM's multi-step scheduling): the
     # host's per-step Python cost is paid once per window. 0 = auto: 8 with CUDA graphs, else 1.
     num_scheduler_steps: int = 0

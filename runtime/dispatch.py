@@ -179,7 +179,10 @@ def fast_path(ops: Ops, qk_norm: bool, device, cuda_graphs: bool, decode_window:
 def describe_fast_path(fp: dict) -> str:
     graphs = "CUDA graphs on" if fp["cuda_graphs"] else f"CUDA graphs off ({fp['cuda_graphs_off']})"
     if fp["cuda_graphs"] and "piecewise_graphs" in fp:  # the runner adds it once it has tried the capture
-        graphs += f" (steps that prefill: {'piecewise graphs' if fp['piecewise_graphs'] else 'eager'})"
+        graphs += f" (steps that prefill: {'piecewise graphs' if fp['piecewise_graphs'] else 'eager'}"
+        if fp.get("fresh_prompt_graphs"):
+            graphs += f"; several fresh prompts: {fp['fresh_prompt_graphs']} whole-step graphs"
+        graphs += ")"
     by_reason: dict[str, list[str]] = {}
     for op, why in fp["torch_ops"].items():
         by_reason.setdefault(why, []).append(op)

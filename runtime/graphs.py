@@ -1,5 +1,6 @@
-"""CUDA graphs: decode steps by batch bucket, single-prompt prefill by length bucket, and one chunk that
-continues a cached context (a chat turn after a system prompt the prefix cache holds) by (chunk, context) bucket.
+"""CUDA graphs: decode steps by batch bucket, single-prompt prefill by length bucket, steps of several fresh
+prompts by (tokens, prompts) bucket, and one chunk that continues a cached context (a chat turn after a system
+prompt the prefix cache holds) by (chunk, context) bucket.
 
 A graph replays a fixed sequence of kernels on fixed addresses, so each step copies its inputs into static
 buffers (one host→device copy for the int64 inputs, one for the block table) and replays the captured
@@ -8,6 +9,15 @@ harmless read of block 0). The captured region ends with the LM head, so a repla
 
 Only ops without host syncs can be captured: the dispatcher's ``graph_safe`` says whether the enabled
 kernels allow it (the Triton KV write and paged decode attention).
+
+Several fresh prompts in one step (a burst's first step, a worker's pure-prefill steps) replay the ("fresh",
+tokens, prompts) graph of the smallest bucket pair that fits: the prompts packed as the step has them, then
+padding rows (slot -1, outside every sequence); ``cu_seqlens`` in a static buffer, padded with zero-length
+sequences at the end; FlashAttention's varlen call takes the bucket's token count as ``max_seqlen`` (an upper
+bound: it sizes the grid, programs past a sequence's end exit). Through the piecewise graphs such a step
+launched 28 graph pieces, 28 attention calls and 28 output projections from Python, which the serving worker's
+other threads and the gateway processes stretch: on the H200 an 8 × 512 first step took 12-18 ms in the worker
+against ~10.5 ms in the engine alone (docs/deploy.md).
 
 A chunk after a cached context otherwise runs eagerly: every Triton launch then costs ~85 µs of Python on the
 H200's host (measured), ~25 ms for Qwen3-0.6B's 28 layers against ~2 ms of GPU work. Its graph gathers the
@@ -35,6 +45,8 @@ DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 3
 PREFILL_BUCKETS = (128, 256, 512, 1024, 2048, 4096)
 CHUNK_BUCKETS = (32, 128, 512)  # a chunk after a cached context: its new tokens …
 CONTEXT_BUCKETS = (1024, 2048, 4096, 8192)  # … and the whole context it attends (cached + new)
+FRESH_TOKEN_BUCKETS = (512, 1024, 2048, 4096)  # several fresh prompts in one step: their tokens …
+FRESH_SEQ_BUCKETS = (2, 4, 8, 16)  # … and how many (larger steps are GPU-bound: the piecewise graphs keep up)
 
 
 class GraphRunner:
@@ -49,6 +61,8 @@ class GraphRunner:
         prefill_buckets: tuple[int, ...] = PREFILL_BUCKETS,
         chunk_buckets: tuple[int, ...] = CHUNK_BUCKETS,
         context_buckets: tuple[int, ...] = CONTEXT_BUCKETS,
+        fresh_token_buckets: tuple[int, ...] = FRESH_TOKEN_BUCKETS,
+        fresh_seq_buckets: tuple[int, ...] = FRESH_SEQ_BUCKETS,
     ):
         self.model, self.kv_caches, self.device = model, kv_caches, device
         # around the wait for a decode window's tokens (runtime/host_gate.py)
@@ -64,7 +78,14 @@ class GraphRunner:
             c for i, c in enumerate(context_buckets) if i == 0 or context_buckets[i - 1] < max_model_len
         )
         self.chunk_buckets = tuple(b for b in chunk_buckets if b < max_model_len)
-        n = max(self.decode_buckets[-1], max(self.prefill_buckets, default=1), max(self.chunk_buckets, default=1))
+        self.fresh_token_buckets = tuple(fresh_token_buckets)
+        self.fresh_seq_buckets = tuple(b for b in fresh_seq_buckets if b <= max_num_seqs)
+        n = max(
+            self.decode_buckets[-1],
+            max(self.prefill_buckets, default=1),
+            max(self.chunk_buckets, default=1),
+            max(self.fresh_token_buckets, default=1),
+        )
         # int64 inputs: rows = input_ids, positions, slot_mapping, context_lens (as int64 for one copy).
         self.host = torch.zeros((4, n), dtype=torch.int64, pin_memory=True)
         self.inputs = torch.zeros((4, n), dtype=torch.int64, device=device)
@@ -81,6 +102,14 @@ class GraphRunner:
         self.host_ctx = torch.zeros(c + 4, dtype=torch.int64, pin_memory=True)
         self.ctx = torch.zeros(c + 4, dtype=torch.int64, device=device)
         self.ctx_cu = torch.zeros(4, dtype=torch.int32, device=device)
+        # Several fresh prompts: cu_seqlens (int32, as FlashAttention takes them) and the rows whose logits are
+        # needed, filled through one int64 host → device copy.
+        sf = max(self.fresh_seq_buckets, default=1)
+        self.host_fresh = torch.zeros(2 * sf + 1, dtype=torch.int64, pin_memory=True)
+        self.fresh_inputs = torch.zeros(2 * sf + 1, dtype=torch.int64, device=device)
+        self.fresh_cu = torch.zeros(sf + 1, dtype=torch.int32, device=device)
+        self.fresh_rows = torch.zeros(sf, dtype=torch.int64, device=device)
+        self.fresh_replays = 0  # several-fresh-prompt replays so far (the gate checks they happen)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple, torch.Tensor] = {}
         # A graph records addresses only: every tensor it reads (the metadata's too) must outlive it.
@@ -108,6 +137,9 @@ class GraphRunner:
 
     def _chunk_meta(self, n: int, c: int) -> AttentionMetadata:
         return chunk_metadata(self.inputs, self.ctx, self.ctx_cu, n, c)
+
+    def _fresh_meta(self, t: int, s: int) -> AttentionMetadata:
+        return fresh_metadata(self.inputs, self.fresh_cu, self.fresh_rows, t, s)
 
     def _capture(self, key: tuple, meta: AttentionMetadata) -> None:
         n = key[1]
@@ -140,6 +172,17 @@ class GraphRunner:
             for key in [k for k in self.graphs if k[0] == "chunk"]:
                 del self.graphs[key], self.logits[key], self.metas[key]
             self.chunk_buckets = ()
+        try:
+            for t in reversed(self.fresh_token_buckets):
+                for sb in reversed(self.fresh_seq_buckets):
+                    even = np.linspace(0, t, sb + 1).astype(np.int64)  # the warm-ups' prompts: sb of t // sb
+                    self.fresh_cu[: sb + 1].copy_(torch.from_numpy(even))
+                    self._capture(("fresh", t, sb), self._fresh_meta(t, sb))
+        except RuntimeError as exc:  # FlashAttention's varlen call missing or not capturable here
+            log.warning("several-fresh-prompt graphs not captured (%s): such steps run piecewise", exc)
+            for key in [k for k in self.graphs if k[0] == "fresh"]:
+                del self.graphs[key], self.logits[key], self.metas[key]
+            self.fresh_token_buckets = self.fresh_seq_buckets = ()
         torch.cuda.synchronize(self.device)
         log.info("captured %d CUDA graphs", len(self.graphs))
 
@@ -149,6 +192,12 @@ class GraphRunner:
 
     def prefill_bucket(self, n: int) -> int | None:
         return next((b for b in self.prefill_buckets if b >= n), None)
+
+    def fresh_bucket(self, tokens: int, prompts: int) -> tuple[int, int] | None:
+        """The (tokens, prompts) graph for a step of ``prompts`` fresh prompts of ``tokens`` in all, if captured."""
+        t = next((b for b in self.fresh_token_buckets if b >= tokens), None)
+        s = next((b for b in self.fresh_seq_buckets if b >= prompts), None)
+        return None if t is None or s is None or ("fresh", t, s) not in self.graphs else (t, s)
 
     def chunk_bucket(self, n: int, context: int) -> tuple[int, int] | None:
         """The (chunk, context) graph for ``n`` new tokens after ``context - n`` cached ones, if captured."""
@@ -231,6 +280,22 @@ class GraphRunner:
         self.graphs[("prefill", bucket)].replay()
         return self.logits[("prefill", bucket)]
 
+    def fresh(self, rows: np.ndarray, cu: list[int], logits_rows: list[int]) -> torch.Tensor:
+        """A step of several fresh prompts: ``rows`` their packed ``(3, n)`` ids / positions / slots, ``cu`` the
+        prompts' row offsets (``[0, …, n]``), ``logits_rows`` the rows whose logits are needed; returns those."""
+        n, k = rows.shape[1], len(cu) - 1
+        bucket = self.fresh_bucket(n, k)
+        assert bucket is not None  # the runner replays only a captured size (it asked fresh_bucket)
+        t, s = bucket
+        fill_fresh_inputs(self.host.numpy(), self.host_fresh.numpy(), rows, cu, logits_rows, t, s)
+        self.inputs[:3, :t].copy_(self.host[:3, :t], non_blocking=True)
+        self.fresh_inputs[: 2 * s + 1].copy_(self.host_fresh[: 2 * s + 1], non_blocking=True)
+        self.fresh_cu[: s + 1].copy_(self.fresh_inputs[: s + 1])
+        self.fresh_rows[:s].copy_(self.fresh_inputs[s + 1 : 2 * s + 1])
+        self.graphs[("fresh", t, s)].replay()
+        self.fresh_replays += 1
+        return self.logits[("fresh", t, s)][: len(logits_rows)]
+
     def chunk(self, ids, start: int, context_slots) -> torch.Tensor:
         """One chunk of ``len(ids)`` tokens at positions ``start …`` whose context (cached tokens and its own:
         ``context_slots``, the chunk's own last, already in the cache once the layer's KV write ran) it attends;
@@ -264,6 +329,44 @@ def prefill_metadata(inputs: torch.Tensor, n: int, gather: ContextGather | None 
         prefill_num_fresh=0 if gather is not None else 1,
         prefill_gather=gather,
     )
+
+
+def fresh_metadata(
+    inputs: torch.Tensor, cu: torch.Tensor, logits_rows: torch.Tensor, t: int, s: int
+) -> AttentionMetadata:
+    """The metadata a (tokens ``t``, prompts ``s``) graph of several fresh prompts is captured with, over the static
+    buffers: ``inputs`` rows (ids, positions, slots), ``cu[: s + 1]`` the prompts' offsets (zero-length prompts pad
+    it; rows past the last offset belong to none), ``logits_rows[:s]``. The host offsets are the bucket's bounds:
+    the attention takes all ``t`` rows and ``t`` as the longest prompt, an upper bound."""
+    return AttentionMetadata(
+        positions=inputs[1, :t],
+        slot_mapping=inputs[2, :t],
+        num_decode_tokens=0,
+        decode_block_tables=None,
+        decode_context_lens=None,
+        prefill_block_tables=None,
+        prefill_cu_seqlens_q=cu[: s + 1],
+        prefill_context_lens=None,
+        logits_indices=logits_rows[:s],
+        prefill_cu_seqlens_host=[0] + [t] * s,
+        prefill_num_fresh=s,
+    )
+
+
+def fill_fresh_inputs(
+    host: np.ndarray, host_fresh: np.ndarray, rows: np.ndarray, cu: list[int], logits_rows: list[int], t: int, s: int
+) -> None:
+    """A step of several fresh prompts into the host buffers of bucket (``t``, ``s``): ``host[:3, :t]`` the rows,
+    padded with token 0, position 0 and slot -1 (no KV write); ``host_fresh[: s + 1]`` the offsets, padded with
+    zero-length prompts at the end; ``host_fresh[s + 1 : 2s + 1]`` the logits rows, padded with row 0."""
+    n, k = rows.shape[1], len(cu) - 1
+    host[:3, :n] = rows
+    host[:2, n:t] = 0
+    host[2, n:t] = -1
+    host_fresh[: k + 1] = cu
+    host_fresh[k + 1 : s + 1] = n
+    host_fresh[s + 1 : s + 1 + len(logits_rows)] = logits_rows
+    host_fresh[s + 1 + len(logits_rows) : 2 * s + 1] = 0
 
 
 def chunk_metadata(inputs: torch.Tensor, ctx: torch.Tensor, ctx_cu: torch.Tensor, n: int, c: int) -> AttentionMetadata:

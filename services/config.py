@@ -181,6 +181,9 @@ class WorkerSettings(StackSettings):
     # KERNELLAB_PIECEWISE_GRAPHS: steps that prefill replay per-token-bucket CUDA graphs of the forward's row-wise
     # pieces, attention eager in between (GPU; off: they run eagerly, host-bound; the serving benchmark's A/B)
     piecewise_graphs: bool = True
+    # KERNELLAB_FRESH_PROMPT_GRAPHS: a step of several fresh prompts (a burst's first step) replays one whole-step
+    # CUDA graph (GPU; off: the piecewise graphs; the serving benchmark's -nofreshgraphs A/B)
+    fresh_prompt_graphs: bool = True
     max_deliveries: int = Field(3, ge=1)  # deliveries beyond this send a request to the dead-letter stream
     drain_timeout_s: float = Field(30.0, ge=0)
     batch_share: float = Field(0.75, gt=0, le=1)  # at most this share of max_num_seqs goes to batch requests

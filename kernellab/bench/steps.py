@@ -3,10 +3,12 @@
 A serving engine's prefill steps come in mixes: a burst of fresh prompts (the interactive TTFT), prompts joining
 a decoding batch (continuous batching under arrivals), a chat turn after a cached system prompt. ``step_times``
 builds each mix in a live engine (decode rows already decoding, then the prompts added) and times the one
-``engine.step()`` that runs it, host work and the sampler's sync included, with the runner's piecewise graphs on
-and off in alternating order. ``piecewise_matches_eager`` runs mixed steps through both forwards of the same runner
-and compares their logits (the graphs pad a step to its token bucket, so bf16 GEMMs may round differently).
-Both run on any device; off a GPU there are no piecewise graphs and only the eager side is measured."""
+``engine.step()`` that runs it, host work and the sampler's sync included, in alternating order: the runner as it
+runs (``graph``: a whole-step graph where one is captured, such as several fresh prompts', else the piecewise
+graphs), the piecewise graphs alone, and eagerly. ``piecewise_matches_eager`` runs mixed steps through both forwards
+of the same runner and compares their logits (the graphs pad a step to its token bucket, so bf16 GEMMs may round
+differently); ``fresh_graph_matches_eager`` does the same for the graphs of several fresh prompts. All run on any
+device; off a GPU there are no graphs and only the eager side is measured."""
 
 from __future__ import annotations
 
@@ -68,14 +70,23 @@ def _timed_step(e: _Engine, prompts: tuple[int, ...]) -> tuple[float, int, int]:
     return dt, rows, tokens
 
 
+def _mode(runner, mode: str) -> None:
+    """``graph``: the runner's own choice (whole-step graphs first, then piecewise); ``piecewise``: the piecewise
+    graphs only; ``eager``: neither."""
+    runner.use_graphs = mode == "graph" and runner.graphs is not None
+    runner.use_piecewise = mode in ("graph", "piecewise") and runner.piecewise is not None
+
+
 def step_times(engine, mixes=MIXES_H200, reps: int = 5, seed: int = 0) -> list[dict]:
-    """Per mix: the median wall time of the step that runs it, with piecewise graphs (where the runner has them)
-    and eagerly, alternating A B, B A, … over ``reps`` rounds; and how many replays the piecewise side made."""
+    """Per mix: the median wall time of the step that runs it, as the runner runs it (where it has whole-step
+    graphs for it), with the piecewise graphs (where it has them) and eagerly, alternating A B C, C B A, … over
+    ``reps`` rounds; and how many replays each graph side made."""
     runner = engine.runner
     prefix_caching = engine.block_manager.enable_prefix_caching
     engine.block_manager.enable_prefix_caching = False  # every round must compute its prompts
     e = _Engine(engine, torch.Generator().manual_seed(seed))
-    modes = ("piecewise", "eager") if runner.piecewise is not None else ("eager",)
+    fresh_graphs = runner.graphs is not None and bool(runner.graphs.fresh_token_buckets)
+    modes = (("graph",) if fresh_graphs else ()) + (("piecewise",) if runner.piecewise is not None else ()) + ("eager",)
     out = []
     try:
         for name, decode_rows, prompts in mixes:
@@ -83,10 +94,11 @@ def step_times(engine, mixes=MIXES_H200, reps: int = 5, seed: int = 0) -> list[d
             times: dict[str, list[float]] = {m: [] for m in modes}
             shape = None
             replays0 = runner.piecewise.replays if runner.piecewise is not None else 0
+            fresh0 = runner.graphs.fresh_replays if fresh_graphs else 0
             for r in range(reps + 1):  # the first round warms up
                 order = modes if r % 2 == 0 else modes[::-1]
                 for mode in order:
-                    runner.use_piecewise = mode == "piecewise"
+                    _mode(runner, mode)
                     dt, rows, tokens = _timed_step(e, prompts)
                     shape = (rows, tokens)
                     if r:
@@ -106,11 +118,68 @@ def step_times(engine, mixes=MIXES_H200, reps: int = 5, seed: int = 0) -> list[d
                 row["piecewise_replays"] = runner.piecewise.replays - replays0
                 row["bucket"] = runner.piecewise.bucket(shape[1]) if shape else None
                 row["speedup"] = round(row["eager_ms"] / row["piecewise_ms"], 3)
+            if fresh_graphs:
+                row["fresh_graph_replays"] = runner.graphs.fresh_replays - fresh0
             out.append(row)
     finally:
-        runner.use_piecewise = runner.piecewise is not None
+        _mode(runner, "graph")
         engine.block_manager.enable_prefix_caching = prefix_caching
     return out
+
+
+@torch.inference_mode()
+def fresh_graph_matches_eager(engine, mixes=MIXES_H200, seed: int = 2, atol: float = 0.1) -> dict:
+    """Each mix of several fresh prompts that a captured (tokens, prompts) graph takes, replayed and run eagerly by
+    the same runner: the logits of every sampling row (max abs difference; the graph pads to its bucket, so bf16
+    GEMMs may round differently) and whether their greedy tokens agree. Passes when every logit is within
+    ``atol``, at least 99 % of the argmax agree, and a graph replayed for each such mix."""
+    runner, graphs = engine.runner, engine.runner.graphs
+    if graphs is None or not graphs.fresh_token_buckets:
+        return {"pass": None, "why": "no graphs of several fresh prompts on this runner"}
+    prefix_caching = engine.block_manager.enable_prefix_caching
+    engine.block_manager.enable_prefix_caching = False
+    e = _Engine(engine, torch.Generator().manual_seed(seed))
+    rows_out, agree, total, worst = [], 0, 0, 0.0
+    try:
+        for name, decode_rows, prompts in mixes:
+            if decode_rows or len(prompts) < 2:
+                continue
+            added = [e.add(n, 2) for n in prompts]
+            out = engine.scheduler.schedule()
+            bucket = graphs.fresh_bucket(out.num_batched_tokens, len(out.scheduled))
+            if bucket is not None:
+                ids, meta, _, _ = runner.prepare(out)
+                model = runner.model
+                eager = model.compute_logits(model(ids, meta, runner.kv_caches)[meta.logits_indices])
+                before = graphs.fresh_replays
+                logits, _ = runner._execute_graph(out, graphs)
+                diff = float((logits.float() - eager.float()).abs().max())
+                same = int((logits.argmax(-1) == eager.argmax(-1)).sum())
+                rows_out.append(
+                    {
+                        "mix": name,
+                        "bucket": list(bucket),
+                        "sampling_rows": int(eager.shape[0]),
+                        "max_abs_logit_diff": diff,
+                        "argmax_agree": same,
+                        "replayed": graphs.fresh_replays - before,
+                    }
+                )
+                agree, total, worst = agree + same, total + int(eager.shape[0]), max(worst, diff)
+            for rid in added:  # undo the step: nothing advanced (it was scheduled, not run)
+                engine.abort(rid)
+    finally:
+        engine.block_manager.enable_prefix_caching = prefix_caching
+    return {
+        "pass": bool(rows_out)
+        and worst <= atol
+        and agree >= 0.99 * total
+        and all(r["replayed"] == 1 for r in rows_out),
+        "max_abs_diff": worst,
+        "argmax_agree_pct": round(100 * agree / max(total, 1), 3),
+        "atol": atol,
+        "mixes": rows_out,
+    }
 
 
 @torch.inference_mode()

@@ -93,6 +93,7 @@ class Worker:
                     weight_quant=s.weight_quant,
                     kv_cache_dtype=s.kv_cache_dtype,
                     piecewise_graphs=s.piecewise_graphs,
+                    fresh_prompt_graphs=s.fresh_prompt_graphs,
                 )
             )
         self.engine: Engine = engine

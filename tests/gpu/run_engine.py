@@ -351,7 +351,14 @@ def prefill_steps(weights, report):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from kernellab.bench.steps import MIXES_H200, _Engine, _timed_step, piecewise_matches_eager, step_times
+    from kernellab.bench.steps import (
+        MIXES_H200,
+        _Engine,
+        _timed_step,
+        fresh_graph_matches_eager,
+        piecewise_matches_eager,
+        step_times,
+    )
 
     t = time.perf_counter()
     eng = engine(weights, max_num_seqs=256, max_model_len=4096, num_kv_blocks=16384)
@@ -373,10 +380,14 @@ def prefill_steps(weights, report):
     log(
         f"piecewise ~ eager: pass={check['pass']} max |diff| {check.get('max_abs_diff')} argmax {check.get('argmax_agree_pct')}%"
     )
+    section["fresh_graph_numerics"] = check = fresh_graph_matches_eager(eng, MIXES_H200)
+    log(
+        f"fresh-prompt graphs ~ eager: pass={check['pass']} max |diff| {check.get('max_abs_diff')} argmax {check.get('argmax_agree_pct')}%"
+    )
     section["steps"] = step_times(eng, MIXES_H200, reps=6)
     for r in section["steps"]:
         log(
-            f"step {r['mix']:18s} {r['step_rows']:4d} rows {r['step_tokens']:6d} tok  piecewise {r.get('piecewise_ms')} ms  eager {r['eager_ms']} ms  x{r.get('speedup')}"
+            f"step {r['mix']:18s} {r['step_rows']:4d} rows {r['step_tokens']:6d} tok  graph {r.get('graph_ms')} ms  piecewise {r.get('piecewise_ms')} ms  eager {r['eager_ms']} ms  x{r.get('speedup')}"
         )
     # one profiled step of the burst's full step, each way
     name, _, prompts = MIXES_H200[0]
@@ -385,6 +396,7 @@ def prefill_steps(weights, report):
     prof_rows = {}
     for mode in ("piecewise", "eager") if pw is not None else ("eager",):
         eng.runner.use_piecewise = mode == "piecewise"
+        eng.runner.use_graphs = False  # the burst's full step has no whole-step graph: the same either way
         _timed_step(e, prompts)  # warm
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             dt, _, _ = _timed_step(e, prompts)
@@ -400,6 +412,7 @@ def prefill_steps(weights, report):
         }
         log(f"profile {name} {mode}: wall {dt * 1e3:.2f} ms (profiled), GPU kernels {gpu_ms:.2f} ms")
     eng.runner.use_piecewise = pw is not None
+    eng.runner.use_graphs = eng.runner.graphs is not None
     section["profile_" + name] = prof_rows
     del eng
 
@@ -677,8 +690,13 @@ def print_table(report) -> None:
     steps = report.get("prefill_steps") or {}
     if "numerics" in steps:
         print(f"piecewise ~ eager         pass={steps['numerics']['pass']}")
+    if "fresh_graph_numerics" in steps:
+        print(f"fresh-prompt graphs ~ eager pass={steps['fresh_graph_numerics']['pass']}")
     for r in steps.get("steps", []):
-        print(f"step {r['mix']:20s} piecewise {r.get('piecewise_ms', '-'):>8} ms  eager {r['eager_ms']:>8} ms")
+        print(
+            f"step {r['mix']:20s} graph {r.get('graph_ms', '-'):>8} ms  piecewise {r.get('piecewise_ms', '-'):>8} ms  "
+            f"eager {r['eager_ms']:>8} ms"
+        )
     for r in report["offline"]:
         print(f"offline {r['system']:24s} {r['workload']:18s} {r['output_tok_per_s']:>10.0f} tok/s")
     if report["latency"]:
