@@ -165,14 +165,25 @@ def prefill_step_rows(steps: dict) -> list[str]:
         f"logits agree: max |difference| {num.get('max_abs_diff')}, argmax {num.get('argmax_agree_pct')} % "
         f"({'pass' if num.get('pass') else 'FAIL'}).",
         "",
-        "| step | rows | tokens (bucket) | piecewise ms | eager ms | speed-up |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| step | rows | tokens (bucket) | as the engine runs it, ms | piecewise ms | eager ms | piecewise speed-up |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in steps["steps"]:
+        graph = r.get("graph_ms", "—")
+        if r.get("fresh_graph_replays"):
+            graph = f"{graph} (one whole-step graph)"
         lines.append(
-            f"| {r['mix']} | {r['step_rows']} | {r['step_tokens']:,} ({r.get('bucket', 0):,}) | "
+            f"| {r['mix']} | {r['step_rows']} | {r['step_tokens']:,} ({r.get('bucket', 0):,}) | {graph} | "
             f"{r.get('piecewise_ms', '—')} | {r['eager_ms']} | {r.get('speedup', '—')}× |"
         )
+    fresh = steps.get("fresh_graph_numerics") or {}
+    if fresh.get("mixes"):
+        lines += [
+            "",
+            f"Steps of several fresh prompts replay one whole-step graph per (tokens, prompts) bucket; against the "
+            f"eager forward their logits differ by at most {fresh.get('max_abs_diff')}, argmax "
+            f"{fresh.get('argmax_agree_pct')} % ({'pass' if fresh.get('pass') else 'FAIL'}).",
+        ]
     return lines
 
 
@@ -279,6 +290,7 @@ def gpu_serve_table() -> str:
         "loopprep": "requests prepared by the step loop",
         "slowpath": "generation routes through FastAPI",
         "nogcfreeze": "startup heap not frozen out of the garbage collector",
+        "nofreshgraphs": "several fresh prompts through the piecewise graphs",
     }
     for name, ph in f["stack_by_phase"].items():
         g, *variants = name.removeprefix("g").split("-")
