@@ -131,6 +131,12 @@ def main() -> None:
     config = engine_config_from_env()
     engine = LLMEngine(config)
     tokenizer = engine.tokenizer
+    from kernellab.services.config import WorkerSettings
+
+    if WorkerSettings().gc_freeze:  # KERNELLAB_GC_FREEZE, as for `kernellab worker`
+        from kernellab.services.observability import freeze_heap
+
+        freeze_heap()  # no full collection walks the model and the tokenizer mid-request
     loop = EngineLoop(engine, on_fatal=exit_after_fault)
     loop.start()
     # The registry name, as the gateway reports it; requests may also name the model by its hub id.
