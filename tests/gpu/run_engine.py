@@ -582,6 +582,7 @@ def model_paths(report):
     sequences (40 → 256 tokens) and a lone short request's TTFT; then the Llama family's own ablation of the
     ops on its path that Qwen3's gate never runs, on the embedded model's shape."""
     from kernellab.bench.latency import engine_decode_step, engine_ttft
+    from kernellab.bench.steps import fresh_graph_matches_eager
 
     rows = {}
     for shape in PATH_SHAPES:
@@ -598,12 +599,15 @@ def model_paths(report):
             "ttft_32_ms": round(statistics.median(ttft) * 1e3, 3),
             "ttft_32_after_cached_prefix_ms": round(statistics.median(cached) * 1e3, 3),
             "cached_prefix_tokens": CACHED_PREFIX,
+            # a burst's first step (several fresh prompts) as its whole-step graph replays it and as eager runs it
+            "fresh_graph_matches_eager": fresh_graph_matches_eager(eng, (("burst-8x256", 0, (256,) * 8),)),
         }
         log(
             f"path {shape:14s} graphs {'on ' if fp['cuda_graphs'] else 'off'} window {fp['decode_window']}  "
             f"decode step @256 {step['step_ms']:.3f} ms  {step['tok_per_s']:.0f} tok/s  "
             f"TTFT(32) {rows[shape]['ttft_32_ms']:.2f} ms, after a cached {CACHED_PREFIX}-token prefix "
-            f"{rows[shape]['ttft_32_after_cached_prefix_ms']:.2f} ms"
+            f"{rows[shape]['ttft_32_after_cached_prefix_ms']:.2f} ms; fresh-prompt graph ~ eager "
+            f"{rows[shape]['fresh_graph_matches_eager']['pass']}"
         )
         if not fp["cuda_graphs"]:
             log(f"  graphs off: {fp['cuda_graphs_off']}")
