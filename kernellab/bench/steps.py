@@ -29,6 +29,13 @@ MIXES_H200 = (
 )
 
 
+# Fresh prompts whose step pads its (tokens, prompts) bucket: rows past the last prompt and empty prompts
+FRESH_PADDED_MIXES = (
+    ("fresh-5-odd", 0, (300, 77, 512, 129, 40)),
+    ("fresh-3-short", 0, (17, 2, 33)),
+)
+
+
 @dataclass
 class _Engine:
     engine: object

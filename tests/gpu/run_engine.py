@@ -352,6 +352,7 @@ def prefill_steps(weights, report):
     from torch.profiler import profile as torch_profile
 
     from kernellab.bench.steps import (
+        FRESH_PADDED_MIXES,
         MIXES_H200,
         _Engine,
         _timed_step,
@@ -380,7 +381,7 @@ def prefill_steps(weights, report):
     log(
         f"piecewise ~ eager: pass={check['pass']} max |diff| {check.get('max_abs_diff')} argmax {check.get('argmax_agree_pct')}%"
     )
-    section["fresh_graph_numerics"] = check = fresh_graph_matches_eager(eng, MIXES_H200)
+    section["fresh_graph_numerics"] = check = fresh_graph_matches_eager(eng, MIXES_H200 + FRESH_PADDED_MIXES)
     log(
         f"fresh-prompt graphs ~ eager: pass={check['pass']} max |diff| {check.get('max_abs_diff')} argmax {check.get('argmax_agree_pct')}%"
     )
