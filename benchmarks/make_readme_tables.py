@@ -182,7 +182,8 @@ def prefill_step_rows(steps: dict) -> list[str]:
             "",
             f"Steps of several fresh prompts replay one whole-step graph per (tokens, prompts) bucket; against the "
             f"eager forward their logits differ by at most {fresh.get('max_abs_diff')}, argmax "
-            f"{fresh.get('argmax_agree_pct')} % ({'pass' if fresh.get('pass') else 'FAIL'}).",
+            f"{fresh.get('argmax_agree_pct')} % "
+            f"({'pass' if fresh.get('pass') else 'FAIL'}).",
         ]
     return lines
 

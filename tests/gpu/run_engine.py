@@ -383,7 +383,8 @@ def prefill_steps(weights, report):
     )
     section["fresh_graph_numerics"] = check = fresh_graph_matches_eager(eng, MIXES_H200 + FRESH_PADDED_MIXES)
     log(
-        f"fresh-prompt graphs ~ eager: pass={check['pass']} max |diff| {check.get('max_abs_diff')} argmax {check.get('argmax_agree_pct')}%"
+        f"fresh-prompt graphs ~ eager: pass={check['pass']} max |diff| {check.get('max_abs_diff')} argmax "
+        f"{check.get('argmax_agree_pct')}%"
     )
     section["steps"] = step_times(eng, MIXES_H200, reps=6)
     for r in section["steps"]:

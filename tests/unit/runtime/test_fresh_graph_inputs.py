@@ -66,3 +66,16 @@ def test_padded_fresh_prompts_give_the_eager_logits(tiny_checkpoints, monkeypatc
     padded = model.compute_logits(model(inputs[0, :t], graph_meta, kv)[graph_meta.logits_indices])
     torch.testing.assert_close(padded[: len(plan.sampling)], eager, atol=1e-5, rtol=1e-5)
     assert padded[len(plan.sampling) :].isfinite().all()  # padding logits rows read row 0, a real one
+
+
+def test_argmax_agreement_reports_how_close_the_swapped_tokens_were():
+    from kernellab.bench.steps import argmax_agreement
+
+    eager = torch.tensor([[5.00, 4.98, 1.0], [3.0, 1.0, 0.0]])
+    ours = eager.clone()
+    ours[0, 0] -= 0.015  # row 0: the top two, 0.02 apart, swap when each moves by 0.015
+    ours[0, 1] += 0.015
+    diff, same, gaps = argmax_agreement(ours, eager)
+    assert abs(diff - 0.015) < 1e-6 and same == 1 and gaps == [0.02]
+    assert gaps[0] <= 2 * diff  # a swap needs the two tokens within twice the largest move
+    assert argmax_agreement(eager, eager) == (0.0, 2, [])
