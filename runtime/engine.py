@@ -165,7 +165,7 @@ class LLMEngine:
 
     @property
     def request_limits(self) -> RequestLimits:
-        """The checks of ``prepare_request`` as plain data (the worker's reader process runs them)."""
+        """The checks of ``prepare_request`` as plain data: no engine needed to run them."""
         return RequestLimits(self.model_config.vocab_size, self.max_model_len)
 
     def prepare_checked(

@@ -12,8 +12,10 @@ device; off a GPU there are no graphs and only the eager side is measured."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +55,17 @@ class _Engine:
         return rid
 
 
+@contextlib.contextmanager
+def _computing(engine, seed: int) -> Iterator[_Engine]:
+    """The engine with its prefix cache off (every mix computes its prompts), restored after; prompts from ``seed``."""
+    prefix_caching = engine.block_manager.enable_prefix_caching
+    engine.block_manager.enable_prefix_caching = False
+    try:
+        yield _Engine(engine, torch.Generator().manual_seed(seed))
+    finally:
+        engine.block_manager.enable_prefix_caching = prefix_caching
+
+
 def _decoding(e: _Engine, rows: int) -> list[str]:
     """``rows`` requests past their prefill, decoding (long outputs, so they outlive the measurement)."""
     eng = e.engine
@@ -89,13 +102,11 @@ def step_times(engine, mixes=MIXES_H200, reps: int = 5, seed: int = 0) -> list[d
     graphs for it), with the piecewise graphs (where it has them) and eagerly, alternating A B C, C B A, … over
     ``reps`` rounds; and how many replays each graph side made."""
     runner = engine.runner
-    prefix_caching = engine.block_manager.enable_prefix_caching
-    engine.block_manager.enable_prefix_caching = False  # every round must compute its prompts
-    e = _Engine(engine, torch.Generator().manual_seed(seed))
     fresh_graphs = runner.graphs is not None and bool(runner.graphs.fresh_token_buckets)
     modes = (("graph",) if fresh_graphs else ()) + (("piecewise",) if runner.piecewise is not None else ()) + ("eager",)
     out = []
-    try:
+    with _computing(engine, seed) as e, contextlib.ExitStack() as restore:
+        restore.callback(_mode, runner, "graph")
         for name, decode_rows, prompts in mixes:
             live = _decoding(e, decode_rows)
             times: dict[str, list[float]] = {m: [] for m in modes}
@@ -128,9 +139,6 @@ def step_times(engine, mixes=MIXES_H200, reps: int = 5, seed: int = 0) -> list[d
             if fresh_graphs:
                 row["fresh_graph_replays"] = runner.graphs.fresh_replays - fresh0
             out.append(row)
-    finally:
-        _mode(runner, "graph")
-        engine.block_manager.enable_prefix_caching = prefix_caching
     return out
 
 
@@ -161,11 +169,8 @@ def fresh_graph_matches_eager(engine, mixes=MIXES_H200, seed: int = 2, atol: flo
     runner, graphs = engine.runner, engine.runner.graphs
     if graphs is None or not graphs.fresh_token_buckets:
         return {"pass": None, "why": "no graphs of several fresh prompts on this runner"}
-    prefix_caching = engine.block_manager.enable_prefix_caching
-    engine.block_manager.enable_prefix_caching = False
-    e = _Engine(engine, torch.Generator().manual_seed(seed))
     rows_out, agree, total, worst = [], 0, 0, 0.0
-    try:
+    with _computing(engine, seed) as e:
         for name, decode_rows, prompts in mixes:
             if decode_rows or len(prompts) < 2:
                 continue
@@ -193,8 +198,6 @@ def fresh_graph_matches_eager(engine, mixes=MIXES_H200, seed: int = 2, atol: flo
                 agree, total, worst = agree + same, total + int(eager.shape[0]), max(worst, diff)
             for rid in added:  # undo the step: nothing advanced (it was scheduled, not run)
                 engine.abort(rid)
-    finally:
-        engine.block_manager.enable_prefix_caching = prefix_caching
     return {
         "pass": bool(rows_out) and worst <= atol and all(r["replayed"] == 1 for r in rows_out),
         "max_abs_diff": worst,
@@ -214,11 +217,8 @@ def piecewise_matches_eager(engine, mixes=MIXES_H200, seed: int = 1, atol: float
     pw = runner.piecewise
     if pw is None:
         return {"pass": None, "why": "no piecewise graphs on this runner"}
-    prefix_caching = engine.block_manager.enable_prefix_caching
-    engine.block_manager.enable_prefix_caching = False
-    e = _Engine(engine, torch.Generator().manual_seed(seed))
     rows_out, agree, total, worst = [], 0, 0, 0.0
-    try:
+    with _computing(engine, seed) as e:
         for name, decode_rows, prompts in mixes:
             live = _decoding(e, decode_rows)
             added = [e.add(n, 2) for n in prompts]
@@ -251,8 +251,6 @@ def piecewise_matches_eager(engine, mixes=MIXES_H200, seed: int = 1, atol: float
             # undo the step: nothing advanced (it was scheduled, not run), the requests go
             for rid in [*added, *live]:
                 engine.abort(rid)
-    finally:
-        engine.block_manager.enable_prefix_caching = prefix_caching
     return {
         "pass": worst <= atol and agree >= 0.99 * total and all(r["hidden_rel_err"] < 2e-2 for r in rows_out),
         "max_abs_diff": worst,

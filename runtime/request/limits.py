@@ -1,8 +1,8 @@
 """What a request is checked against before it may run: the model's vocabulary and context (no torch, no engine).
 
-``RequestLimits.check`` is the validation half of ``LLMEngine.prepare_request``; it is plain data, so the worker's
-request reader process (services/worker/reader.py) checks requests with it before handing them over, and the
-engine's thread only builds what passed (``LLMEngine.prepare_checked``).
+``RequestLimits.check`` is the validation half of ``LLMEngine.prepare_request``; the building half is
+``LLMEngine.prepare_checked``. The checks are plain data (picklable, no engine), so a request can be checked where no
+engine lives: a request reader in its own process did so in the H200 A/B of docs/deploy.md.
 """
 
 from __future__ import annotations
