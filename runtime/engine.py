@@ -73,6 +73,8 @@ class LLMEngine:
         self.model_config = model_cfg
         limit = cfg.max_model_len or self.spec.max_model_len or model_cfg.max_position_embeddings
         self.max_model_len = min(limit, model_cfg.max_position_embeddings)
+        # the checks of prepare_request as plain data: no engine needed to run them
+        self.request_limits = RequestLimits(model_cfg.vocab_size, self.max_model_len)
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device, self.spec.dtype)
         ops = ops_for_engine(cfg, device)
@@ -162,11 +164,6 @@ class LLMEngine:
         return self.prepare_checked(
             request_id, prompt_token_ids, params, max_tokens, priority, deadline, output_token_ids
         )
-
-    @property
-    def request_limits(self) -> RequestLimits:
-        """The checks of ``prepare_request`` as plain data: no engine needed to run them."""
-        return RequestLimits(self.model_config.vocab_size, self.max_model_len)
 
     def prepare_checked(
         self,

@@ -63,6 +63,7 @@ class GraphRunner:
         context_buckets: tuple[int, ...] = CONTEXT_BUCKETS,
         fresh_token_buckets: tuple[int, ...] = FRESH_TOKEN_BUCKETS,
         fresh_seq_buckets: tuple[int, ...] = FRESH_SEQ_BUCKETS,
+        max_num_batched_tokens: int | None = None,
     ):
         self.model, self.kv_caches, self.device = model, kv_caches, device
         # around the wait for a decode window's tokens (runtime/host_gate.py)
@@ -78,7 +79,11 @@ class GraphRunner:
             c for i, c in enumerate(context_buckets) if i == 0 or context_buckets[i - 1] < max_model_len
         )
         self.chunk_buckets = tuple(b for b in chunk_buckets if b < max_model_len)
-        self.fresh_token_buckets = tuple(fresh_token_buckets)
+        # up to the first bucket that holds a whole step's budget: no step needs a larger one
+        budget = max_num_batched_tokens or max(fresh_token_buckets, default=0)
+        self.fresh_token_buckets = tuple(
+            b for i, b in enumerate(fresh_token_buckets) if i == 0 or fresh_token_buckets[i - 1] < budget
+        )
         self.fresh_seq_buckets = tuple(b for b in fresh_seq_buckets if b <= max_num_seqs)
         n = max(
             self.decode_buckets[-1],

@@ -16,7 +16,7 @@ from kernellab.runtime import ops as torch_ops
 from kernellab.runtime.attention import AttentionMetadata, ContextGather, LayerKV
 from kernellab.runtime.config import EngineConfig, ModelConfig
 from kernellab.runtime.dispatch import Ops, build_ops, describe_fast_path, fast_path, graph_safe
-from kernellab.runtime.graphs import GraphRunner, PiecewiseGraphs
+from kernellab.runtime.graphs import FRESH_TOKEN_BUCKETS, GraphRunner, PiecewiseGraphs
 from kernellab.runtime.host_gate import HostGate
 from kernellab.runtime.model import CausalLM
 from kernellab.runtime.request.block_manager import slot_of
@@ -156,7 +156,8 @@ class ModelRunner:
                 self.block_size,
                 max_model_len,
                 cfg.max_num_seqs,
-                **({} if cfg.fresh_prompt_graphs else {"fresh_token_buckets": (), "fresh_seq_buckets": ()}),
+                fresh_token_buckets=FRESH_TOKEN_BUCKETS if cfg.fresh_prompt_graphs else (),
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
             )
             self.graphs.device_wait = device_wait
             self.graphs.capture()

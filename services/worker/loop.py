@@ -251,7 +251,8 @@ class Worker:
             first = self._emit(outputs)
             if self.trace is not None:
                 gate = (self.gate.launch_s, self.gate.wait_s) if self.gate is not None else None
-                gc_s, self._gc_mark = GC_PAUSES.total() - self._gc_mark, GC_PAUSES.total()
+                gc_now = GC_PAUSES.total()
+                gc_s, self._gc_mark = gc_now - self._gc_mark, gc_now
                 self.trace.step(t0, t1 - t0, self.engine.last_schedule, first, time.monotonic() - t1, gate, gc_s)
             self._refresh_stats()
 
