@@ -113,7 +113,8 @@ def gpu_table() -> str:
     if "graph_equals_eager" in n:
         g = n["graph_equals_eager"]
         lines.append(
-            f"| greedy CUDA-graph output == eager, same runner ({g['sequences']}×{g['tokens']} tokens) | "
+            f"| greedy CUDA-graph output == eager, same runner ({g['sequences']}×{g['tokens']} tokens"
+            f"{', windows launched ahead and read first' if 'graph_sync_equals_eager' in g else ''}) | "
             f"{'identical' if g['pass'] else 'differs'} | {'yes' if g['pass'] else 'no'} |"
         )
     lines += prefill_step_rows(data.get("prefill_steps") or {})

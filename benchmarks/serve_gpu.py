@@ -100,6 +100,8 @@ VARIANTS = {
     "nopiecewise": {"KERNELLAB_PIECEWISE_GRAPHS": "0"},
     # steps of several fresh prompts through the piecewise graphs, not one whole-step graph (before them)
     "nofreshgraphs": {"KERNELLAB_FRESH_PROMPT_GRAPHS": "0"},
+    # every decode window read before the next is launched (the behaviour before asynchronous scheduling)
+    "sync": {"KERNELLAB_ASYNC_SCHEDULING": "0"},
     # the gather ends at its quiet gap even while the request reader is busy with a read (the behaviour before)
     "noreaderwait": {"KERNELLAB_GATHER_FOLLOWS_READER": "0"},
     # the request reader decodes and prepares only while the loop waits (runtime/host_gate.py; off by default)

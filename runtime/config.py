@@ -145,6 +145,10 @@ class EngineConfig:
     # Greedy decode steps run back to back on the GPU between host syncs (vLLM's multi-step scheduling): the
     # host's per-step Python cost is paid once per window. 0 = auto: 8 with CUDA graphs, else 1.
     num_scheduler_steps: int = 0
+    # Asynchronous scheduling: a decode window's next window is launched before its tokens are read, so the device
+    # decodes on while the host reads, emits and schedules (no request waiting, every row running on). A request
+    # that arrives meanwhile joins one window later than it would otherwise.
+    async_scheduling: bool = True
     # "int4": on a CPU, a GGUF checkpoint's Q4_1 linears are also kept as their 4-bit codes (runtime/quant.py)
     # and steps of at most int4_max_rows rows (decode at small batch) read those instead of the dense weights.
     weight_quant: str = "none"  # "none" | "int4"

@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kernellab.runtime.config import EngineConfig, ModelConfig
 from kernellab.runtime.request.block_manager import BlockManager
@@ -17,7 +17,7 @@ from kernellab.runtime.request.limits import RequestLimits
 from kernellab.runtime.request.outputs import EngineStats, RequestOutput, TokenLogprob
 from kernellab.runtime.request.registry import ModelSpec, resolve_model
 from kernellab.runtime.request.sampling import SamplingParams
-from kernellab.runtime.request.scheduler import Scheduler
+from kernellab.runtime.request.scheduler import Scheduler, SchedulerOutput
 from kernellab.runtime.request.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -100,6 +100,9 @@ class LLMEngine:
             background_prefill_tokens=cfg.background_prefill_tokens,
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # Asynchronous scheduling: the decode window launched and not read yet (step() collects it first).
+        self.async_scheduling = cfg.async_scheduling
+        self._window: tuple[SchedulerOutput, Any] | None = None
         self.prompt_tokens = 0
         self.generation_tokens = 0
         log.info(
@@ -224,13 +227,21 @@ class LLMEngine:
         return not self.scheduler.has_unfinished and self.block_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        # a window in flight is collected by the next step, even when every row of it has ended meanwhile
+        return self.scheduler.has_unfinished or self._window is not None
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """One scheduler step: schedule, reserve look-ahead slots when the runner can decode a window of steps
         on the device, run, then take each row's tokens one by one (EOS, stop tokens, length and stop strings
-        end a row there; what the window computed past that is discarded) and advance grammars."""
+        end a row there; what the window computed past that is discarded) and advance grammars.
+
+        Asynchronous scheduling (``EngineConfig.async_scheduling``): a decode window's next window is launched
+        before this one's tokens are read, so the device decodes on while the host reads, emits and schedules.
+        A step that finds a window in flight collects it (launching the one after it where it may) instead of
+        scheduling anew."""
+        if self._window is not None:
+            return self._collect(self._window)
         out = self.scheduler.schedule()
         self.last_schedule = (len(out.scheduled), out.num_batched_tokens)
         results = [self._output(seq, [], None) for seq in out.finished]
@@ -238,7 +249,53 @@ class LLMEngine:
             return results
         self.scheduler.reserve_lookahead(out, self.runner.decode_window(out))
         self.prompt_tokens += sum(n for s, n in out.scheduled if s.num_computed_tokens < s.num_prompt_tokens)
+        if out.window > 1 and self.async_scheduling:
+            return results + self._collect((out, self.runner.launch_window(out)))
         sampled, logprobs = self.runner.execute(out)
+        return results + self._advance(out, sampled, logprobs)
+
+    def _collect(self, window: tuple[SchedulerOutput, Any]) -> list[RequestOutput]:
+        """Read a launched window's tokens and advance its rows, having first launched the window after it where
+        one may run (``_launch_next``): that one then decodes while this one's rows are advanced and emitted."""
+        out, handle = window
+        self._window = self._launch_next(out)
+        return self._advance(out, self.runner.window_tokens(handle), {})
+
+    def _launch_next(self, out: SchedulerOutput) -> tuple[SchedulerOutput, Any] | None:
+        """The window after ``out``'s, launched now, or None where the next step must be scheduled: a request
+        waits (it joins at the next scheduled step, one window later than without the look-ahead), no row runs
+        on past ``out``'s window, or the KV blocks cannot be had. Rows that end inside ``out``'s window by their
+        length are left out; rows that end there otherwise (EOS, a stop string, an abort) are not known yet:
+        what the next window computes for them is discarded when it is read. Each row continues from its last
+        token in ``out``'s window, still on the device."""
+        if self.scheduler.waiting:
+            return None
+        now = time.time()
+        rows = [
+            i
+            for i, ((seq, _), a) in enumerate(zip(out.scheduled, out.allowed, strict=True))
+            if a == out.window and not seq.is_finished
+        ]
+        if any((d := out.scheduled[i][0].deadline) is not None and d <= now for i in rows):
+            return None  # schedule() ends it
+        ahead = out.window  # tokens in flight per row: ``out``'s window (the one before it has been read)
+        allowed = self.scheduler.reserve_ahead([out.scheduled[i][0] for i in rows], ahead, out.window)
+        if allowed is None:
+            return None
+        keep = [i for i, a in zip(rows, allowed, strict=True) if a]
+        if not keep:
+            return None
+        nxt = SchedulerOutput(
+            scheduled=[(out.scheduled[i][0], 1) for i in keep],
+            window=out.window,
+            allowed=[a for a in allowed if a],
+            ahead=ahead,
+        )
+        self.last_schedule = (len(keep), len(keep))
+        return nxt, self.runner.launch_window(nxt, carry=keep)
+
+    def _advance(self, out: SchedulerOutput, sampled: list[list[int]], logprobs) -> list[RequestOutput]:
+        results: list[RequestOutput] = []
         emitted: list[list[int]] = []
         constrained: list[tuple[Sequence, GrammarState, int]] = []  # grammars take their tokens together, in parallel
         for (seq, n), tokens in zip(out.scheduled, sampled, strict=True):

@@ -49,6 +49,34 @@ FRESH_TOKEN_BUCKETS = (512, 1024, 2048, 4096)  # several fresh prompts in one st
 FRESH_SEQ_BUCKETS = (2, 4, 8, 16)  # … and how many (larger steps are GPU-bound: the piecewise graphs keep up)
 
 
+class DecodeWindow:
+    """One of the two alternating sets of host buffers a decode window is launched from and read into, and the
+    event recorded once its tokens are on the host."""
+
+    def __init__(self, steps: int, rows: int, width: int, cuda: bool):
+        self.host_tables = torch.zeros((rows, width), dtype=torch.int32, pin_memory=cuda)
+        self.host_plan = torch.zeros((steps, 3, rows), dtype=torch.int64, pin_memory=cuda)
+        self.host_ids = torch.zeros(rows, dtype=torch.int64, pin_memory=cuda)
+        self.host_rows = torch.zeros(rows, dtype=torch.int64, pin_memory=cuda)
+        self.tokens = torch.zeros((steps, rows), dtype=torch.int64, pin_memory=cuda)
+        self.done = torch.cuda.Event() if cuda else None
+        self.n = self.bs = self.steps = 0
+        self.allowed: list[int] = []
+        self.pending = False  # launched and not waited for
+
+
+class EagerReplay:
+    """A decode bucket's forward run eagerly over the graph runner's static buffers, where no CUDA graph can be
+    captured (a CPU): decode windows and asynchronous scheduling then take the GPU's path, which the CPU tests
+    check against plain steps."""
+
+    def __init__(self, forward: Callable[[], torch.Tensor], out: torch.Tensor):
+        self.forward, self.out = forward, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.forward())
+
+
 class GraphRunner:
     def __init__(
         self,
@@ -66,6 +94,7 @@ class GraphRunner:
         max_num_batched_tokens: int | None = None,
     ):
         self.model, self.kv_caches, self.device = model, kv_caches, device
+        cuda = torch.device(device).type == "cuda"
         # around the wait for a decode window's tokens (runtime/host_gate.py)
         self.device_wait: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
         self.block_size = block_size
@@ -92,25 +121,30 @@ class GraphRunner:
             max(self.fresh_token_buckets, default=1),
         )
         # int64 inputs: rows = input_ids, positions, slot_mapping, context_lens (as int64 for one copy).
-        self.host = torch.zeros((4, n), dtype=torch.int64, pin_memory=True)
+        self.host = torch.zeros((4, n), dtype=torch.int64, pin_memory=cuda)
         self.inputs = torch.zeros((4, n), dtype=torch.int64, device=device)
         self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.host_tables = torch.zeros((self.decode_buckets[-1], self.width), dtype=torch.int32, pin_memory=True)
+        self.host_tables = torch.zeros((self.decode_buckets[-1], self.width), dtype=torch.int32, pin_memory=cuda)
         self.tables = torch.zeros((self.decode_buckets[-1], self.width), dtype=torch.int32, device=device)
-        # Multi-step decode: per step k, rows (positions, slots, context_lens) planned on the host up front.
+        # Multi-step decode: per step k, rows (positions, slots, context_lens) planned on the host up front, in
+        # one of two alternating sets of host buffers (asynchronous scheduling launches a window while the one
+        # before it may still be copying from its set).
         self.max_steps = 16
-        self.host_plan = torch.zeros((self.max_steps, 3, self.decode_buckets[-1]), dtype=torch.int64, pin_memory=True)
-        self.plan = torch.zeros_like(self.host_plan, device=device)
-        self.step_tokens = torch.zeros((self.max_steps, self.decode_buckets[-1]), dtype=torch.int64, device=device)
+        rows = self.decode_buckets[-1]
+        self.windows = [DecodeWindow(self.max_steps, rows, self.width, cuda) for _ in range(2)]
+        self._next_window = 0
+        self.carried_windows = 0  # windows launched before the last one was read (the gate checks they happen)
+        self.plan = torch.zeros((self.max_steps, 3, rows), dtype=torch.int64, device=device)
+        self.step_tokens = torch.zeros((self.max_steps, rows), dtype=torch.int64, device=device)
         # A chunk after a cached context: its context's cache slots, and (cu_q, cu_k) of the one chunk.
         c = max(self.context_buckets, default=1)
-        self.host_ctx = torch.zeros(c + 4, dtype=torch.int64, pin_memory=True)
+        self.host_ctx = torch.zeros(c + 4, dtype=torch.int64, pin_memory=cuda)
         self.ctx = torch.zeros(c + 4, dtype=torch.int64, device=device)
         self.ctx_cu = torch.zeros(4, dtype=torch.int32, device=device)
         # Several fresh prompts: cu_seqlens (int32, as FlashAttention takes them) and the rows whose logits are
         # needed, filled through one int64 host → device copy.
         sf = max(self.fresh_seq_buckets, default=1)
-        self.host_fresh = torch.zeros(2 * sf + 1, dtype=torch.int64, pin_memory=True)
+        self.host_fresh = torch.zeros(2 * sf + 1, dtype=torch.int64, pin_memory=cuda)
         self.fresh_inputs = torch.zeros(2 * sf + 1, dtype=torch.int64, device=device)
         self.fresh_cu = torch.zeros(sf + 1, dtype=torch.int32, device=device)
         self.fresh_rows = torch.zeros(sf, dtype=torch.int64, device=device)
@@ -159,6 +193,23 @@ class GraphRunner:
         self.pool = graph.pool()
         self.graphs[key] = graph
         self.metas[key] = meta
+
+    @torch.inference_mode()
+    def eager(self) -> None:
+        """No capture (a CPU): decode buckets only, each an ``EagerReplay`` of the forward ``_capture`` would
+        capture; the other kinds of graph are left out (their steps run as without graphs)."""
+        self.inputs[2].fill_(-1)
+        self.prefill_buckets = self.chunk_buckets = self.fresh_token_buckets = self.fresh_seq_buckets = ()
+        for bs in self.decode_buckets:
+            key, meta = ("decode", bs), self._decode_meta(bs)
+
+            def forward(bs=bs, meta=meta) -> torch.Tensor:
+                hidden = self.model(self.inputs[0, :bs], meta, self.kv_caches)
+                return self.model.compute_logits(hidden[meta.logits_indices])
+
+            self.logits[key] = forward()
+            self.graphs[key] = EagerReplay(forward, self.logits[key])  # type: ignore[assignment]
+            self.metas[key] = meta
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -234,10 +285,25 @@ class GraphRunner:
         """``steps`` greedy decode steps back to back on the device, each step's argmax feeding the next, one
         host sync at the end. Row i runs ``allowed[i]`` real steps; later steps of that row write no KV
         (slot -1) and their tokens are discarded by the caller. Returns tokens[step][row]."""
-        n = len(ids)
+        w = self.launch_window(ids, positions, tables, allowed, steps, argmax)
+        self.wait_window(w)
+        return w.tokens.view(-1)[: steps * w.bs].view(steps, w.bs)[:, : len(ids)].tolist()
+
+    def launch_window(
+        self, ids, positions, tables, allowed: list[int], steps: int, argmax, carry: list[int] | None = None
+    ) -> DecodeWindow:
+        """Queue ``decode_multi``'s window and return without waiting for it; ``window_tokens`` reads it.
+        ``ids``: each row's input token, from the host; or None with ``carry``: row i continues from the last
+        token of row ``carry[i]`` of the window launched just before, still on the device (asynchronous
+        scheduling launches a window before the last one's tokens are read). The window's host buffers alternate
+        between two sets, so writing this one's never touches what the window before may still be copying."""
+        n = len(positions)
         bs = self.decode_bucket(n)
         assert bs is not None  # the runner replays only a captured size (it asked decode_bucket)
-        t = self.host_tables.numpy()
+        w = self.windows[self._next_window]
+        self._next_window ^= 1
+        self.wait_window(w)  # its last use (two windows back) has left the buffers
+        t = w.host_tables.numpy()
         for i, row in enumerate(tables):
             t[i, : len(row)] = row
         t[n:bs] = 0
@@ -247,28 +313,58 @@ class GraphRunner:
         live = k < np.asarray(allowed, dtype=np.int64)[None, :]
         pos = np.where(live, pos, pos0[None, :])
         slots = slot_of(t, pos, self.block_size, rows=np.arange(n)[None, :])
-        plan = self.host_plan.numpy()
-        plan[:steps, :, :bs] = 0
-        plan[:steps, 0, :n] = pos
-        plan[:steps, 1, :n] = np.where(live, slots, -1)
-        plan[:steps, 1, n:bs] = -1
-        plan[:steps, 2, :n] = np.where(live, pos + 1, pos0[None, :] + 1)
-        plan[:steps, 2, n:bs] = 1
-        host = self.host.numpy()
-        host[0, :n] = ids
-        host[0, n:bs] = 0
-        self.tables[:bs].copy_(self.host_tables[:bs], non_blocking=True)
-        self.plan[:steps, :, :bs].copy_(self.host_plan[:steps, :, :bs], non_blocking=True)
-        self.inputs[0, :bs].copy_(self.host[0, :bs], non_blocking=True)
+        # the plan and the tokens as (steps, 3, bs) / (steps, bs) arrays at the start of their buffers: each
+        # crosses between host and device in one contiguous copy
+        host_plan = w.host_plan.view(-1)[: steps * 3 * bs].view(steps, 3, bs)
+        plan = host_plan.numpy()
+        plan[:] = 0
+        plan[:, 0, :n] = pos
+        plan[:, 1, :n] = np.where(live, slots, -1)
+        plan[:, 1, n:] = -1
+        plan[:, 2, :n] = np.where(live, pos + 1, pos0[None, :] + 1)
+        plan[:, 2, n:] = 1
+        dev_plan = self.plan.view(-1)[: steps * 3 * bs].view(steps, 3, bs)
+        self.tables[:bs].copy_(w.host_tables[:bs], non_blocking=True)
+        dev_plan.copy_(host_plan, non_blocking=True)
+        if carry is None:
+            h = w.host_ids.numpy()
+            h[:n] = ids
+            h[n:bs] = 0
+            self.inputs[0, :bs].copy_(w.host_ids[:bs], non_blocking=True)
+        else:
+            self.carried_windows += 1
+            if carry != list(range(n)):  # rows left out: gather the others' last tokens into rows 0 … n - 1
+                w.host_rows.numpy()[:n] = carry
+                rows = w.host_rows[:n].to(self.device, non_blocking=True)
+                self.inputs[0, :n].copy_(self.inputs[0].index_select(0, rows))
+        # else the rows are the last window's, in its order: its last step left their tokens in inputs[0]
         graph, logits = self.graphs[("decode", bs)], self.logits[("decode", bs)]
+        tokens = self.step_tokens.view(-1)[: steps * bs].view(steps, bs)
         for step in range(steps):
-            self.inputs[1:4, :bs].copy_(self.plan[step, :, :bs])
-            self.context_lens[:bs].copy_(self.plan[step, 2, :bs])
+            self.inputs[1:4, :bs].copy_(dev_plan[step])
+            self.context_lens[:bs].copy_(dev_plan[step, 2])
             graph.replay()
-            self.step_tokens[step, :bs].copy_(argmax(logits))
-            self.inputs[0, :bs].copy_(self.step_tokens[step, :bs])
-        with self.device_wait():
-            return self.step_tokens[:steps, :n].tolist()
+            tokens[step].copy_(argmax(logits))
+            self.inputs[0, :bs].copy_(tokens[step])
+        w.tokens.view(-1)[: steps * bs].copy_(tokens.view(-1), non_blocking=True)
+        if w.done is not None:
+            w.done.record()
+        w.n, w.bs, w.steps, w.allowed, w.pending = n, bs, steps, list(allowed), True
+        return w
+
+    def wait_window(self, w: DecodeWindow) -> None:
+        """Until window ``w`` is done on the device (its tokens copied back to the host)."""
+        if w.pending:
+            with self.device_wait():
+                if w.done is not None:
+                    w.done.synchronize()
+            w.pending = False
+
+    def window_tokens(self, w: DecodeWindow) -> list[list[int]]:
+        """Each row's tokens of a launched window, row i's first ``allowed[i]`` (what it may emit)."""
+        self.wait_window(w)
+        tokens = w.tokens.view(-1)[: w.steps * w.bs].view(w.steps, w.bs)[:, : w.n]
+        return [row[:a] for row, a in zip(tokens.numpy().T.tolist(), w.allowed, strict=True)]
 
     def prefill(self, ids, slots) -> torch.Tensor:
         n = len(ids)

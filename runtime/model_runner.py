@@ -16,7 +16,7 @@ from kernellab.runtime import ops as torch_ops
 from kernellab.runtime.attention import AttentionMetadata, ContextGather, LayerKV
 from kernellab.runtime.config import EngineConfig, ModelConfig
 from kernellab.runtime.dispatch import Ops, build_ops, describe_fast_path, fast_path, graph_safe
-from kernellab.runtime.graphs import FRESH_TOKEN_BUCKETS, GraphRunner, PiecewiseGraphs
+from kernellab.runtime.graphs import FRESH_TOKEN_BUCKETS, DecodeWindow, GraphRunner, PiecewiseGraphs
 from kernellab.runtime.host_gate import HostGate
 from kernellab.runtime.model import CausalLM
 from kernellab.runtime.request.block_manager import slot_of
@@ -171,6 +171,7 @@ class ModelRunner:
         self.max_window = min(cfg.num_scheduler_steps or 8, self.graphs.max_steps) if self.graphs is not None else 1
         self.fast_path = fast_path(ops, model_cfg.qk_norm, device, cfg.cuda_graphs, self.max_window)
         self.fast_path["piecewise_graphs"] = self.piecewise is not None
+        self.fast_path["async_scheduling"] = cfg.async_scheduling and self.max_window > 1
         self.fast_path["fresh_prompt_graphs"] = (
             sum(k[0] == "fresh" for k in self.graphs.graphs) if self.graphs is not None else 0
         )
@@ -349,19 +350,40 @@ class ModelRunner:
         return self.max_window
 
     @torch.inference_mode()
+    def launch_window(self, out: SchedulerOutput, carry: list[int] | None = None) -> DecodeWindow:
+        """Queue the decode window ``out.window`` on the device and return at once (``window_tokens`` reads it).
+        Each row starts ``out.ahead`` tokens past what its sequence holds; with ``carry`` (asynchronous
+        scheduling: the window before this one is not read yet) row i continues from row ``carry[i]``'s last
+        token of that window, still on the device."""
+        assert self.graphs is not None  # decode_window gives a window only with captured graphs
+        seqs = [s for s, _ in out.scheduled]
+        pos = [s.num_computed_tokens + out.ahead for s in seqs]
+        ids = None if carry is not None else [s.token_ids[p] for s, p in zip(seqs, pos, strict=True)]
+        tables = [s.block_table for s in seqs]
+        return self.graphs.launch_window(ids, pos, tables, out.allowed, out.window, self.sampler.argmax, carry)
+
+    def window_tokens(self, window: DecodeWindow) -> list[list[int]]:
+        """A launched window's tokens by row, each row's first ``allowed`` (waits for the device)."""
+        assert self.graphs is not None
+        return self.graphs.window_tokens(window)
+
+    def eager_windows(self, steps: int = 8) -> None:
+        """Decode windows without CUDA graphs (a CPU): the decode buckets' forwards run eagerly over the graph
+        runner's static buffers, so windows and asynchronous scheduling take the GPU's code path. Tests use it."""
+        self.graphs = GraphRunner(
+            self.model, self.kv_caches, self.device, self.block_size, self.max_model_len, self.cfg.max_num_seqs
+        )
+        self.graphs.eager()
+        self.use_graphs = True
+        self.max_window = min(steps, self.graphs.max_steps)
+
+    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[list[int]], dict[str, TokenLogprob]]:
         """Run the step (or the decode window ``out.window``); returns each scheduled entry's sampled tokens, in
         ``out.scheduled`` order ([] for a non-final prefill chunk, one token, or up to ``out.allowed[i]`` in a
         window), and logprobs by request id where asked for (single steps only)."""
         if out.window > 1:
-            assert self.graphs is not None  # decode_window gives a window only with captured graphs
-            seqs = [s for s, _ in out.scheduled]
-            pos = [s.num_computed_tokens for s in seqs]
-            ids = [s.token_ids[p] for s, p in zip(seqs, pos, strict=True)]
-            steps = self.graphs.decode_multi(
-                ids, pos, [s.block_table for s in seqs], out.allowed, out.window, self.sampler.argmax
-            )
-            return [[steps[k][i] for k in range(a)] for i, a in enumerate(out.allowed)], {}
+            return self.window_tokens(self.launch_window(out)), {}
         graphs = self.graphs if self.use_graphs else None
         logits_and_seqs = self._execute_graph(out, graphs) if graphs is not None else None
         if logits_and_seqs is None and self.use_piecewise and self.piecewise is not None:

@@ -184,6 +184,9 @@ class WorkerSettings(StackSettings):
     # KERNELLAB_FRESH_PROMPT_GRAPHS: a step of several fresh prompts (a burst's first step) replays one whole-step
     # CUDA graph (GPU; off: the piecewise graphs; the serving benchmark's -nofreshgraphs A/B)
     fresh_prompt_graphs: bool = True
+    # KERNELLAB_ASYNC_SCHEDULING: a decode window's next window is launched before its tokens are read (GPU; off:
+    # the device waits while the worker reads, emits and schedules each window; the serving benchmark's -sync A/B)
+    async_scheduling: bool = True
     max_deliveries: int = Field(3, ge=1)  # deliveries beyond this send a request to the dead-letter stream
     drain_timeout_s: float = Field(30.0, ge=0)
     batch_share: float = Field(0.75, gt=0, le=1)  # at most this share of max_num_seqs goes to batch requests

@@ -126,34 +126,47 @@ def kv_cache_gate(
 
 
 def graph_equals_eager(engine, prompts: list[list[int]], max_tokens: int = 64) -> dict:
-    """Greedy output of the runner's CUDA-graph replays (multi-step windows) against eager single steps of the
-    same runner, on the same prompts (prefix caching off): the two must be identical."""
+    """Greedy output of the runner's CUDA-graph replays (multi-step windows, each launched before the last is read:
+    asynchronous scheduling) and of the same replays with every window read first, against eager single steps of
+    the same runner, on the same prompts (prefix caching off): all three must be identical. Rows get different
+    lengths (``max_tokens`` down to about half of it), so windows launched ahead leave finished rows out and
+    gather the others' tokens into place."""
     from kernellab.runtime.request.sampling import SamplingParams
 
     prefix_caching = engine.block_manager.enable_prefix_caching
+    async_scheduling = engine.async_scheduling
     engine.block_manager.enable_prefix_caching = False
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    lengths = [max_tokens - (7 * i) % (max_tokens // 2) for i in range(len(prompts))]
     results = {}
     pw = engine.runner.piecewise
     replays = pw.replays if pw is not None else 0
+    graphs = engine.runner.graphs
+    carried = graphs.carried_windows if graphs is not None else 0
     try:
-        for name in ("graph", "eager"):
-            engine.runner.graphs_on(name == "graph")
+        for name in ("graph", "graph_sync", "eager"):
+            engine.runner.graphs_on(name != "eager")
+            engine.async_scheduling = async_scheduling and name == "graph"
             for i, prompt in enumerate(prompts):
-                engine.add_request(f"{name}{i}", prompt, params)
+                params = SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True)
+                engine.add_request(f"{name}:{i}", prompt, params)
             tokens: dict[int, list[int]] = {}
             while engine.has_unfinished_requests():
                 for out in engine.step():
-                    tokens.setdefault(int(out.request_id.removeprefix(name)), []).extend(out.new_token_ids)
+                    tokens.setdefault(int(out.request_id.split(":")[1]), []).extend(out.new_token_ids)
             results[name] = tokens
     finally:
         engine.runner.graphs_on(True)
+        engine.async_scheduling = async_scheduling
         engine.block_manager.enable_prefix_caching = prefix_caching
     return {
-        "pass": results["graph"] == results["eager"],
+        "pass": results["graph"] == results["eager"] and results["graph_sync"] == results["eager"],
+        "graph_sync_equals_eager": results["graph_sync"] == results["eager"],
         "sequences": len(prompts),
         "tokens": max_tokens,
-        "graphs_used": engine.runner.graphs is not None,
+        "lengths": lengths,
+        "graphs_used": graphs is not None,
+        # windows launched before the last was read (asynchronous scheduling), in the "graph" run
+        "windows_launched_ahead": (graphs.carried_windows - carried) if graphs is not None else 0,
         "piecewise_replays": (pw.replays - replays) if pw is not None else 0,  # steps that prefilled, replayed
     }
 

@@ -34,6 +34,9 @@ class SchedulerOutput:
     # most ``allowed[i]`` tokens (its KV slots are reserved for those). 1: one ordinary step.
     window: int = 1
     allowed: list[int] = field(default_factory=list)
+    # A window launched before the previous window's tokens were read (asynchronous scheduling): each row has
+    # ``ahead`` tokens in flight that its sequence does not hold yet, so its window starts that much further on.
+    ahead: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
@@ -203,6 +206,20 @@ class Scheduler:
                 return
             allowed.append(ahead)
         out.window, out.allowed = width, allowed
+
+    def reserve_ahead(self, seqs: list[Sequence], ahead: int, width: int) -> list[int] | None:
+        """Look-ahead KV slots for a window launched while each row still has ``ahead`` tokens in flight (the
+        window before it, not read yet): row i may emit ``allowed[i]`` tokens after those, its max_tokens and the
+        model length permitting (0: nothing left, no blocks taken). None when a row's blocks cannot be had
+        (blocks reserved so far stay with their sequences and serve their next steps)."""
+        allowed = []
+        for seq in seqs:
+            left = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - ahead
+            a = max(0, min(width, left))
+            if a and not self.block_manager.allocate_slots(seq, ahead + a):
+                return None
+            allowed.append(a)
+        return allowed
 
     def advance(self, seq: Sequence, computed: int, token: int | None) -> bool:
         """``seq`` computed ``computed`` more tokens' KV and sampled ``token`` (None: a prefill chunk that does not

@@ -94,6 +94,7 @@ class Worker:
                     kv_cache_dtype=s.kv_cache_dtype,
                     piecewise_graphs=s.piecewise_graphs,
                     fresh_prompt_graphs=s.fresh_prompt_graphs,
+                    async_scheduling=s.async_scheduling,
                 )
             )
         self.engine: Engine = engine

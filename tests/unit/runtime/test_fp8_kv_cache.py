@@ -145,7 +145,16 @@ def test_graph_equals_eager_probe_restores_the_engine(fp8_llm):
 
     engine = fp8_llm.engine
     check = graph_equals_eager(engine, [list(range(100, 140)), list(range(200, 217))], max_tokens=5)
-    assert check == {"pass": True, "sequences": 2, "tokens": 5, "graphs_used": False, "piecewise_replays": 0}
+    assert check == {
+        "pass": True,
+        "graph_sync_equals_eager": True,
+        "sequences": 2,
+        "tokens": 5,
+        "lengths": [5, 4],
+        "graphs_used": False,
+        "windows_launched_ahead": 0,
+        "piecewise_replays": 0,
+    }
     assert engine.block_manager.enable_prefix_caching and not engine.runner.use_graphs
     assert not engine.runner.use_piecewise
     assert not engine.has_unfinished_requests()
