@@ -90,12 +90,13 @@ def main() -> int:
 
     gpu = args.device == "cuda"
     cfg, prompts, outs = gate_offline_setup(args.device)
-    lat_cfg = dict(cfg, max_num_seqs=8, max_model_len=4096 if gpu else 512, num_scheduler_steps=0)
+    # the latency engine first, with a pool of its own size: the offline engine then sizes its pool from what is left
+    lat_cfg = dict(cfg, max_num_seqs=8, max_model_len=4096 if gpu else 512, num_scheduler_steps=0, num_kv_blocks=4096)
     if not gpu:
         prompts, outs = prompts[:8], outs[:8]
     t = time.perf_counter()
-    offline = LLMEngine(EngineConfig(**cfg))
     latency = LLMEngine(EngineConfig(**lat_cfg))
+    offline = LLMEngine(EngineConfig(**cfg))
     if not gpu:
         offline.runner.eager_windows(16)
         latency.runner.eager_windows(8)
