@@ -114,7 +114,7 @@ def gpu_table() -> str:
         g = n["graph_equals_eager"]
         lines.append(
             f"| greedy CUDA-graph output == eager, same runner ({g['sequences']}×{g['tokens']} tokens"
-            f"{', windows launched ahead and read first' if 'graph_sync_equals_eager' in g else ''}) | "
+            f"{'; windows launched ahead == read first, rows of different lengths' if 'async_equals_sync' in g else ''}) | "
             f"{'identical' if g['pass'] else 'differs'} | {'yes' if g['pass'] else 'no'} |"
         )
     lines += prefill_step_rows(data.get("prefill_steps") or {})

@@ -2,6 +2,9 @@
 """Asynchronous scheduling on and off (``LLMEngine.async_scheduling``: a decode window's next window launched
 before its tokens are read), on the same engines, interleaved rounds:
 
+Each on/off pair also at shorter windows: launched ahead, a window no longer needs to be long to hide the host's
+turn-around, and an arrival waits for the window in flight and the one launched ahead of it.
+
 - batch-1 inter-token latency at context 128 and 2,048 (the gate's latency engine: 8 sequences, windows of 8);
 - the gate's offline workload (nano-vllm's 256 prompts, windows of 16, 256 sequences);
 - what it costs an arrival: 32 sequences decode 512 tokens each while single requests of 128 prompt tokens
@@ -28,7 +31,14 @@ from pathlib import Path
 
 import torch
 
-VARIANTS = ("async", "sync")
+# name: (asynchronous scheduling, decode window of the offline engine, of the latency engine). "sync" is the gate's
+# setting before asynchronous scheduling; the shorter windows are what an arrival waits for (below).
+VARIANTS = {
+    "sync": (False, 16, 8),
+    "async": (True, 16, 8),
+    "async-w8": (True, 8, 4),
+    "async-w4": (True, 4, 2),
+}
 
 
 def sync(device: str) -> None:
@@ -103,11 +113,14 @@ def main() -> int:
     print(f"engines ready in {time.perf_counter() - t:.1f}s", flush=True)
     contexts = (128, 2048) if gpu else (128,)
     runs: list[dict] = []
+    names = list(VARIANTS)
     for r in range(args.rounds):
-        for name in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+        for name in names if r % 2 == 0 else names[::-1]:
             row: dict = {"variant": name, "round": r}
-            for eng in (offline, latency):
-                eng.async_scheduling = name == "async"
+            launch_ahead, offline_window, latency_window = VARIANTS[name]
+            for eng, window in ((offline, offline_window), (latency, latency_window)):
+                eng.async_scheduling = launch_ahead
+                eng.runner.max_window = window
             for ctx in contexts:
                 times = engine_itl(latency, ctx, new_tokens=64 if gpu else 24)
                 row[f"itl_ms_p50@{ctx}"] = round(statistics.median(times) * 1e3, 4)
@@ -128,7 +141,7 @@ def main() -> int:
             runs.append(row)
             itl = "  ".join(f"ITL@{c} {row[f'itl_ms_p50@{c}']:.3f} ms" for c in contexts)
             print(
-                f"round {r} {name:5s} {row['output_tok_per_s']:>9.0f} tok/s  {itl}  "
+                f"round {r} {name:9s} {row['output_tok_per_s']:>9.0f} tok/s  {itl}  "
                 f"arrival TTFT p50 {row['arrival_ttft_ms_p50']:.2f} ms",
                 flush=True,
             )
@@ -136,8 +149,9 @@ def main() -> int:
     reference = runs[0]["first"]
     for x in runs:
         x["same_tokens_as_first_run"] = x.pop("first") == reference
-    for eng in (offline, latency):
+    for eng, window in ((offline, offline.runner.graphs.max_steps if offline.runner.graphs else 1), (latency, 8)):
         eng.async_scheduling = True
+        eng.runner.max_window = min(window, cfg["num_scheduler_steps"] or 8)
     g = torch.Generator().manual_seed(3)
     check_prompts = [torch.randint(0, 10000, (int(n),), generator=g).tolist() for n in torch.randint(16, 200, (16,))]
     check = graph_equals_eager(offline, check_prompts, max_tokens=64 if gpu else 12)
@@ -145,15 +159,11 @@ def main() -> int:
     summary: dict = {}
     metrics = ["output_tok_per_s", *(f"itl_ms_p50@{c}" for c in contexts), "arrival_ttft_ms_p50"]
     for m in metrics:
-        a = [x[m] for x in runs if x["variant"] == "async"]
-        b = [x[m] for x in runs if x["variant"] == "sync"]
-        summary[m] = {
-            "async": statistics.median(a),
-            "sync": statistics.median(b),
-            "async_over_sync_per_round": [round(x / y, 4) for x, y in zip(a, b, strict=True)],
-        }
+        med = {v: statistics.median([x[m] for x in runs if x["variant"] == v]) for v in VARIANTS}
+        summary[m] = {v: round(x, 4) for v, x in med.items()}
+        summary[m]["over_sync"] = {v: round(med[v] / med["sync"], 4) for v in VARIANTS if v != "sync"}
     for m, s in summary.items():
-        print(f"{m:22s} async {s['async']:>10.3f}  sync {s['sync']:>10.3f}  per round {s['async_over_sync_per_round']}")
+        print(f"{m:22s} " + "  ".join(f"{v} {s[v]:.3f}" for v in VARIANTS))
     result = {
         "schema": "kernellab.bench.async_scheduling_ab/v1",
         "provenance": provenance(args.device),

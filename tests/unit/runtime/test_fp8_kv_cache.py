@@ -147,10 +147,11 @@ def test_graph_equals_eager_probe_restores_the_engine(fp8_llm):
     check = graph_equals_eager(engine, [list(range(100, 140)), list(range(200, 217))], max_tokens=5)
     assert check == {
         "pass": True,
-        "graph_sync_equals_eager": True,
+        "graph_equals_eager": True,
+        "async_equals_sync": True,
         "sequences": 2,
         "tokens": 5,
-        "lengths": [5, 4],
+        "staggered_lengths": [5, 4],
         "graphs_used": False,
         "windows_launched_ahead": 0,
         "piecewise_replays": 0,
