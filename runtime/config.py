@@ -143,7 +143,8 @@ class EngineConfig:
     # (runtime/graphs.py FRESH_*_BUCKETS) instead of the piecewise graphs' ~85 launches; needs cuda_graphs.
     fresh_prompt_graphs: bool = True
     # Greedy decode steps run back to back on the GPU between host syncs (vLLM's multi-step scheduling): the
-    # host's per-step Python cost is paid once per window. 0 = auto: 8 with CUDA graphs, else 1.
+    # host's per-step Python cost is paid once per window. 0 = auto: with CUDA graphs 4 under async_scheduling (whose
+    # look-ahead hides the host's turn-around, so shorter windows only shorten an arrival's wait), else 8; 1 without.
     num_scheduler_steps: int = 0
     # Asynchronous scheduling: a decode window's next window is launched before its tokens are read, so the device
     # decodes on while the host reads, emits and schedules (no request waiting, every row running on). A request

@@ -114,6 +114,7 @@ def main() -> int:
     contexts = (128, 2048) if gpu else (128,)
     runs: list[dict] = []
     names = list(VARIANTS)
+    default_windows = offline.runner.max_window, latency.runner.max_window
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             row: dict = {"variant": name, "round": r}
@@ -149,9 +150,8 @@ def main() -> int:
     reference = runs[0]["first"]
     for x in runs:
         x["same_tokens_as_first_run"] = x.pop("first") == reference
-    for eng, window in ((offline, offline.runner.graphs.max_steps if offline.runner.graphs else 1), (latency, 8)):
-        eng.async_scheduling = True
-        eng.runner.max_window = min(window, cfg["num_scheduler_steps"] or 8)
+    for eng, window in ((offline, default_windows[0]), (latency, default_windows[1])):
+        eng.async_scheduling, eng.runner.max_window = True, window  # as built
     g = torch.Generator().manual_seed(3)
     check_prompts = [torch.randint(0, 10000, (int(n),), generator=g).tolist() for n in torch.randint(16, 200, (16,))]
     check = graph_equals_eager(offline, check_prompts, max_tokens=64 if gpu else 12)

@@ -124,7 +124,7 @@ def _speed(weights, report: dict, engine, log) -> None:
     prompts, outs = nanovllm()
     runs = []
     for kv in ("auto", "fp8", "int8"):
-        eng = engine(weights, kv_cache_dtype=kv, max_num_seqs=256, num_kv_blocks=None, num_scheduler_steps=16)
+        eng = engine(weights, kv_cache_dtype=kv, max_num_seqs=256, num_kv_blocks=None)
         run = run_engine(eng, prompts, outs, "nanovllm-256", "bfloat16")
         run["kv_cache_dtype"] = "bf16" if kv == "auto" else kv
         run["kv_blocks"] = eng.runner.num_blocks
