@@ -23,7 +23,6 @@ eagerly (``ModelRunner.eager_windows``), so the script's path runs, not its effe
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -94,7 +93,7 @@ def main() -> int:
     from kernellab.bench.latency import engine_itl
     from kernellab.bench.numerics import graph_equals_eager
     from kernellab.bench.offline import gate_offline_setup, run_engine
-    from kernellab.results import provenance
+    from kernellab.results import provenance, write
     from kernellab.runtime.config import EngineConfig
     from kernellab.runtime.engine import LLMEngine
 
@@ -178,8 +177,7 @@ def main() -> int:
         "runs": runs,
         "summary": summary,
     }
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "async_scheduling_ab.json").write_text(json.dumps(result, indent=1))
+    write(Path(args.out) / "async_scheduling_ab.json", result)  # checked against its schema
     return 0 if same and check["pass"] else 1
 
 

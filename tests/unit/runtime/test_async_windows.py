@@ -118,3 +118,23 @@ def test_eos_inside_a_window_launched_ahead_is_dropped_after_it(engine):
         engine.check_integrity()
     assert outs[True] == outs[False]
     assert outs[True]["eos"][-1] == stop and len(outs[True]["eos"]) == probe.index(stop) + 1
+
+
+def test_the_h200_ab_script_runs_its_path_on_the_cpu(tmp_path):
+    """``benchmarks/gpu/async_scheduling_ab.py --device cpu``: the GPU A/B's whole path on a tiny Qwen3 with eager
+    decode buckets (so it does not rot between GPU sessions); its artifact validates and its token checks hold."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kernellab.results import validate
+
+    root = Path(__file__).resolve().parents[3]
+    script = root / "benchmarks" / "gpu" / "async_scheduling_ab.py"
+    cmd = [sys.executable, str(script), "--out", str(tmp_path), "--device", "cpu", "--rounds", "1"]
+    subprocess.run(cmd, check=True, cwd=tmp_path, capture_output=True, timeout=600)
+    data = json.loads((tmp_path / "async_scheduling_ab.json").read_text())
+    assert validate(data) == "kernellab.bench.async_scheduling_ab/v1"
+    assert data["same_tokens"] and data["graph_equals_eager"]["pass"]
+    assert {r["variant"] for r in data["runs"]} == {"sync", "async", "async-w8", "async-w4"}
