@@ -73,13 +73,25 @@ class LLMEngine:
         self.model_config = model_cfg
         limit = cfg.max_model_len or self.spec.max_model_len or model_cfg.max_position_embeddings
         self.max_model_len = min(limit, model_cfg.max_position_embeddings)
-        # the checks of prepare_request as plain data: no engine needed to run them
-        self.request_limits = RequestLimits(model_cfg.vocab_size, self.max_model_len)
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device, self.spec.dtype)
         ops = ops_for_engine(cfg, device)
         int4 = _int4_weights(cfg, path, model_cfg, device)
         self.runner = ModelRunner(model_cfg, cfg, device, dtype, self.max_model_len, weights, ops, int4_weights=int4)
+        pool = self.runner.num_blocks * cfg.block_size
+        if pool < self.max_model_len:
+            # A sequence longer than the whole pool could never be scheduled: it would wait (or preempt itself)
+            # forever. Such requests are refused instead, as too long for this engine's context.
+            log.warning(
+                "the KV cache holds %d tokens, fewer than the %d-token context: requests are limited to %d tokens "
+                "(raise gpu_memory_utilization or num_kv_blocks, or lower max_model_len)",
+                pool,
+                self.max_model_len,
+                pool,
+            )
+            self.max_model_len = pool
+        # the checks of prepare_request as plain data: no engine needed to run them
+        self.request_limits = RequestLimits(model_cfg.vocab_size, self.max_model_len)
         self._tokenizer = None
         self._tokenizer_lock = threading.Lock()
         eos = set(model_cfg.eos_token_ids)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -242,11 +241,7 @@ class ModelRunner:
             budget = free - total * (1 - self.cfg.gpu_memory_utilization) - 2 * 2**30  # activations, graphs
         else:
             budget = (self.cfg.kv_cache_memory_gib or 0.5) * 2**30
-        blocks = int(budget // block_bytes)
-        needed = math.ceil(self.max_model_len / self.block_size)
-        if blocks < needed:
-            log.warning("KV cache holds %d blocks, fewer than one full-context sequence needs (%d)", blocks, needed)
-        return max(blocks, 1)
+        return max(int(budget // block_bytes), 1)  # fewer than a full context: the engine limits requests to it
 
     # ------------------------------------------------------------------ one step
     def plan(self, out: SchedulerOutput) -> StepPlan:

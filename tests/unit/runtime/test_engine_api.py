@@ -160,6 +160,24 @@ def test_bad_prompts(engine):
     engine.abort("packed-ok")
 
 
+def test_a_kv_pool_smaller_than_the_context_limits_requests_instead_of_hanging(tiny_checkpoints):
+    """A pool of 4 blocks of 16 tokens under a 256-token context: a sequence longer than the pool could never be
+    scheduled (it used to wait, or preempt itself, forever). The engine's context becomes the pool's size, so such
+    requests are refused up front as too long, and the rest run."""
+    small = LLMEngine(
+        model=str(tiny_checkpoints["qwen3"]), device="cpu", dtype="float32", num_kv_blocks=4, max_model_len=256
+    )
+    assert small.max_model_len == 64 and small.scheduler.max_model_len == 64
+    with pytest.raises(ContextLengthError, match="64 tokens"):
+        small.add_request("too-long", [1] * 70, SamplingParams(max_tokens=1))
+    with pytest.raises(ContextLengthError) as exc:
+        small.add_request("grows-too-long", [1] * 40, SamplingParams(max_tokens=30))
+    assert exc.value.param == "max_tokens"
+    small.add_request("fits", [1] * 40, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
+    assert len(drain(small)["fits"]) == 24  # what the pool leaves after the prompt
+    assert small.block_manager.num_free_blocks == 4
+
+
 def test_prepared_on_another_thread_while_stepping_runs_as_added(engine):
     """The worker's I/O thread prepares requests while the loop thread steps; enqueued afterwards they run as
     add_request would have run them, and preparing touches no scheduler state."""
