@@ -49,6 +49,10 @@ class Sequence:
         self.num_cached_tokens = 0  # prefix-cache hit at first admission (reported in usage)
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chain hashes of the full, computed blocks registered so far
+        # (chain hash, tokens) of the token prefix's full blocks computed so far: a function of the tokens alone
+        # (they are only ever appended to), so the prefix-cache lookup and the registration after the prefill share
+        # one pass, and a preempted sequence keeps it (BlockManager.hash_chain)
+        self.hash_chain: list[tuple[int, tuple[int, ...]]] = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.num_preemptions = 0

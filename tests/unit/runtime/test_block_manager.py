@@ -153,3 +153,33 @@ def test_slot_of_maps_positions_through_the_block_table():
     got = slot_of(np.array(tables, dtype=np.int32), pos, bs, rows=np.arange(2)[None, :])
     want = [[slot_of(tables[r], int(pos[k, r]), bs) for r in range(2)] for k in range(2)]
     assert got.tolist() == want == [[29, 2], [30, 21]]
+
+
+def test_a_sequences_block_hashes_are_computed_once_and_survive_preemption():
+    """The prefix lookup and the registration after the prefill share one hash chain per sequence (it is a function
+    of the tokens alone): the registration extends it by the blocks the lookup could not see, a preempted sequence
+    keeps it, and what is registered is the chain a fresh computation gives."""
+    from kernellab.runtime.request.block_manager import chain_hash
+
+    bm = BlockManager(16, BS)
+    a = seq("a", list(range(13)))  # 3 full blocks and one token
+    assert admit(bm, a)
+    assert len(a.hash_chain) == 3  # the lookup hashed the blocks before the last token
+    first = list(a.hash_chain)
+    compute(bm, a)
+    assert a.hash_chain == first  # nothing recomputed
+    expected, prev = [], None
+    for i in range(3):
+        prev = chain_hash(prev, tuple(range(i * BS, (i + 1) * BS)))
+        expected.append(prev)
+    assert a.block_hashes == expected and [h for h, _ in a.hash_chain] == expected
+    a.token_ids += [13, 14, 15]  # decoding fills the fourth block
+    a.num_computed_tokens = 16
+    bm.cache_full_blocks(a)
+    assert len(a.hash_chain) == 4 and a.block_hashes == [h for h, _ in a.hash_chain]
+    bm.free_sequence(a)  # preempted: its blocks go, its chain stays
+    assert a.block_hashes == [] and len(a.hash_chain) == 4
+    a.num_computed_tokens = 0
+    hits = bm.get_computed_blocks(a)
+    assert len(hits) == 3 and len(a.hash_chain) == 4  # its freed blocks still hold its prefix
+    bm.check_integrity([])
