@@ -275,19 +275,23 @@ class LLMEngine:
 
     def _launch_next(self, out: SchedulerOutput) -> tuple[SchedulerOutput, Any] | None:
         """The window after ``out``'s, launched now, or None where the next step must be scheduled: a request
-        waits (it joins at the next scheduled step, one window later than without the look-ahead), no row runs
+        waits that the next step could take in (``_could_admit``; it joins one window later than without the
+        look-ahead), no row runs
         on past ``out``'s window, or the KV blocks cannot be had. Rows that end inside ``out``'s window by their
         length are left out; rows that end there otherwise (EOS, a stop string, an abort) are not known yet:
         what the next window computes for them is discarded when it is read. Each row continues from its last
         token in ``out``'s window, still on the device."""
-        if self.scheduler.waiting:
-            return None
         now = time.time()
         rows = [
             i
             for i, ((seq, _), a) in enumerate(zip(out.scheduled, out.allowed, strict=True))
             if a == out.window and not seq.is_finished
         ]
+        if self.scheduler.waiting:
+            # rows that end by their length inside the window in flight: their seats and blocks come free
+            ending = [s for (s, _), a in zip(out.scheduled, out.allowed, strict=True) if a < out.window]
+            if self._could_admit([s for s in ending if not s.is_finished]):
+                return None  # the next scheduled step takes it in
         if any((d := out.scheduled[i][0].deadline) is not None and d <= now for i in rows):
             return None  # schedule() ends it
         ahead = out.window  # tokens in flight per row: ``out``'s window (the one before it has been read)
@@ -305,6 +309,18 @@ class LLMEngine:
         )
         self.last_schedule = (len(keep), len(keep))
         return nxt, self.runner.launch_window(nxt, carry=keep)
+
+    def _could_admit(self, ending: list[Sequence]) -> bool:
+        """Whether the next scheduled step could take the first waiting request in: a seat and free blocks for its
+        first chunk, counting those of the ``ending`` rows (they end inside the window in flight). With every seat
+        taken (a server past its max_num_seqs) waiting requests do not stop the look-ahead: they could not join
+        before a row ends anyway."""
+        sched, bm = self.scheduler, self.block_manager
+        if len(sched.running) - len(ending) >= sched.max_num_seqs:
+            return False
+        seq = sched.waiting[0]
+        chunk = min(seq.num_tokens, sched.max_num_batched_tokens)
+        return bm.num_free_blocks + sum(len(s.block_table) for s in ending) >= bm.blocks_needed(chunk)
 
     def _advance(self, out: SchedulerOutput, sampled: list[list[int]], logprobs) -> list[RequestOutput]:
         results: list[RequestOutput] = []

@@ -237,3 +237,35 @@ def test_a_deadline_stops_the_windows_ahead(engine):
     got, _, _ = run(engine, requests, {"timed": words}, 4, async_scheduling=True, at={3: expire})
     tokens, reason, _ = got["timed"]
     assert reason == "deadline" and tokens == words[: len(tokens)] and len(tokens) < 40
+
+
+def test_a_request_waiting_for_a_seat_does_not_stop_the_look_ahead(engine):
+    """Every seat taken (max_num_seqs 2) and a third request waiting: it could not join before a row ends, so
+    windows go on being launched ahead while it waits; the window in which a row ends by its length launches
+    none, and the waiting request joins at the next step."""
+    words = _words(engine)
+    prompt = engine.tokenizer.encode("Greek letters:", add_special_tokens=False)
+    greedy = dict(temperature=0.0)
+    seen: list[tuple[int, bool]] = []
+
+    def watch(e):
+        seen.append((len(e.scheduler.waiting), e._window is not None))
+
+    requests = [
+        ("a", prompt, SamplingParams(max_tokens=30, **greedy)),
+        ("b", prompt, SamplingParams(max_tokens=13, **greedy)),  # 1 + 3 windows of 4: ends at a boundary
+        ("c", prompt, SamplingParams(max_tokens=9, **greedy)),
+    ]
+    script = {"a": words, "b": words[1:], "c": words[2:]}
+    seats = engine.scheduler.max_num_seqs
+    engine.scheduler.max_num_seqs = 2
+    try:
+        got, _, _ = run(engine, requests, script, 4, async_scheduling=True, at={k: watch for k in range(2, 12)})
+    finally:
+        engine.scheduler.max_num_seqs = seats
+    assert got == {
+        "a": [words[:30], "length", None],
+        "b": [words[1:14], "length", None],
+        "c": [words[2:11], "length", None],
+    }
+    assert (1, True) in seen  # c waited while a window was in flight, launched ahead
