@@ -276,11 +276,10 @@ class LLMEngine:
     def _launch_next(self, out: SchedulerOutput) -> tuple[SchedulerOutput, Any] | None:
         """The window after ``out``'s, launched now, or None where the next step must be scheduled: a request
         waits that the next step could take in (``_could_admit``; it joins one window later than without the
-        look-ahead), no row runs
-        on past ``out``'s window, or the KV blocks cannot be had. Rows that end inside ``out``'s window by their
-        length are left out; rows that end there otherwise (EOS, a stop string, an abort) are not known yet:
-        what the next window computes for them is discarded when it is read. Each row continues from its last
-        token in ``out``'s window, still on the device."""
+        look-ahead), a row's deadline has passed, no row runs on past ``out``'s window, or the KV blocks cannot be
+        had. Rows that end inside ``out``'s window by their length are left out; rows that end there otherwise
+        (EOS, a stop string, an abort) are not known yet: what the next window computes for them is discarded
+        when it is read. Each row continues from its last token in ``out``'s window, still on the device."""
         now = time.time()
         rows = [
             i
