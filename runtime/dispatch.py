@@ -187,8 +187,7 @@ def describe_fast_path(fp: dict) -> str:
     for op, why in fp["torch_ops"].items():
         by_reason.setdefault(why, []).append(op)
     torch_ops = "; ".join(f"{', '.join(ops)} ({why})" for why, ops in by_reason.items()) or "none"
-    return (
-        f"{graphs}; decode window {fp['decode_window']}"
-        f"{' (asynchronous scheduling)' if fp.get('async_scheduling') else ''}; Triton: {', '.join(fp['triton_ops']) or 'none'}; "
-        f"torch: {torch_ops}"
+    window = f"decode window {fp['decode_window']}" + (
+        " (asynchronous scheduling)" if fp.get("async_scheduling") else ""
     )
+    return f"{graphs}; {window}; Triton: {', '.join(fp['triton_ops']) or 'none'}; torch: {torch_ops}"

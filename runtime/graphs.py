@@ -64,6 +64,10 @@ class DecodeWindow:
         self.allowed: list[int] = []
         self.pending = False  # launched and not waited for
 
+    def grid(self) -> torch.Tensor:
+        """The window's tokens as (steps, bucket rows), laid out at the start of ``tokens``: one contiguous copy."""
+        return self.tokens.view(-1)[: self.steps * self.bs].view(self.steps, self.bs)
+
 
 class EagerReplay:
     """A decode bucket's forward run eagerly over the graph runner's static buffers, where no CUDA graph can be
@@ -287,7 +291,7 @@ class GraphRunner:
         (slot -1) and their tokens are discarded by the caller. Returns tokens[step][row]."""
         w = self.launch_window(ids, positions, tables, allowed, steps, argmax)
         self.wait_window(w)
-        return w.tokens.view(-1)[: steps * w.bs].view(steps, w.bs)[:, : len(ids)].tolist()
+        return w.grid()[:, : w.n].tolist()
 
     def launch_window(
         self, ids, positions, tables, allowed: list[int], steps: int, argmax, carry: list[int] | None = None
@@ -346,10 +350,10 @@ class GraphRunner:
             graph.replay()
             tokens[step].copy_(argmax(logits))
             self.inputs[0, :bs].copy_(tokens[step])
-        w.tokens.view(-1)[: steps * bs].copy_(tokens.view(-1), non_blocking=True)
+        w.n, w.bs, w.steps, w.allowed, w.pending = n, bs, steps, list(allowed), True
+        w.grid().copy_(tokens, non_blocking=True)
         if w.done is not None:
             w.done.record()
-        w.n, w.bs, w.steps, w.allowed, w.pending = n, bs, steps, list(allowed), True
         return w
 
     def wait_window(self, w: DecodeWindow) -> None:
@@ -363,8 +367,8 @@ class GraphRunner:
     def window_tokens(self, w: DecodeWindow) -> list[list[int]]:
         """Each row's tokens of a launched window, row i's first ``allowed[i]`` (what it may emit)."""
         self.wait_window(w)
-        tokens = w.tokens.view(-1)[: w.steps * w.bs].view(w.steps, w.bs)[:, : w.n]
-        return [row[:a] for row, a in zip(tokens.numpy().T.tolist(), w.allowed, strict=True)]
+        rows = w.grid()[:, : w.n].numpy().T.tolist()
+        return [row[:a] for row, a in zip(rows, w.allowed, strict=True)]
 
     def prefill(self, ids, slots) -> torch.Tensor:
         n = len(ids)

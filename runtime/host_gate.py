@@ -4,7 +4,8 @@ A step's host work launches hundreds of kernels, and every PyTorch op lets go of
 thread with Python to run (a serving worker's request reader decoding and preparing a burst) takes the GIL at
 each of those moments, and the step's thread waits for it back: the launches, and with them the device, fall
 behind. Measured on the H200: a worker's first prefill step of 8 × 512 tokens took 16-23 ms while its reader
-prepared the rest of a 64-request burst, against ~10.5 ms alone (results/gpu/serve_h200_dev/product_e9f7932.json, step traces).
+prepared the rest of a 64-request burst, against ~10.5 ms alone (step traces in
+results/gpu/serve_h200_dev/product_e9f7932.json).
 
 The gate lets such a thread run only while that costs the step nothing: when the engine's thread is not in a step
 (``IDLE``), or while it waits for the device (``DEVICE``, from the moment the step's work is queued until the

@@ -40,11 +40,6 @@ VARIANTS = {
 }
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def arrival_ttft(engine, arrivals: int, background: int, seed: int) -> list[float]:
     """Seconds from add_request to the first token of ``arrivals`` single requests (128 random prompt tokens,
     one output token) that arrive while ``background`` greedy sequences decode; each arrives a random 0-2 steps
@@ -130,7 +125,6 @@ def main() -> int:
             row["arrival_ttft_ms_p90"] = round(sorted(arrivals)[int(0.9 * (len(arrivals) - 1))] * 1e3, 3)
             if not offline.reset_prefix_cache():
                 raise RuntimeError("the engine is not idle between runs")
-            sync(args.device)
             run = run_engine(offline, prompts, outs, "nanovllm-256", cfg["dtype"])
             row.update(
                 output_tok_per_s=run["output_tok_per_s"],

@@ -79,8 +79,9 @@ def run_engine(engine, prompts, max_tokens: list[int], label: str, dtype: str) -
 def gate_offline_setup(device: str, **overrides) -> tuple[dict, list[list[int]], list[int]]:
     """The engine gate's offline run as the in-process A/B scripts repeat it: ``(EngineConfig keywords, prompts,
     max_tokens)``. On CUDA: random weights of the exact Qwen3-0.6B shape, 256 sequences, 16,384-token steps,
-    decode windows as the engine sets them, nano-vllm's 256 prompts. On a CPU (a rehearsal of a script's path, not of the effect):
-    a tiny Qwen3 checkpoint written to a temporary folder, 16 short prompts. ``overrides`` replace keywords."""
+    decode windows as the engine sets them, nano-vllm's 256 prompts. On a CPU (a rehearsal of a script's path, not
+    of the effect): a tiny Qwen3 checkpoint written to a temporary folder, 16 short prompts. ``overrides`` replace
+    keywords."""
     gpu = device == "cuda"
     model = "qwen3-0.6b"
     if not gpu:

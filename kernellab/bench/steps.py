@@ -70,7 +70,8 @@ def _decoding(e: _Engine, rows: int) -> list[str]:
     """``rows`` requests past their prefill, decoding (long outputs, so they outlive the measurement)."""
     eng = e.engine
     ids = [e.add(32, eng.max_model_len - 33) for _ in range(rows)]  # type: ignore[attr-defined]
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) or eng.scheduler.waiting:  # type: ignore[attr-defined]
+    sched = eng.scheduler  # type: ignore[attr-defined]
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running) or sched.waiting:
         eng.step()  # type: ignore[attr-defined]
     return ids
 

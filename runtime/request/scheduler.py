@@ -199,13 +199,9 @@ class Scheduler:
         stays a single step (blocks reserved so far stay with their sequences and serve their next steps)."""
         if width <= 1:
             return
-        allowed = []
-        for seq, _ in out.scheduled:
-            ahead = max(1, min(width, seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens))
-            if not self.block_manager.allocate_slots(seq, ahead):
-                return
-            allowed.append(ahead)
-        out.window, out.allowed = width, allowed
+        allowed = self.reserve_ahead([seq for seq, _ in out.scheduled], 0, width)
+        if allowed is not None:  # a scheduled row has its own step's slot already: at least that one
+            out.window, out.allowed = width, [max(1, a) for a in allowed]
 
     def reserve_ahead(self, seqs: list[Sequence], ahead: int, width: int) -> list[int] | None:
         """Look-ahead KV slots for a window launched while each row still has ``ahead`` tokens in flight (the
