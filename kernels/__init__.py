@@ -31,6 +31,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "paged_decode_attention": ("paged_attention", "paged_decode_attention"),
     "paged_decode_attention_qk_norm_rope": ("paged_attention", "paged_decode_attention_qk_norm_rope"),
     "argmax": ("argmax", "argmax"),
+    "l2_prefetch": ("prefetch", "l2_prefetch"),
 }
 
 # Kernels outside the engine: the teaching chapters that tie or lose to torch on the H200 (add, add_silu,

@@ -39,6 +39,7 @@ REPLACEABLE = (
     "paged_decode_attention",
     "paged_decode_attention_qk_norm_rope",
     "argmax",
+    "l2_prefetch",
 )
 _TORCH_ONLY = ("paged_prefill_attention", "varlen_causal_attention")  # the model's other ops: always the reference
 LEVELS = {"accepted": ("accepted",), "experimental": ("accepted", "experimental"), "none": ()}
@@ -65,6 +66,7 @@ class Ops:
     paged_decode_attention: Op
     paged_decode_attention_qk_norm_rope: Op
     argmax: Op
+    l2_prefetch: Callable[..., None]
     paged_prefill_attention: Op
     varlen_causal_attention: Op
     enabled: tuple[str, ...] = ()
@@ -79,7 +81,8 @@ def ops_on_path(qk_norm: bool) -> tuple[str, ...]:
     norms = ("rms_norm", "add_rms_norm", "add_rms_norm_linear")  # the last: at one row, the norm in the GEMV
     # Qwen3's decode steps: the QK-norm + RoPE + KV write inside the decode attention (one launch fewer a layer)
     fused = ("paged_decode_attention_qk_norm_rope",) if qk_norm else ()
-    return (*norms, *rope_kv, *mlp, "paged_decode_attention", *fused, "argmax")
+    # batch-1 decode: the layer's next weights fetched into L2 while the attention runs
+    return (*norms, *rope_kv, *mlp, "paged_decode_attention", *fused, "argmax", "l2_prefetch")
 
 
 def load_status(path: Path = STATUS_FILE) -> dict[str, dict]:

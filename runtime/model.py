@@ -18,6 +18,10 @@ from kernellab.runtime.dispatch import Ops
 # 64-row decode step's throughput 3.1 % [2.2, 3.9] slower, so larger batches keep the two kernels. 16 lies between
 # the two measured sizes; where the two forms cross is not measured yet (latency_anatomy.py --decode-ab).
 FUSED_DECODE_MAX_ROWS = 16
+# Batch-1 decode with ``l2_prefetch`` enabled: after a layer's QKV GEMV, its output projection's and MLP's weights
+# are fetched into L2 while the attention runs, and with this also the next layer's QKV weights (31 MB in all at
+# Qwen3-0.6B, within the H200's 50 MB L2).
+PREFETCH_NEXT_QKV = True
 
 if TYPE_CHECKING:
     from kernellab.runtime.quant import Int4Pair, Int4Weight
@@ -147,10 +151,24 @@ class CausalLM(nn.Module):
             qkv = self._linear(normed, layer.self_attn.qkv_proj)
         else:
             qkv, residual = self._add_norm_linear(hidden, residual, layer.input_layernorm, layer.self_attn.qkv_proj)
+        if qkv.shape[0] == 1 and "l2_prefetch" in self.ops.enabled:
+            self.ops.l2_prefetch(*self._weights_after_qkv(index))
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         heads = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
         q, k, v = (x.view(-1, h, cfg.head_dim) for x, h in zip((q, k, v), heads, strict=True))
         return q, k, v, residual
+
+    def _weights_after_qkv(self, index: int) -> list[torch.Tensor]:
+        """The dense weights layer ``index`` reads after its QKV projection (output projection, gate/up, down),
+        then the next layer's QKV (``PREFETCH_NEXT_QKV``): what a batch-1 step prefetches into L2 while the
+        attention runs. A layer with int4 weights reads those instead and prefetches nothing."""
+        layer = self.decoder_layers[index]
+        linears = [layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        if PREFETCH_NEXT_QKV and index + 1 < len(self.decoder_layers):
+            linears.append(self.decoder_layers[index + 1].self_attn.qkv_proj)
+        if any(lin.int4 is not None and self.int4_max_rows >= 1 for lin in linears):
+            return []
+        return [lin.weight for lin in linears]
 
     def pre_attention(
         self,

@@ -82,6 +82,12 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logits, dim=-1)
 
 
+def l2_prefetch(*tensors: torch.Tensor) -> None:
+    """A cache hint: fetch these tensors' bytes into the GPU's L2 ahead of the kernels that read them. It changes
+    no value, so the reference does nothing (the kernel: ``kernels/prefetch.py``)."""
+    return None
+
+
 def rope_cos_sin_cache(
     head_dim: int, max_position: int, base: float, scaling: dict | None = None, device=None
 ) -> torch.Tensor:

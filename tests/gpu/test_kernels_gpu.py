@@ -29,6 +29,7 @@ from kernellab.kernels.attention import causal_attention  # noqa: E402
 from kernellab.kernels.gemv import GemvConfig  # noqa: E402
 from kernellab.kernels.kv_cache import store_kv  # noqa: E402
 from kernellab.kernels.paged_attention import paged_decode_attention  # noqa: E402
+from kernellab.kernels.prefetch import l2_prefetch  # noqa: E402
 from kernellab.kernels.rms_norm import add_rms_norm, rms_norm  # noqa: E402
 from kernellab.kernels.rope import qk_norm_rope, qk_norm_rope_store_kv, rotary_embedding  # noqa: E402
 from kernellab.kernels.softmax import softmax  # noqa: E402
@@ -313,6 +314,39 @@ def test_paged_decode_attention(lens, block_size):
 
 
 # ------------------------------------------------------------------------------------------------ graphs
+
+
+def test_l2_prefetch_keeps_values_and_the_chain_order():
+    """The prefetch changes no byte, and a PDL chain through it keeps its order: a GEMV after the prefetch reads
+    what the GEMV before it wrote (the prefetch waits on its predecessor before it ends), eager and in a graph."""
+    x = rnd(1, 1024)
+    w1, w2, w3 = rnd(3072, 1024, scale=1024**-0.5), rnd(1024, 3072, scale=3072**-0.5), rnd(6144, 1024)
+    before = [t.clone() for t in (w1, w2, w3)]
+    outs = {}
+
+    def chain():
+        outs["y"] = gemv.linear(x, w1)
+        l2_prefetch(w2, w3, w1, x)
+        outs["z"] = gemv.linear(outs["y"], w2)
+
+    chain()
+    torch.cuda.synchronize()
+    for t, b in zip((w1, w2, w3), before, strict=True):
+        assert torch.equal(t, b)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for _ in range(3):
+        x.copy_(rnd(1, 1024))
+        graph.replay()
+        torch.cuda.synchronize()
+        y = ops.linear(x.float(), w1.float()).to(BF16)
+        assert_close(outs["y"], y, 1e-2, 1.6e-2, "gemv before the prefetch")
+        assert_close(outs["z"], ops.linear(outs["y"].float(), w2.float()).to(BF16), 1e-2, 1.6e-2, "gemv after it")
+    with pytest.raises(ValueError, match="at most 4"):
+        l2_prefetch(w1, w2, w3, x, x)
+    with pytest.raises(ValueError, match="contiguous"):
+        l2_prefetch(w1.t())
 
 
 def test_cuda_graph_capture_and_replay():

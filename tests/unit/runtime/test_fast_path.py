@@ -25,6 +25,7 @@ STATUS = {
         "paged_decode_attention",
         "paged_decode_attention_qk_norm_rope",
         "argmax",
+        "l2_prefetch",
     )
 } | {"store_kv": {"status": "experimental", "reason": "not measured on this path"}}
 
@@ -171,3 +172,51 @@ def test_decode_attention_takes_the_qk_norm_rope_and_keeps_its_tokens(tiny_check
             eng.step()
     decode = [x for x in launches if x["kernel"] == "_paged_decode_kernel"]
     assert decode and not any(x["constexprs"].get("ROPE") for x in decode)
+
+
+@pytest.mark.skipif(not os.environ.get("TRITON_INTERPRET"), reason="runs the Triton kernels under the interpreter")
+def test_batch1_decode_prefetches_the_layers_next_weights(tiny_checkpoints, monkeypatch):
+    """One sequence decoding: after each layer's QKV projection the step asks L2 for the weights the layer reads
+    next (output projection, gate/up, down) and the next layer's QKV; the prefill step (20 rows) and steps of two
+    rows ask nothing. The hint changes no token."""
+    import dataclasses
+
+    from kernellab.runtime.request.sampling import SamplingParams
+
+    tokens = {}
+    for disabled in ((), ("l2_prefetch",)):
+        eng = triton_qwen3(tiny_checkpoints, disabled)
+        model = eng.runner.model
+        assert ("l2_prefetch" in model.ops.enabled) == (not disabled)
+        calls: list[tuple[int, ...]] = []
+        inner = model.ops.l2_prefetch
+        model.ops = dataclasses.replace(
+            model.ops,
+            l2_prefetch=lambda *ts, inner=inner, calls=calls: (
+                calls.append(tuple(t.data_ptr() for t in ts)),
+                inner(*ts),
+            ),
+        )
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        eng.add_request("r", list(range(5, 25)), params)
+        out = []
+        while eng.has_unfinished_requests():
+            out += [t for o in eng.step() for t in o.new_token_ids]
+        tokens[disabled] = out
+        if disabled:
+            assert calls == []
+            continue
+        layers = model.decoder_layers
+        expected = []
+        for i, layer in enumerate(layers):
+            ws = [layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+            ws += [layers[i + 1].self_attn.qkv_proj] if i + 1 < len(layers) else []
+            expected.append(tuple(w.weight.data_ptr() for w in ws))
+        assert calls == expected * 5  # the five decode steps, each layer once
+        calls.clear()
+        eng.add_request("a", list(range(5, 25)), params)
+        eng.add_request("b", list(range(30, 41)), params)
+        while eng.has_unfinished_requests():
+            eng.step()
+        assert calls == []  # two rows: the GEMVs stream their weights themselves
+    assert tokens[()] == tokens[("l2_prefetch",)] and len(tokens[()]) == 6
