@@ -181,8 +181,10 @@ def test_batch1_decode_prefetches_the_layers_next_weights(tiny_checkpoints, monk
     rows ask nothing. The hint changes no token."""
     import dataclasses
 
+    from kernellab.kernels.testing import patch_interpreter
     from kernellab.runtime.request.sampling import SamplingParams
 
+    patch_interpreter()
     tokens = {}
     for disabled in ((), ("l2_prefetch",)):
         eng = triton_qwen3(tiny_checkpoints, disabled)
