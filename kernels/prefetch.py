@@ -51,30 +51,41 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import cdiv, require, use_pdl
+from ._common import cdiv, num_sms, require, use_pdl
 
-__all__ = ["CHUNK_BYTES", "l2_prefetch"]
+__all__ = ["CHUNK_BYTES", "LINE_BYTES", "l2_prefetch"]
 
-CHUNK_BYTES = 32 * 1024
+CHUNK_BYTES = 8 * 1024  # a bulk prefetch's range
+LINE_BYTES = 128
 LANES = 32  # one warp a program
 MAX_TENSORS = 4
 
 
 @triton.jit
-def _prefetch_range(base, nbytes, pid, nprog, CHUNK: tl.constexpr, LANES: tl.constexpr):
+def _prefetch_range(base, nbytes, pid, nprog, CHUNK: tl.constexpr, BLOCK: tl.constexpr, LINES: tl.constexpr):
     n_chunks = tl.cdiv(nbytes, CHUNK)
-    for c0 in range(pid * LANES, n_chunks, nprog * LANES):
-        c = tl.minimum(c0 + tl.arange(0, LANES), n_chunks - 1)  # past the end: the last chunk again
+    for c0 in range(pid * BLOCK, n_chunks, nprog * BLOCK):
+        c = tl.minimum(c0 + tl.arange(0, BLOCK), n_chunks - 1)  # past the end: the last chunk again
         off = c.to(tl.int64) * CHUNK
-        size = tl.minimum(nbytes - off, CHUNK).to(tl.int32)
-        tl.inline_asm_elementwise(
-            "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-            "=r,l,r",
-            [base + off, size],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+        if LINES:  # one 128-byte line per element, from the load/store unit
+            tl.inline_asm_elementwise(
+                "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+                "=r,l",
+                [base + off],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
+        else:  # CHUNK bytes per element, from the SM's bulk-copy unit
+            size = tl.minimum(nbytes - off, CHUNK).to(tl.int32)
+            tl.inline_asm_elementwise(
+                "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+                "=r,l,r",
+                [base + off, size],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
 
 
 @triton.jit
@@ -89,27 +100,30 @@ def _l2_prefetch_kernel(
     n3,
     COUNT: tl.constexpr,
     CHUNK: tl.constexpr,
-    LANES: tl.constexpr,
+    BLOCK: tl.constexpr,
+    LINES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:
         gdc_launch_dependents()
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    _prefetch_range(p0, n0, pid, nprog, CHUNK, LANES)
+    _prefetch_range(p0, n0, pid, nprog, CHUNK, BLOCK, LINES)
     if COUNT > 1:
-        _prefetch_range(p1, n1, pid, nprog, CHUNK, LANES)
+        _prefetch_range(p1, n1, pid, nprog, CHUNK, BLOCK, LINES)
     if COUNT > 2:
-        _prefetch_range(p2, n2, pid, nprog, CHUNK, LANES)
+        _prefetch_range(p2, n2, pid, nprog, CHUNK, BLOCK, LINES)
     if COUNT > 3:
-        _prefetch_range(p3, n3, pid, nprog, CHUNK, LANES)
+        _prefetch_range(p3, n3, pid, nprog, CHUNK, BLOCK, LINES)
     if PDL:  # the chain's order: a kernel that waits on this one also waits on the one before it
         gdc_wait()
 
 
-def l2_prefetch(*tensors: torch.Tensor) -> None:
+def l2_prefetch(*tensors: torch.Tensor, lines: bool = False, pdl: bool | None = None) -> None:
     """Ask L2 to fetch the bytes of up to four contiguous tensors (16-byte aligned, a multiple of 16 bytes
-    each); changes nothing. A no-op off the GPU and for an empty list."""
+    each); changes nothing. ``lines``: one ``prefetch.global.L2`` per 128-byte line instead of bulk prefetches of
+    ``CHUNK_BYTES``. ``pdl``: launch as part of a PDL chain (default: where PDL is on; off for a launch on a side
+    stream, which nothing waits on). One one-warp program per SM. A no-op off the GPU and for an empty list."""
     require(len(tensors) <= MAX_TENSORS, f"l2_prefetch takes at most {MAX_TENSORS} tensors, got {len(tensors)}")
     for t in tensors:
         require(t.is_contiguous(), "l2_prefetch needs contiguous tensors")
@@ -121,19 +135,21 @@ def l2_prefetch(*tensors: torch.Tensor) -> None:
     device = tensors[0].device
     require(all(t.device == device for t in tensors), "l2_prefetch needs its tensors on one device")
     sizes = [t.numel() * t.element_size() for t in tensors]
-    programs = max(1, min(64, cdiv(max(cdiv(n, CHUNK_BYTES) for n in sizes), LANES)))
+    chunk, block = (LINE_BYTES, 8 * LANES) if lines else (CHUNK_BYTES, LANES)
+    programs = max(1, min(num_sms(device), cdiv(max(cdiv(n, chunk) for n in sizes), block)))
     args: list = []
     for i in range(MAX_TENSORS):
         t = tensors[i] if i < len(tensors) else tensors[0]
         args += [t.view(-1).view(torch.uint8), sizes[i] if i < len(tensors) else 0]
-    pdl = use_pdl(tensors[0])
+    chain = use_pdl(tensors[0]) if pdl is None else (pdl and use_pdl(tensors[0]))
     _l2_prefetch_kernel[(programs,)](
         *args,
         COUNT=len(tensors),
-        CHUNK=CHUNK_BYTES,
-        LANES=LANES,
-        PDL=pdl,
+        CHUNK=chunk,
+        BLOCK=block,
+        LINES=lines,
+        PDL=chain,
         num_warps=1,
-        launch_pdl=pdl,
+        launch_pdl=chain,
     )
     return None

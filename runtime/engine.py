@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kernellab.runtime import jit_watch
 from kernellab.runtime.config import EngineConfig, ModelConfig
 from kernellab.runtime.request.block_manager import BlockManager
 from kernellab.runtime.request.detokenizer import IncrementalDetokenizer
@@ -77,7 +78,13 @@ class LLMEngine:
         dtype = resolve_dtype(cfg.dtype, device, self.spec.dtype)
         ops = ops_for_engine(cfg, device)
         int4 = _int4_weights(cfg, path, model_cfg, device)
-        self.runner = ModelRunner(model_cfg, cfg, device, dtype, self.max_model_len, weights, ops, int4_weights=int4)
+        # Triton compiles after the runner's startup (graph capture and its warm-ups) stall the step that meets
+        # them: counted in the stats and logged (runtime/jit_watch.py)
+        self._jit = jit_watch.watch() if device.type == "cuda" else None
+        with jit_watch.startup(self._jit):
+            self.runner = ModelRunner(
+                model_cfg, cfg, device, dtype, self.max_model_len, weights, ops, int4_weights=int4
+            )
         pool = self.runner.num_blocks * cfg.block_size
         if pool < self.max_model_len:
             # A sequence longer than the whole pool could never be scheduled: it would wait (or preempt itself)
@@ -436,6 +443,8 @@ class LLMEngine:
             self.scheduler.num_preemptions,
             self.prompt_tokens,
             self.generation_tokens,
+            self._jit.after_ready if self._jit is not None else 0,
+            self._jit.seconds_after_ready if self._jit is not None else 0.0,
         )
 
     def check_integrity(self) -> None:

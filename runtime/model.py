@@ -20,8 +20,12 @@ from kernellab.runtime.dispatch import Ops
 FUSED_DECODE_MAX_ROWS = 16
 # Batch-1 decode with ``l2_prefetch`` enabled: after a layer's QKV GEMV, its output projection's and MLP's weights
 # are fetched into L2 while the attention runs, and with this also the next layer's QKV weights (31 MB in all at
-# Qwen3-0.6B, within the H200's 50 MB L2).
+# Qwen3-0.6B, within the H200's 50 MB L2). ``PREFETCH_LINES``: line prefetches instead of bulk ones;
+# ``PREFETCH_SIDE_STREAM``: launched on a second stream that forks after the QKV GEMV and joins at the end of the
+# forward, so no kernel of the layer waits for the prefetch to finish (in the PDL chain the attention would).
 PREFETCH_NEXT_QKV = True
+PREFETCH_LINES = False
+PREFETCH_SIDE_STREAM = True
 
 if TYPE_CHECKING:
     from kernellab.runtime.quant import Int4Pair, Int4Weight
@@ -106,6 +110,10 @@ class CausalLM(nn.Module):
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
         self.scale = cfg.head_dim**-0.5
         self.int4_max_rows = 0
+        # batch-1 L2 prefetch (``_prefetch``): only inside ``forward`` (a piecewise graph's pieces never fork)
+        self._prefetching = False
+        self._side_stream: torch.cuda.Stream | None = None
+        self._side_pending = False
 
     def _linear(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
         if lin.int4 is not None and x.shape[0] <= self.int4_max_rows:
@@ -151,12 +159,28 @@ class CausalLM(nn.Module):
             qkv = self._linear(normed, layer.self_attn.qkv_proj)
         else:
             qkv, residual = self._add_norm_linear(hidden, residual, layer.input_layernorm, layer.self_attn.qkv_proj)
-        if qkv.shape[0] == 1 and "l2_prefetch" in self.ops.enabled:
-            self.ops.l2_prefetch(*self._weights_after_qkv(index))
+        if qkv.shape[0] == 1 and self._prefetching and "l2_prefetch" in self.ops.enabled:
+            self._prefetch(qkv, self._weights_after_qkv(index))
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         heads = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
         q, k, v = (x.view(-1, h, cfg.head_dim) for x, h in zip((q, k, v), heads, strict=True))
         return q, k, v, residual
+
+    def _prefetch(self, after: torch.Tensor, weights: list[torch.Tensor]) -> None:
+        """``l2_prefetch`` of ``weights`` once ``after`` (the QKV projection) is computed: in the stream's PDL chain,
+        or on the side stream (``PREFETCH_SIDE_STREAM``, CUDA only), which ``forward`` joins before it returns."""
+        if not weights:
+            return
+        if PREFETCH_SIDE_STREAM and after.is_cuda:
+            main = torch.cuda.current_stream(after.device)
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(after.device)
+            self._side_stream.wait_stream(main)
+            with torch.cuda.stream(self._side_stream):
+                self.ops.l2_prefetch(*weights, lines=PREFETCH_LINES, pdl=False)
+            self._side_pending = True
+        else:
+            self.ops.l2_prefetch(*weights, lines=PREFETCH_LINES)
 
     def _weights_after_qkv(self, index: int) -> list[torch.Tensor]:
         """The dense weights layer ``index`` reads after its QKV projection (output projection, gate/up, down),
@@ -283,16 +307,23 @@ class CausalLM(nn.Module):
         hidden = self.embed(input_ids)
         residual: torch.Tensor | None = None
         fused = self._fused_decode(meta, input_ids.shape[0], kv_caches[0])
-        for i, kv in enumerate(kv_caches):
-            if fused:
-                o, residual = self.decode_attention(i, hidden, residual, meta, kv)
-            else:
-                q, k, v, residual = self.pre_attention(i, hidden, residual, meta, kv)
-                o = self.attend(q, k, v, meta, kv)
-            hidden = self._linear(o, self.decoder_layers[i].self_attn.o_proj)
-            hidden, residual = self.post_attention(i, hidden, residual)
-            if collect is not None:
-                collect.append(hidden + residual)
+        self._prefetching = input_ids.shape[0] == 1
+        try:
+            for i, kv in enumerate(kv_caches):
+                if fused:
+                    o, residual = self.decode_attention(i, hidden, residual, meta, kv)
+                else:
+                    q, k, v, residual = self.pre_attention(i, hidden, residual, meta, kv)
+                    o = self.attend(q, k, v, meta, kv)
+                hidden = self._linear(o, self.decoder_layers[i].self_attn.o_proj)
+                hidden, residual = self.post_attention(i, hidden, residual)
+                if collect is not None:
+                    collect.append(hidden + residual)
+        finally:
+            self._prefetching = False
+            if self._side_pending and self._side_stream is not None:  # join the prefetches' stream
+                torch.cuda.current_stream(self._side_stream.device).wait_stream(self._side_stream)
+                self._side_pending = False
         assert residual is not None  # a model has at least one layer
         return self.final_norm(hidden, residual)
 

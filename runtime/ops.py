@@ -82,9 +82,10 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logits, dim=-1)
 
 
-def l2_prefetch(*tensors: torch.Tensor) -> None:
+def l2_prefetch(*tensors: torch.Tensor, lines: bool = False, pdl: bool | None = None) -> None:
     """A cache hint: fetch these tensors' bytes into the GPU's L2 ahead of the kernels that read them. It changes
-    no value, so the reference does nothing (the kernel: ``kernels/prefetch.py``)."""
+    no value, so the reference does nothing (the kernel: ``kernels/prefetch.py``; ``lines`` and ``pdl`` choose
+    how it issues and launches)."""
     return None
 
 

@@ -2,8 +2,9 @@
 """The L2 prefetch at batch-1 decode (``kernels/prefetch.py``, op ``l2_prefetch``), on and off, interleaved rounds:
 
 - ``off``: the op disabled;
-- ``layer``: after each QKV GEMV, the layer's output projection, gate/up and down weights (23 MB at Qwen3-0.6B);
-- ``chain``: those and the next layer's QKV weights (31 MB; ``model.PREFETCH_NEXT_QKV``, the default).
+- after each QKV GEMV, the layer's output projection, gate/up and down weights and the next layer's QKV (31 MB at
+  Qwen3-0.6B): bulk prefetches on a side stream, line prefetches on a side stream, line prefetches in the
+  stream's PDL chain (``model.PREFETCH_LINES``, ``model.PREFETCH_SIDE_STREAM``).
 
 Workload: the gate's latency engine (8 sequences, 4,096-token contexts), batch-1 inter-token latency at context
 128 and 2,048 (64 greedy tokens after a random prompt), each variant its own engine (graphs captured with its
@@ -23,12 +24,16 @@ from pathlib import Path
 
 import torch
 
-VARIANTS = ("off", "layer", "chain")
+# name: (line prefetches instead of bulk, on a side stream instead of the PDL chain); every variant also prefetches
+# the next layer's QKV. The first H200 run (56c1be2) had the bulk prefetch in the PDL chain: the attention then
+# waited for every prefetch to land (ITL 0.768 → 2.159 ms at context 128), so two variants leave the chain.
+VARIANTS = {"off": None, "bulk-side": (False, True), "lines-side": (True, True), "lines-chain": (True, False)}
 
 
-def gemv_cold_warm(reps: int = 50) -> dict:
-    """Each Qwen3-0.6B batch-1 GEMV shape read cold (L2 flushed) and just after ``l2_prefetch`` of its weight
-    (with 20 µs of spin for the prefetch to land): median µs by CUDA events, and the weight bytes per second."""
+def gemv_cold_warm(reps: int = 30) -> dict:
+    """Each Qwen3-0.6B batch-1 GEMV shape read cold (L2 flushed by a 256 MB write) and after a bulk or a line
+    prefetch of its weight: median µs by CUDA events, and the weight bytes per second. A ~0.2 ms spin kernel before
+    the timed GEMV lets the prefetch land and keeps the host's launch out of the timing."""
     from kernellab.kernels import gemv
     from kernellab.kernels.prefetch import l2_prefetch
 
@@ -39,13 +44,13 @@ def gemv_cold_warm(reps: int = 50) -> dict:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         gemv.linear(x, w)
-        times: dict[str, list[float]] = {"cold": [], "prefetched": []}
+        times: dict[str, list[float]] = {"cold": [], "bulk": [], "lines": []}
         for _ in range(reps):
             for mode in times:
                 flush.fill_(1)
-                if mode == "prefetched":
-                    l2_prefetch(w)
-                    torch.cuda._sleep(20_000)  # ~10-20 µs of cycles: the bytes arrive in L2
+                if mode != "cold":
+                    l2_prefetch(w, lines=mode == "lines", pdl=False)
+                torch.cuda._sleep(400_000)
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
                 gemv.linear(x, w)
@@ -59,8 +64,8 @@ def gemv_cold_warm(reps: int = 50) -> dict:
             rows[name][f"{mode}_us"] = round(us, 2)
             rows[name][f"{mode}_gb_per_s"] = round(mb * 1e3 / us, 1)
         print(
-            f"gemv {name:8s} {mb:6.2f} MB  cold {rows[name]['cold_us']:6.2f} µs ({rows[name]['cold_gb_per_s']:.0f} GB/s)"
-            f"  prefetched {rows[name]['prefetched_us']:6.2f} µs ({rows[name]['prefetched_gb_per_s']:.0f} GB/s)",
+            f"gemv {name:8s} {mb:6.2f} MB  "
+            + "  ".join(f"{m} {rows[name][f'{m}_us']:6.2f} µs ({rows[name][f'{m}_gb_per_s']:.0f} GB/s)" for m in times),
             flush=True,
         )
     return rows
@@ -85,13 +90,15 @@ def main() -> int:
     micro = gemv_cold_warm() if gpu else {}
     engines = {}
     t = time.perf_counter()
-    for name in VARIANTS:
-        model_module.PREFETCH_NEXT_QKV = name == "chain"
-        disabled = ("l2_prefetch",) if name == "off" else ()
+    defaults = model_module.PREFETCH_LINES, model_module.PREFETCH_SIDE_STREAM
+    for name, how in VARIANTS.items():
+        if how is not None:
+            model_module.PREFETCH_LINES, model_module.PREFETCH_SIDE_STREAM = how
+        disabled = ("l2_prefetch",) if how is None else ()
         engines[name] = LLMEngine(EngineConfig(**lat_cfg, disabled_kernels=disabled))
         if not gpu:
             engines[name].runner.eager_windows(8)
-    model_module.PREFETCH_NEXT_QKV = True
+    model_module.PREFETCH_LINES, model_module.PREFETCH_SIDE_STREAM = defaults
     print(f"engines ready in {time.perf_counter() - t:.1f}s", flush=True)
     for name, eng in engines.items():
         enabled = "l2_prefetch" in eng.runner.model.ops.enabled
@@ -101,7 +108,7 @@ def main() -> int:
     runs: list[dict] = []
     tokens: dict[str, set] = {}
     for r in range(args.rounds):
-        for name in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+        for name in list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]:
             row: dict = {"variant": name, "round": r}
             for ctx in contexts:
                 times = engine_itl(engines[name], ctx, new_tokens=64 if gpu else 12)
@@ -138,8 +145,9 @@ def main() -> int:
         "workload": "one greedy sequence, 64 tokens after a context of 128 / 2,048 random tokens; interleaved rounds",
         "variants": {
             "off": "l2_prefetch disabled",
-            "layer": "o_proj, gate/up and down weights prefetched after each QKV GEMV",
-            "chain": "those and the next layer's QKV weights",
+            "bulk-side": "o_proj, gate/up, down and the next QKV weights after each QKV GEMV: bulk, side stream",
+            "lines-side": "the same weights: line prefetches, side stream",
+            "lines-chain": "the same weights: line prefetches in the stream's PDL chain",
         },
         "gemv_cold_vs_prefetched": micro,
         "same_tokens": same,

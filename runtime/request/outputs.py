@@ -50,6 +50,9 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    # Triton JIT compiles while serving (``runtime/jit_watch.py``): each one stalled the step that met it
+    jit_compiles: int = 0
+    jit_compile_seconds: float = 0.0
 
 
 class Engine(Protocol):

@@ -41,6 +41,8 @@ _CUMULATIVE = {
     "prefix_cache_queries": "prefix_cache_queries",
     "prefix_cache_hits": "prefix_cache_hits",
     "num_preemptions": "num_preemptions",
+    "jit_compiles": "jit_compiles",
+    "jit_compile_seconds": "jit_compile_seconds",
 }
 
 
@@ -88,6 +90,16 @@ class WorkerMetrics:
                 "kernellab:prefix_cache_hits", "Tokens found in the prefix cache", labels, registry=r
             ),
             "num_preemptions": Counter("kernellab:num_preemptions", "Preemptions (by recompute)", labels, registry=r),
+            # a kernel specialization first met while serving compiles on that step (runtime/jit_watch.py)
+            "jit_compiles": Counter(
+                "kernellab:triton_jit_compiles",
+                "Triton kernel compiles after startup (each stalled a step)",
+                labels,
+                registry=r,
+            ),
+            "jit_compile_seconds": Counter(
+                "kernellab:triton_jit_compile_seconds", "Seconds of those compiles", labels, registry=r
+            ),
         }
         self.counters = {k: c.labels(model_name) for k, c in self.counters.items()}
         self.finished = Counter(

@@ -45,23 +45,32 @@ fn = p._l2_prefetch_kernel
 names = fn.arg_names
 sig = {n: "*u8" if n.startswith("p") else "i32" for n in names[:8]} | dict.fromkeys(names[8:], "constexpr")
 found = {}
-for count in (1, 4):
-    for pdl in (False, True):
-        values = {"COUNT": count, "CHUNK": p.CHUNK_BYTES, "LANES": p.LANES, "PDL": pdl}
-        src = ASTSource(fn, sig, {(names.index(k),): v for k, v in values.items()})
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "launch_pdl": pdl})
-        ptx = k.asm["ptx"]
-        found[f"{count}-{pdl}"] = [ptx.count("cp.async.bulk.prefetch.L2.global"), ptx.count("griddepcontrol"),
-                                   len(k.asm["cubin"]) > 0]
+for lines in (False, True):
+    chunk, block = (p.LINE_BYTES, 8 * p.LANES) if lines else (p.CHUNK_BYTES, p.LANES)
+    for count in (1, 4):
+        for pdl in (False, True):
+            values = {"COUNT": count, "CHUNK": chunk, "BLOCK": block, "LINES": lines, "PDL": pdl}
+            src = ASTSource(fn, sig, {(names.index(k),): v for k, v in values.items()})
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "launch_pdl": pdl})
+            ptx = k.asm["ptx"]
+            found[f"{'lines' if lines else 'bulk'}-{count}-{pdl}"] = [
+                ptx.count("cp.async.bulk.prefetch.L2.global"), ptx.count("prefetch.global.L2 "),
+                ptx.count("griddepcontrol"), len(k.asm["cubin"]) > 0]
 print(json.dumps(found))
 """
 
 
-def test_it_compiles_to_the_bulk_prefetch_for_hopper():
+def test_it_compiles_to_the_prefetch_instructions_for_hopper():
     """Without the interpreter (a child process), Triton lowers the kernel for sm_90 through ptxas: one bulk
-    prefetch per tensor range in the loop, the two PDL instructions only when launched with PDL."""
+    prefetch per tensor range in the loop (one element a lane), or eight line prefetches (eight lines a lane);
+    the two PDL instructions only when launched with PDL."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert found == {"1-False": [1, 0, True], "1-True": [1, 2, True], "4-False": [4, 0, True], "4-True": [4, 2, True]}
+    expected = {}
+    for count in (1, 4):
+        for pdl in (False, True):
+            expected[f"bulk-{count}-{pdl}"] = [count, 0, 2 * pdl, True]
+            expected[f"lines-{count}-{pdl}"] = [0, 8 * count, 2 * pdl, True]
+    assert found == expected

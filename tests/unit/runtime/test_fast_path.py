@@ -194,9 +194,9 @@ def test_batch1_decode_prefetches_the_layers_next_weights(tiny_checkpoints, monk
         inner = model.ops.l2_prefetch
         model.ops = dataclasses.replace(
             model.ops,
-            l2_prefetch=lambda *ts, inner=inner, calls=calls: (
+            l2_prefetch=lambda *ts, inner=inner, calls=calls, **kw: (
                 calls.append(tuple(t.data_ptr() for t in ts)),
-                inner(*ts),
+                inner(*ts, **kw),
             ),
         )
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
