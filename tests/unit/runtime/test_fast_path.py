@@ -182,9 +182,8 @@ def test_batch1_decode_prefetches_the_layers_next_weights(tiny_checkpoints, monk
     import dataclasses
 
     from kernellab.kernels.testing import patch_interpreter
-    from kernellab.runtime.request.sampling import SamplingParams
-
     from kernellab.runtime import dispatch
+    from kernellab.runtime.request.sampling import SamplingParams
 
     patch_interpreter()
     # the H200 rejected the op (runtime/kernel_status.json); its wiring is tested with it allowed
