@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kernellab.runtime.op_names import REPLACEABLE
 from kernellab.runtime.request.errors import ConfigError
 
 SUPPORTED_ARCHITECTURES = {
@@ -176,5 +177,7 @@ class EngineConfig:
             raise ConfigError(f"unknown backend {self.backend!r}")
         if self.kernels not in ("accepted", "experimental", "none"):
             raise ConfigError(f"kernels must be accepted, experimental or none, got {self.kernels!r}")
+        if unknown := sorted(set(self.disabled_kernels) - set(REPLACEABLE)):
+            raise ConfigError(f"disabled_kernels names no op: {', '.join(unknown)} (the ops: {', '.join(REPLACEABLE)})")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"unknown device {self.device!r}")

@@ -19,28 +19,11 @@ from pathlib import Path
 import torch
 
 from kernellab.runtime import ops as reference
+from kernellab.runtime.op_names import REPLACEABLE  # the ops with a Triton kernel (torch-free: configs check names)
 
 log = logging.getLogger(__name__)
 
 STATUS_FILE = Path(__file__).with_name("kernel_status.json")
-# The ops with a Triton kernel in ``kernellab.kernels.KERNELS`` (the same set: tests/unit/kernels/test_registry.py).
-# The kernels of ``kernels.STANDALONE`` (teaching chapters, quantized GEMVs) are never dispatched.
-REPLACEABLE = (
-    "rms_norm",
-    "add_rms_norm",
-    "rotary_embedding",
-    "qk_norm_rope",
-    "qk_norm_rope_store_kv",
-    "store_kv",
-    "silu_and_mul",
-    "linear",
-    "silu_and_mul_linear",
-    "add_rms_norm_linear",
-    "paged_decode_attention",
-    "paged_decode_attention_qk_norm_rope",
-    "argmax",
-    "l2_prefetch",
-)
 _TORCH_ONLY = ("paged_prefill_attention", "varlen_causal_attention")  # the model's other ops: always the reference
 LEVELS = {"accepted": ("accepted",), "experimental": ("accepted", "experimental"), "none": ()}
 

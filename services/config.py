@@ -11,10 +11,10 @@ import os
 import socket
 import uuid
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -187,6 +187,20 @@ class WorkerSettings(StackSettings):
     # KERNELLAB_ASYNC_SCHEDULING: a decode window's next window is launched before its tokens are read (GPU; off:
     # the device waits while the worker reads, emits and schedules each window; the serving benchmark's -sync A/B)
     async_scheduling: bool = True
+    # KERNELLAB_KERNELS: which Triton kernels the engine's dispatcher enables on a GPU: "accepted" (each measured
+    # correct and faster on the whole workload, runtime/kernel_status.json), "experimental" (those too), "none"
+    # (the torch references). KERNELLAB_DISABLED_KERNELS: ops kept on torch whatever their status, comma-separated
+    # (an operator's switch for one kernel, and the serving benchmark's A/B of one).
+    kernels: Literal["accepted", "experimental", "none"] = "accepted"
+    disabled_kernels: Annotated[tuple[str, ...], NoDecode] = ()  # the engine refuses a name that is not an op
+
+    @field_validator("disabled_kernels", mode="before")
+    @classmethod
+    def _op_names(cls, value):
+        if isinstance(value, str):  # the environment's comma-separated list
+            return tuple(name.strip() for name in value.split(",") if name.strip())
+        return value
+
     max_deliveries: int = Field(3, ge=1)  # deliveries beyond this send a request to the dead-letter stream
     drain_timeout_s: float = Field(30.0, ge=0)
     batch_share: float = Field(0.75, gt=0, le=1)  # at most this share of max_num_seqs goes to batch requests

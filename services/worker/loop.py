@@ -95,6 +95,8 @@ class Worker:
                     piecewise_graphs=s.piecewise_graphs,
                     fresh_prompt_graphs=s.fresh_prompt_graphs,
                     async_scheduling=s.async_scheduling,
+                    kernels=s.kernels,
+                    disabled_kernels=s.disabled_kernels,
                 )
             )
         self.engine: Engine = engine

@@ -228,3 +228,16 @@ def test_tool_calls_come_back_parsed_as_the_gateway_parses_them(tokenizer, strea
     assert [c["function"]["name"] for c in calls] == ["get_time"] and calls[0]["index"] == 0
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks) == ""
+
+
+def test_the_handlers_engine_config_takes_the_workers_kernel_settings(monkeypatch):
+    """``engine_config_from_env`` maps the same KERNELLAB_* variables as ``kernellab worker``: the kernel level and
+    the comma-separated list of ops kept on torch arrive as the engine's fields."""
+    import importlib
+
+    monkeypatch.setenv("KERNELLAB_KERNELS", "experimental")
+    monkeypatch.setenv("KERNELLAB_DISABLED_KERNELS", "rms_norm,argmax")
+    monkeypatch.setenv("KERNELLAB_ASYNC_SCHEDULING", "false")
+    handler = importlib.import_module("handler")
+    cfg = handler.engine_config_from_env()
+    assert (cfg.kernels, cfg.disabled_kernels, cfg.async_scheduling) == ("experimental", ("rms_norm", "argmax"), False)

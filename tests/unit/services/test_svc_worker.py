@@ -382,3 +382,28 @@ def test_the_reader_prepares_requests_only_while_the_step_is_not_launching(redis
         assert w.gate.held > 0  # it did wait
     else:
         assert len(prepared) == 13
+
+
+ENGINE_CONFIGS: list = []
+
+
+def recording_engine(config):
+    """An engine factory (``KERNELLAB_ENGINE``) that keeps the EngineConfig the worker built from its settings."""
+    ENGINE_CONFIGS.append(config)
+    return FakeEngine()
+
+
+def test_the_kernel_settings_reach_the_engine_and_a_bad_name_is_refused(redis_url, prefix, monkeypatch):
+    from kernellab.runtime.request.errors import ConfigError
+
+    monkeypatch.setenv("KERNELLAB_KERNELS", "experimental")
+    monkeypatch.setenv("KERNELLAB_DISABLED_KERNELS", "rms_norm, argmax")
+    Worker(settings(redis_url, prefix, engine=f"{__name__}:recording_engine"))
+    assert ENGINE_CONFIGS[-1].kernels == "experimental"
+    assert ENGINE_CONFIGS[-1].disabled_kernels == ("rms_norm", "argmax")
+    monkeypatch.setenv("KERNELLAB_DISABLED_KERNELS", "rms_norm,flash_attention")
+    with pytest.raises(ConfigError, match="disabled_kernels names no op: flash_attention"):
+        Worker(settings(redis_url, prefix, engine=f"{__name__}:recording_engine"))
+    monkeypatch.setenv("KERNELLAB_KERNELS", "fast")
+    with pytest.raises(ValueError, match="kernels"):
+        settings(redis_url, prefix)
