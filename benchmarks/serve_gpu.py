@@ -112,6 +112,9 @@ VARIANTS = {
     # the worker and the gateway tier leave their startup objects in the garbage collector's generations (before
     # gc_freeze)
     "nogcfreeze": {"KERNELLAB_GC_FREEZE": "0"},
+    # the plain RMSNorm (the first layer's input norm in steps that prefill) on torch, as before the gate at f611de0
+    # accepted its kernel: the interactive mix's TTFT rose between 591b0ef and 56c1be2, in both scheduling modes
+    "normtorch": {"KERNELLAB_DISABLED_KERNELS": "rms_norm"},
 }
 GATEWAY_VARIANTS = {
     "slowpath": {"KERNELLAB_GATEWAY_FAST_PATH": "0"},  # generation routes through FastAPI
@@ -476,15 +479,49 @@ def ttft_sums(stack: StackProcs) -> dict[str, tuple[float, float]]:
     return out
 
 
+JIT_METRICS = ("kernellab:triton_jit_compiles_total", "kernellab:triton_jit_compile_seconds_total")
+
+
+def worker_jit(stack: StackProcs) -> tuple[float, float] | None:
+    """(compiles, seconds) of Triton compiles the workers met while serving (``runtime/jit_watch.py``): each one
+    stalled the step that met it. None when no worker exports the counters."""
+    import httpx
+
+    totals, found = [0.0, 0.0], False
+    for name, url in stack.metrics_urls.items():
+        if not name.startswith("worker"):
+            continue
+        try:
+            text = httpx.get(url, timeout=5).text
+        except httpx.HTTPError:
+            continue
+        for line in text.splitlines():
+            for i, metric in enumerate(JIT_METRICS):
+                if line.startswith(metric):
+                    totals[i] += float(line.rsplit(" ", 1)[1])
+                    found = True
+    return (totals[0], totals[1]) if found else None
+
+
+def jit_log_lines(workdir: Path) -> list[str]:
+    """The workers' warnings for each Triton compile while serving (kernel, milliseconds, specialization)."""
+    lines: list[str] = []
+    for log_file in sorted(workdir.glob("worker*.log")):
+        for line in log_file.read_text(errors="replace").splitlines():
+            if "Triton compiled" in line:
+                lines.append(f"{log_file.stem}: {line.strip()[:1500]}")
+    return lines
+
+
 def stack_run(stack: StackProcs, model: str, requests, processes: int, timeout_s: float) -> dict:
     from kernellab.bench.stream_clients import completion_request, run_clients
     from kernellab.bench.timeline import read_gateway_trace, read_trace, timeline
 
     raws = [completion_request(stack.host, stack.port, model, p, n) for p, n in requests]
-    before = ttft_sums(stack)
+    before, jit_before = ttft_sums(stack), worker_jit(stack)
     with CpuMeter(stack.pids()) as cpu:
         out = run_clients(stack.host, stack.port, raws, processes, timeout_s)
-    after = ttft_sums(stack)
+    after, jit_after = ttft_sums(stack), worker_jit(stack)
     layers = {
         k: round((after[k][0] - before.get(k, (0, 0))[0]) / (after[k][1] - before.get(k, (0, 0))[1]) * 1e3, 3)
         for k in after
@@ -513,6 +550,12 @@ def stack_run(stack: StackProcs, model: str, requests, processes: int, timeout_s
         max_client_cpu_util=out["max_client_cpu_util"],
         clients_saturated=out["clients_saturated"],
         server_cpu_cores=cpu.cores,
+        worker_jit_compiles={
+            "compiles": round(jit_after[0] - jit_before[0]),
+            "seconds": round(jit_after[1] - jit_before[1], 3),
+        }
+        if jit_before is not None and jit_after is not None
+        else None,
         mean_ttft_ms_by_layer={
             "client": round(statistics.mean((r["first"] - r["sent"]) * 1e3 for r in recs if r["first"] is not None), 3)
             if recs
@@ -680,7 +723,8 @@ def main() -> int:
         stack.stop()
         engine.stop()
 
-    artifact = write_artifact(args, profile, prov, runs, started)
+    # what the workers compiled after their startup (the logs go with the workdir below)
+    artifact = write_artifact(args, profile, prov, runs, started, jit_log_lines(workdir))
     print_table(artifact)
     print(f"wrote {args.output}")
     if not args.model_dir:
@@ -688,7 +732,9 @@ def main() -> int:
     return 0
 
 
-def write_artifact(args, profile: dict, prov: dict, runs: list[dict], started: float) -> dict:
+def write_artifact(
+    args, profile: dict, prov: dict, runs: list[dict], started: float, jit_lines: list[str] | None = None
+) -> dict:
     from importlib import metadata
 
     prov = dict(prov)
@@ -727,6 +773,8 @@ def write_artifact(args, profile: dict, prov: dict, runs: list[dict], started: f
         "runs": runs,
         "seconds": round(time.perf_counter() - started, 1),
     }
+    if jit_lines is not None:
+        artifact["jit_while_serving"] = jit_lines
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(artifact, indent=1) + "\n")
     return artifact

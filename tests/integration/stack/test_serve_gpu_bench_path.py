@@ -27,6 +27,9 @@ def test_serve_gpu_benchmark_runs_end_to_end_on_the_cpu(tmp_path):
     assert art["figures"]["all_requests_exact"] is True
     stack = [r for r in art["runs"] if r["phase"].startswith("stack-")]
     assert all(len(r["clients"]) >= 1 and r["server_cpu_cores"]["gateway"] >= 0 for r in stack)
+    # the workers export their Triton compile counters (no JIT on a CPU worker: none while serving)
+    assert all(r["worker_jit_compiles"] == {"compiles": 0, "seconds": 0.0} for r in stack), stack[0]
+    assert art["jit_while_serving"] == []
     # Every stack run has its engine twin on the same prompts.
     pairs = {r["pair"] for r in art["runs"] if r["phase"] == "engine" and "pair" in r}
     assert {r["pair"] for r in stack if "pair" in r} <= pairs
