@@ -1,47 +1,49 @@
-"""L2 prefetch of weights a batch-1 decode layer is about to read: HBM works while the attention waits on latency.
+"""L2 prefetch of the weights a batch-1 decode layer reads next, while the attention waits on latency (rejected).
 
 Formula
     None: ``l2_prefetch(*tensors)`` changes no value. It asks the GPU's L2 to fetch the bytes of up to four
     contiguous tensors from HBM now (reference ``ops.l2_prefetch``, which does nothing); the kernels that read
     them next find them in L2 or already on their way.
 
-Why
+Why it was tried
     At batch 1 a Qwen3-0.6B layer reads 31 MB of weights, 8.7 µs of HBM time at the 3.6 TB/s the H200 streams,
     but takes ~20 µs: five kernels in a dependent chain, each paying launch, ramp-up and tail, and the attention
     between the QKV and the output projection (~4.6 µs at context 128) reads only a few hundred KB, so the HBM
     idles through it. Issued right after the QKV GEMV, the prefetch streams the output projection's, the MLP's
-    and (``next``) the next layer's QKV weights while the attention runs; the GEMVs after it then read from L2.
-    L2 holds 50 MB on the H200: one layer's weights (31 MB) fit, two do not, so the window never reaches past the
-    next layer's QKV. No value depends on it: a prefetch that arrives late only costs what the load would have.
+    and the next layer's QKV weights (``model.PREFETCH_NEXT_QKV``) while the attention runs, for the GEMVs after
+    it to read from L2 (50 MB on the H200: one layer's weights fit, two do not).
 
 Program mapping
-    A 1-D grid of ``P`` one-warp programs. Each tensor's bytes are cut into ``CHUNK``-byte chunks (the last one
-    shorter, a multiple of 16), and lane ``l`` of program ``p`` issues chunks ``p·32 + l``, ``+ P·32``, … of
-    every tensor: one ``cp.async.bulk.prefetch.L2.global`` each (Hopper's bulk-copy unit fetches the range; the
-    instruction has no completion to wait for). Lanes past a tensor's last chunk repeat the last chunk, which is
-    harmless, instead of branching.
+    A 1-D grid of at most one one-warp program per SM. Each tensor's bytes are cut into chunks: ``CHUNK_BYTES``
+    for a bulk prefetch (``cp.async.bulk.prefetch.L2.global``: the SM's bulk-copy unit fetches the range, and
+    the instruction has no completion to wait for) or one 128-byte line for ``lines`` (``prefetch.global.L2``,
+    eight per lane per trip). Lane ``l`` of program ``p`` issues chunks ``p·B + l``, ``+ P·B``, … of every
+    tensor; lanes past a tensor's last chunk repeat the last chunk, which is harmless, instead of branching.
 
 Coalescing
-    Not a load: each instruction names a contiguous range of ``CHUNK`` bytes (32 KB: a few thousand instructions
-    for a layer), so the memory system sees whole lines in address order.
+    Not a load: each instruction names a contiguous range (8 KB, or a line), so the memory system sees whole
+    lines in address order.
 
 Precision
     No arithmetic on values; the tensors are only addressed as bytes.
 
-PDL
-    Launched with programmatic dependent launch, the program signals ``launch_dependents`` first (the attention
-    kernel after it may start), issues its prefetches, which depend on nothing, and waits for the kernel before
-    it only at the end, so that a PDL kernel after it that waits on it also waits on everything before it.
+PDL and streams
+    In a PDL chain the program signals ``launch_dependents`` first (the attention after it may start), issues
+    its prefetches and waits for the kernel before it only at the end, so that a kernel that waits on it also
+    waits on everything before it. The model can instead launch it on a side stream that forks after the QKV
+    GEMV and joins at the end of the forward (``model.PREFETCH_SIDE_STREAM``), so no kernel of the layer waits
+    for it.
 
-Trade-offs
-    - The bulk prefetch (one instruction per 32 KB) rather than ``prefetch.global.L2`` per 128-byte line (256
-      instructions per 32 KB) or loads whose results are discarded (which hold registers until they return,
-      and which the compiler may remove).
-    - A kernel of its own rather than extra programs inside the attention kernel: one launch more, overlapped
-      by PDL, and the attention kernel keeps its grid.
-    - Off the GPU (the interpreter has no inline assembly) the launcher returns without launching: there is no
-      L2 to warm.
-    - Only at batch 1: with more rows the GEMVs are longer and stream their weights at full bandwidth themselves.
+Trade-offs (H200, ``benchmarks/gpu/l2_prefetch_ab.py``, interleaved rounds, the same greedy tokens everywhere)
+    - Batch-1 ITL at context 128, against 0.768 ms without: bulk prefetches in the PDL chain 2.159 ms (the
+      attention waited for every prefetch to land: ~35 µs a layer for 31 MB from a dozen programs); on a side
+      stream 0.834 ms (one program per SM); line prefetches on a side stream 1.177, in the chain 1.322.
+    - Why it cannot win here: a GEMV whose weight is already in L2 is only ~1.3 µs faster (o_proj 4.8 against
+      5.8 µs, gate/up 7.6 against 9.0, event-timed): at these sizes fixed latency, not bandwidth, sets a GEMV's
+      time, so the ceiling is ~5 µs a layer, and the prefetch stream's contention with the GEMVs' own loads
+      costs more than that. Rejected (``runtime/kernel_status.json``); the way to the 0.7 ms target is fewer
+      dependent launches a layer, not more bytes in flight.
+    - Off the GPU (the interpreter has no inline assembly) the launcher returns without launching.
 """
 
 from __future__ import annotations

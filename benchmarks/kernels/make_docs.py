@@ -30,6 +30,7 @@ CHAPTERS = [
     ("attention", "Tiled causal prefill attention"),
     ("paged_attention", "Split-KV paged decode attention"),
     ("argmax", "Argmax and top-k"),
+    ("prefetch", "L2 prefetch at batch-1 decode (rejected)"),
 ]
 
 # What limits each chapter, written against the measured numbers (update together with the artifact).
@@ -127,6 +128,13 @@ ANALYSIS: dict[str, str] = {
         "Argmax, the greedy path, is 1.8× eager and 2.7× `torch.compile` at batch 64 (60 % of the read "
         "bandwidth) and 2.65× eager at batch 1 (3.2 µs: one launch floor plus a merge). Top-k is a teaching "
         "kernel that loses (0.52×): bitonic selection is compute-heavy next to `torch.topk`'s radix select."
+    ),
+    "prefetch": (
+        "No kernel-table row: a prefetch has no output to time. Its workload figure is the batch-1 ITL A/B "
+        "(`results/gpu/engine_h200_dev/l2_prefetch_ab_2567a2d.json`): 0.834 ms at context 128 with bulk prefetches "
+        "on a side stream against 0.769 without, 1.177 with line prefetches, 1.322 with line prefetches in the PDL "
+        "chain (2.159 for bulk ones in the chain at 56c1be2). The GEMVs it feeds gain only ~1.3 µs each from an "
+        "L2-resident weight, less than the prefetch stream's contention costs them."
     ),
 }
 
@@ -315,6 +323,8 @@ def generate(artifact: Path) -> str:
         lines += ["", f"## {title} — `kernels/{module}.py`", "", render_docstring(docstring(module)).rstrip(), ""]
         if not rows:
             lines.append("_No measurement in this artifact._")
+            if module in ANALYSIS:
+                lines += ["", "### What limits it", "", ANALYSIS[module]]
             continue
         d = [r for r in rows if r["variant"] == "default"]
         lines += ["### Measured", "", *results_table(d)]
