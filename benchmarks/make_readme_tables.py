@@ -293,6 +293,8 @@ def gpu_serve_table() -> str:
         "slowpath": "generation routes through FastAPI",
         "nogcfreeze": "startup heap not frozen out of the garbage collector",
         "nofreshgraphs": "several fresh prompts through the piecewise graphs",
+        "sync": "each decode window read before the next is launched (asynchronous scheduling off)",
+        "normtorch": "RMSNorm on torch",
     }
     for name, ph in f["stack_by_phase"].items():
         g, *variants = name.removeprefix("g").split("-")
