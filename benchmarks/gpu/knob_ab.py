@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""A/B of one module-level setting of the engine or its kernels on the complete workload, interleaved rounds.
+
+A "knob" is a module constant read when a CUDA graph is captured (``kernellab.kernels.paged_attention.
+MIN_SLICE_TOKENS``, ``kernellab.runtime.model.FUSED_DECODE_MAX_ROWS``, ...): each value gets an engine of its own,
+built with the constant set (graphs captured with it), and the rounds alternate the engines' order. Measured:
+
+- batch-1 inter-token latency at each ``--contexts`` (the gate's latency engine: 64 greedy tokens after a random
+  prompt of that length);
+- with ``--decode-batches``, the decode step at those batch sizes (``engine_decode_step``: 40-token prompts,
+  128 tokens each);
+- the greedy tokens of one request must be the same from every engine.
+
+    python3 benchmarks/gpu/knob_ab.py --out "$OUT/knob" \\
+        --knob kernellab.kernels.paged_attention.MIN_SLICE_TOKENS --values 64,128 --contexts 128,512,2048
+    python3 benchmarks/gpu/knob_ab.py --out /tmp/knob --device cpu --knob ... --values ...   # the path, on a CPU
+
+Random weights of the exact Qwen3-0.6B shape on the GPU; a tiny Qwen3 with torch ops on the CPU (the script's path,
+not the knob's effect).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def parse_value(text: str):
+    """``128`` → 128, ``0.5`` → 0.5, ``True`` → True; anything else stays a string."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--knob", required=True, help="module.CONSTANT, e.g. kernellab.kernels.paged_attention.X")
+    ap.add_argument("--values", required=True, type=lambda s: [parse_value(v) for v in s.split(",")])
+    ap.add_argument("--contexts", default="128,2048", type=lambda s: [int(v) for v in s.split(",")])
+    ap.add_argument("--decode-batches", default="", type=lambda s: [int(v) for v in s.split(",") if v])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    args = ap.parse_args()
+    from kernellab.bench.latency import engine_decode_step, engine_itl
+    from kernellab.bench.offline import gate_offline_setup
+    from kernellab.results import provenance, write
+    from kernellab.runtime.config import EngineConfig
+    from kernellab.runtime.engine import LLMEngine
+    from kernellab.runtime.request.sampling import SamplingParams
+
+    module_name, _, const = args.knob.rpartition(".")
+    module = importlib.import_module(module_name)
+    if not hasattr(module, const):
+        raise SystemExit(f"{module_name} has no {const}")
+    standing = getattr(module, const)
+    if len(set(map(repr, args.values))) != len(args.values) or len(args.values) < 2:
+        raise SystemExit("--values needs two or more distinct values")
+    gpu = args.device == "cuda"
+    cfg, _, _ = gate_offline_setup(args.device)
+    seqs = max([8, *args.decode_batches])
+    eng_cfg = dict(
+        cfg, max_num_seqs=seqs, max_model_len=4096 if gpu else 512, num_kv_blocks=max(2048, seqs * 24) if gpu else 256
+    )
+    engines = {}
+    t = time.perf_counter()
+    try:
+        for value in args.values:
+            setattr(module, const, value)
+            engines[repr(value)] = LLMEngine(EngineConfig(**eng_cfg))
+            if not gpu:
+                engines[repr(value)].runner.eager_windows(8)
+    finally:
+        setattr(module, const, standing)
+    print(f"{len(engines)} engines ready in {time.perf_counter() - t:.1f}s ({args.knob} = {args.values})", flush=True)
+    contexts = args.contexts if gpu else [c for c in args.contexts if c < 400] or [64]
+    names = list(engines)
+    runs: list[dict] = []
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            eng, row = engines[name], {"value": name, "round": r}
+            for ctx in contexts:
+                times = engine_itl(eng, ctx, new_tokens=64 if gpu else 12)
+                row[f"itl_ms_p50@{ctx}"] = round(statistics.median(times) * 1e3, 4)
+            for b in args.decode_batches:
+                row[f"decode_step_ms@{b}"] = engine_decode_step(eng, b, new_tokens=128 if gpu else 8)["step_ms"]
+            runs.append(row)
+            print(f"round {r} {args.knob.rsplit('.', 1)[1]}={name:8s} " + "  ".join(
+                f"{k} {v:.4f}" for k, v in row.items() if k not in ("value", "round")
+            ), flush=True)  # fmt: skip
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, 10000, (300,), generator=g).tolist()
+    tokens = {}
+    for name, eng in engines.items():
+        eng.add_request("check", prompt, SamplingParams(temperature=0.0, max_tokens=96 if gpu else 8, ignore_eos=True))
+        out = []
+        while eng.has_unfinished_requests():
+            out += [tok for o in eng.step() for tok in o.new_token_ids]
+        tokens[name] = tuple(out)
+    same = len(set(tokens.values())) == 1
+    metrics = [k for k in runs[0] if k not in ("value", "round")]
+    summary: dict = {}
+    for m in metrics:
+        med = {v: statistics.median([x[m] for x in runs if x["value"] == v]) for v in names}
+        summary[m] = {v: round(x, 4) for v, x in med.items()}
+        summary[m]["over_first"] = {v: round(med[v] / med[names[0]], 4) for v in names[1:]}
+        print(f"{m:20s} " + "  ".join(f"{v} {med[v]:.4f}" for v in names), flush=True)
+    print(f"same greedy tokens from every engine: {same}", flush=True)
+    result = {
+        "schema": "kernellab.bench.knob_ab/v1",
+        "provenance": provenance(args.device),
+        "knob": args.knob,
+        "standing": repr(standing),
+        "values": names,
+        "engine": eng_cfg,
+        "workload": "one greedy sequence, 64 tokens after a random prompt of each context; decode steps of "
+        "40-token prompts × 128 tokens at each batch; interleaved rounds, one engine per value",
+        "same_tokens": same,
+        "runs": runs,
+        "summary": summary,
+    }
+    write(Path(args.out) / "knob_ab.json", result)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,55 @@
+"""The H200 A/B scripts' own paths on the CPU (a tiny Qwen3, torch ops, decode buckets run eagerly), so they do not
+rot between GPU sessions: each writes an artifact that validates, with the same greedy tokens from every engine.
+What they measure needs the GPU; here only the path runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from kernellab.results import validate
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def run(script: str, tmp_path: Path, *args: str) -> dict:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu" / script), "--out", str(tmp_path), "--device", "cpu", *args]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(next(tmp_path.glob("*.json")).read_text())
+
+
+def test_the_knob_ab_builds_one_engine_per_value_and_restores_the_constant(tmp_path):
+    from kernellab.kernels import paged_attention
+
+    data = run(
+        "knob_ab.py",
+        tmp_path,
+        *("--knob", "kernellab.kernels.paged_attention.MIN_SLICE_TOKENS", "--values", "64,128"),
+        *("--contexts", "64", "--decode-batches", "4", "--rounds", "2"),
+    )
+    assert validate(data) == "kernellab.bench.knob_ab/v1"
+    assert data["same_tokens"] and data["values"] == ["64", "128"] and data["standing"] == "64"
+    assert [(r["value"], r["round"]) for r in data["runs"]] == [("64", 0), ("128", 0), ("128", 1), ("64", 1)]
+    assert set(data["summary"]) == {"itl_ms_p50@64", "decode_step_ms@4"}
+    assert paged_attention.MIN_SLICE_TOKENS == 64  # this process's constant is untouched (the script's own restored)
+
+
+def test_the_knob_ab_refuses_a_knob_that_does_not_exist(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu" / "knob_ab.py"), "--out", str(tmp_path), "--device", "cpu"]
+    proc = subprocess.run(
+        [*cmd, "--knob", "kernellab.runtime.model.NO_SUCH_THING", "--values", "1,2"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0 and "has no NO_SUCH_THING" in proc.stderr
+
+
+def test_the_l2_prefetch_ab_runs_its_path(tmp_path):
+    data = run("l2_prefetch_ab.py", tmp_path, "--rounds", "1")
+    assert validate(data) == "kernellab.bench.l2_prefetch_ab/v1"
+    assert data["same_tokens"] and {r["variant"] for r in data["runs"]} == set(data["variants"])
