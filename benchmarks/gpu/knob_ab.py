@@ -13,6 +13,8 @@ built with the constant set (graphs captured with it), and the rounds alternate 
 
     python3 benchmarks/gpu/knob_ab.py --out "$OUT/knob" \\
         --knob kernellab.kernels.paged_attention.MIN_SLICE_TOKENS --values 64,128 --contexts 128,512,2048
+    python3 benchmarks/gpu/knob_ab.py --out "$OUT/b1" --knob kernellab.kernels.paged_attention.B1_LAUNCH --sep ';' \
+        --values 'None; {"block_n": 128, "num_warps": 8, "min_slice": 128}' --contexts 128,512,2048
     python3 benchmarks/gpu/knob_ab.py --out /tmp/knob --device cpu --knob ... --values ...   # the path, on a CPU
 
 Random weights of the exact Qwen3-0.6B shape on the GPU; a tiny Qwen3 with torch ops on the CPU (the script's path,
@@ -43,12 +45,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--knob", required=True, help="module.CONSTANT, e.g. kernellab.kernels.paged_attention.X")
-    ap.add_argument("--values", required=True, type=lambda s: [parse_value(v) for v in s.split(",")])
+    ap.add_argument("--values", required=True, help="Python literals separated by --sep")
+    ap.add_argument("--sep", default=",", help="the separator of --values (';' for dicts)")
     ap.add_argument("--contexts", default="128,2048", type=lambda s: [int(v) for v in s.split(",")])
     ap.add_argument("--decode-batches", default="", type=lambda s: [int(v) for v in s.split(",") if v])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = ap.parse_args()
+    args.values = [parse_value(v.strip()) for v in args.values.split(args.sep)]
     from kernellab.bench.latency import engine_decode_step, engine_itl
     from kernellab.bench.offline import gate_offline_setup
     from kernellab.results import provenance, write

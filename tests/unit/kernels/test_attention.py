@@ -126,3 +126,43 @@ def test_paged_decode_attention_qk_norm_rope(lens, splits, min_slice, gen):
     assert_close(y[:-1], ref[:-1], 1e-5, 1e-5, "fused decode")
     assert_close(kc, kc_ref, 1e-5, 1e-5, "k cache")  # the written rows as rope.py writes them, others untouched
     assert torch.equal(vc, vc_ref)
+
+
+@pytest.mark.parametrize("b1", [{"block_n": 32, "num_warps": 8, "min_slice": 64}, {"block_n": 16, "min_slice": 1000}])
+def test_batch1_launch_settings_apply_to_one_sequence_only(b1, gen, monkeypatch):
+    """``B1_LAUNCH`` (the knob A/B's batch-1 settings) replaces the launch of a step of one sequence, plain and
+    fused, and leaves other batches alone; the output stays the reference's at short and long contexts."""
+    from kernellab.kernels import paged_attention as pa
+    from kernellab.kernels.compile_check import record_launches
+
+    Hq, Hk, D, bs = 4, 2, 32, 16
+    monkeypatch.setattr(pa, "B1_LAUNCH", b1)
+    cos_sin = ops.rope_cos_sin_cache(D, 512, 1e6)
+    qw, kw = 1 + 0.2 * torch.randn(D, generator=gen), 1 + 0.2 * torch.randn(D, generator=gen)
+    for lens in ([70], [300], [70, 300]):
+        B = len(lens)
+        q, kc, vc, tables, ctx = _paged_case(lens, Hq, Hk, D, bs, torch.float32, gen)
+        kc, vc = kc.nan_to_num(), vc.nan_to_num()
+        wide = torch.full((B, 64), -1, dtype=torch.int32)
+        wide[:, : tables.shape[1]] = tables
+        with record_launches() as launches:
+            y = pa.paged_decode_attention(q, kc, vc, wide, ctx, D**-0.5, out=poisoned(q.shape, torch.float32, "cpu"))
+        ref = ops.paged_decode_attention(q, kc, vc, tables, ctx, D**-0.5)
+        assert_close(y, ref, 1e-5, 1e-5, f"plain {lens}")
+        qkv = torch.randn(B, (Hq + 2 * Hk) * D, generator=gen)
+        qn, k, v = (x.view(B, -1, D) for x in qkv.split([Hq * D, Hk * D, Hk * D], dim=-1))
+        slots = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(lens)])
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        ref = ops.paged_decode_attention_qk_norm_rope(
+            qn, k, v, qw, kw, 1e-6, cos_sin, kc_ref, vc_ref, slots, tables, ctx, D**-0.5
+        )
+        with record_launches() as fused:
+            y = pa.paged_decode_attention_qk_norm_rope(
+                qn, k, v, qw, kw, 1e-6, cos_sin, kc, vc, slots, wide, ctx, D**-0.5,
+                out=poisoned((B, Hq, D), torch.float32, "cpu"),
+            )  # fmt: skip
+        assert_close(y, ref, 1e-5, 1e-5, f"fused {lens}")
+        for launch in (*launches, *fused):
+            want = b1 if B == 1 else {k: v for k, v in pa.LAUNCH.items()}
+            assert launch["constexprs"]["BLOCK_N"] == want["block_n"], (lens, launch["constexprs"])
+            assert launch["options"]["num_warps"] == want.get("num_warps", pa.LAUNCH["num_warps"])
