@@ -17,8 +17,9 @@ Per phase (gateway process count × ``--variants``, phases interleaved round by 
   the gateway's request trace (``KERNELLAB_GATEWAY_TRACE``): HTTP in, admission, the submit pipeline's wait, Redis
   to the worker; the step's end to the gateway's router, and the router to the client.
 
-Variants: ``base`` (the configuration as shipped) and ``slowpath`` (generation routes through FastAPI's
-middleware and router, ``KERNELLAB_GATEWAY_FAST_PATH=0``).
+Variants: ``base`` (the configuration as shipped), ``slowpath`` (generation routes through FastAPI's
+middleware and router, ``KERNELLAB_GATEWAY_FAST_PATH=0``), ``slice16`` / ``slice8`` (the worker's fenced output
+writes cut into slices of that many messages, first tokens first, ``KERNELLAB_OUTPUT_WRITE_SLICE``).
 
     python benchmarks/gateway_burst.py --output results/gateway_burst_cpu.json
 """
@@ -42,7 +43,13 @@ SCHEMA = "kernellab.bench.gateway_burst/v1"
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"  # the gateway's tokenizer (detokenizes every token); the engine is the stand-in
 API_KEY = "sk-burst"
-VARIANTS = {"base": {}, "slowpath": {"KERNELLAB_GATEWAY_FAST_PATH": "0"}}
+VARIANTS = {
+    "base": {},
+    "slowpath": {"KERNELLAB_GATEWAY_FAST_PATH": "0"},
+    # the worker's fenced output writes in slices of 16 messages, first tokens first (one write per step: base)
+    "slice16": {"KERNELLAB_OUTPUT_WRITE_SLICE": "16"},
+    "slice8": {"KERNELLAB_OUTPUT_WRITE_SLICE": "8"},
+}
 
 
 def log(msg: str) -> None:
@@ -94,6 +101,7 @@ class Tier:
             FAKE_STEP_S=str(step_s),
             FAKE_MAX_MODEL_LEN=str(max_model_len),
             KERNELLAB_STEP_TRACE=str(self.trace),
+            **env_extra,  # a variant's settings reach whichever side reads them
         )
         kl = [sys.executable, "-m", "kernellab"]
         self.procs.spawn("worker", [*kl, "worker", "--metrics-port", str(free_port())], worker_env, cwd=ROOT)

@@ -191,6 +191,10 @@ class WorkerSettings(StackSettings):
     # correct and faster on the whole workload, runtime/kernel_status.json), "experimental" (those too), "none"
     # (the torch references). KERNELLAB_DISABLED_KERNELS: ops kept on torch whatever their status, comma-separated
     # (an operator's switch for one kernel, and the serving benchmark's A/B of one).
+    # KERNELLAB_OUTPUT_WRITE_SLICE: at most this many output messages per fenced Redis write, first tokens first
+    # (0: a step's whole batch in one write). A gateway's blocked read of a stream is answered only after the whole
+    # write holding its entry (services/worker/io.py).
+    output_write_slice: int = Field(0, ge=0)
     kernels: Literal["accepted", "experimental", "none"] = "accepted"
     disabled_kernels: Annotated[tuple[str, ...], NoDecode] = ()  # the engine refuses a name that is not an op
 

@@ -37,6 +37,10 @@ log = logging.getLogger("kernellab.worker")
 _REDIS_DOWN: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
+def _first_token(m: OutputChunk | ErrorMessage) -> bool:
+    return isinstance(m, OutputChunk) and m.seq == 0 and bool(m.token_ids)
+
+
 @dataclass
 class WriteBatch:
     """What one step writes. Every message and XACK is fenced on its request entry: written only while the entry
@@ -165,6 +169,7 @@ class RedisIO:
         metrics=None,
         outage_grace_s: float = 2.0,
         admit: Callable[[], None] | None = None,
+        write_slice: int = 0,
     ):
         self.url, self.keys, self.worker_id = url, keys, worker_id
         self.max_num_seqs, self.batch_share = max_num_seqs, batch_share
@@ -177,6 +182,11 @@ class RedisIO:
         # Called by the request reader before each request's Python (decode, prepare): returns when that costs the
         # step loop nothing (runtime/host_gate.py's admit), or None: run at once.
         self.admit = admit
+        # Messages per fenced write (0: a step's whole batch in one). A reader blocked on an output stream is
+        # answered only once the Lua script holding its entry has run to the end (~25 µs a message on the CI box),
+        # so a step of 64 first tokens delays the first one by the other 63; slices answer the first ones sooner
+        # (one more round trip each), and first tokens go before continuing chunks.
+        self.write_slice = write_slice
         self.holdings = Holdings()
         self.cancels = RecentCancels(request_timeout_s)
         self.outbox: queue.SimpleQueue[WriteBatch | None] = queue.SimpleQueue()
@@ -336,7 +346,12 @@ class RedisIO:
             (self.keys.output(f"{m.request_id}-{m.index}"), encode(m), d)
             for m, d in zip(batch.messages, batch.owners, strict=True)
         ]
-        acked, skipped = q.write_owned(outputs, batch.acks, self.output_ttl_ms)
+        parts = self._slices(batch, outputs)
+        skipped = 0
+        for part in parts[:-1]:  # every slice but the last: messages only
+            skipped += q.write_owned(part, [], self.output_ttl_ms)[1]
+        acked, last_skipped = q.write_owned(parts[-1], batch.acks, self.output_ttl_ms)
+        skipped += last_skipped
         if skipped:
             log.warning(
                 "skipped %d output message(s) of request(s) no longer ours (reclaimed while we stalled)", skipped
@@ -346,6 +361,18 @@ class RedisIO:
                 on_acked()
         if batch.requeue:
             q.requeue(batch.requeue)
+
+    def _slices(self, batch: WriteBatch, outputs: list) -> list[list]:
+        """The batch's outputs as the fenced writes that carry them (the last one also carries the XACKs): one
+        write, or with ``write_slice`` the outputs in order of urgency (first tokens, then the rest in their order;
+        a stream's chunks keep theirs, as only a stream's first chunk is a first token) cut into that many each."""
+        if self.write_slice <= 0 or len(outputs) <= self.write_slice:
+            return [outputs]
+        order = [i for i, m in enumerate(batch.messages) if _first_token(m)]
+        firsts = set(order)
+        order += [i for i in range(len(outputs)) if i not in firsts]
+        cut = self.write_slice
+        return [[outputs[i] for i in order[j : j + cut]] for j in range(0, len(order), cut)]
 
     def _housekeeping(self) -> None:
         q = None

@@ -121,6 +121,7 @@ class Worker:
             heartbeat=self.heartbeat,
             prepare=self.prepare if s.prepare_in_reader else self._defer,
             metrics=self.metrics,
+            write_slice=s.output_write_slice,
             admit=self.gate.admit if self.gate is not None and s.reader_yields_to_step else None,
         )
         self.active: dict[str, Active] = {}

@@ -407,3 +407,45 @@ def test_the_kernel_settings_reach_the_engine_and_a_bad_name_is_refused(redis_ur
     monkeypatch.setenv("KERNELLAB_KERNELS", "fast")
     with pytest.raises(ValueError, match="kernels"):
         settings(redis_url, prefix)
+
+
+def test_sliced_writes_deliver_every_stream_whole_and_in_order(ctx):
+    """``output_write_slice=2``: each step's messages go to Redis in fenced writes of two, first tokens first;
+    twelve requests taken in over two bursts (so steps mix first tokens with continuing chunks) each get every
+    token once, in order, and their entries acked."""
+    r, keys, start = ctx
+    start(output_write_slice=2)
+    for i in range(6):
+        send(r, keys, f"s{i}", max_tokens=5 + i)
+    time.sleep(0.03)
+    for i in range(6, 12):
+        send(r, keys, f"s{i}", max_tokens=5 + i)
+    for i in range(12):
+        tokens, last = collect(r, keys, f"s{i}-0")
+        assert tokens == expected(5 + i) and last.finish_reason == "length"
+    wait_for(lambda: r.xpending(keys.requests("interactive"), GROUP)["pending"] == 0)
+
+
+def test_slices_put_first_tokens_first_and_keep_each_streams_order():
+    from kernellab.services.worker.io import RedisIO, WriteBatch
+
+    io = RedisIO.__new__(RedisIO)  # only the slicing: no threads, no connection
+    io.write_slice = 2
+    batch = WriteBatch()
+    chunks = [
+        OutputChunk("a", 0, 3, [1]),  # continuing
+        OutputChunk("b", 0, 0, [1]),  # first token
+        OutputChunk("c", 0, 5, [1]),
+        OutputChunk("d", 0, 0, [1]),
+        OutputChunk("b", 0, 1, [2]),  # b's second chunk (a coalesced batch): after its first
+        OutputChunk("e", 0, 0, [], finished=True, finish_reason="abort"),  # no token: not a first token
+    ]
+    for c in chunks:
+        batch.add(c, None)
+    outputs = [(f"{c.request_id}:{c.seq}", b"", None) for c in chunks]
+    parts = io._slices(batch, outputs)
+    assert [[k for k, _, _ in p] for p in parts] == [["b:0", "d:0"], ["a:3", "c:5"], ["b:1", "e:0"]]
+    io.write_slice = 0
+    assert io._slices(batch, outputs) == [outputs]
+    io.write_slice = 6
+    assert io._slices(batch, outputs) == [outputs]
