@@ -201,3 +201,31 @@ def paged_attention(
         q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, **scales
     )
     return torch.cat([decode, prefill])
+
+
+@torch.inference_mode()
+def warm_decode_launches(
+    ops, kv: LayerKV, width: int, max_rows: int, num_heads: int, scale: float, dtype: torch.dtype
+) -> int:
+    """Run the decode attention once for each row count a step can hand it outside a graph, so that its kernel's
+    launch specializations compile at startup instead of on a serving step.
+
+    A step that mixes decode rows with prompts attends the decode rows eagerly (``paged_attention``), its block
+    tables as wide as the graphs' (``width`` blocks), so a launch differs between steps only by the row count:
+    that sets the KV split and the merge's width, which Triton compiles as constants. The graphs of 1-16 rows
+    capture the fused QK-norm + RoPE form instead, so the plain form with those splits is compiled by nothing at
+    startup, and a fresh worker's first mixed step of such a row count stalled ~1 s on the H200 (docs/deploy.md).
+    One-token contexts on the cache's block 0 (read, never written); the outputs are discarded. Returns the calls
+    made (0 where the decode attention is the torch reference, which compiles nothing)."""
+    if "paged_decode_attention" not in ops.enabled:
+        return 0
+    device = kv.k.device
+    head_dim = kv.k.shape[-1]
+    tables = torch.zeros((max_rows, width), dtype=torch.int32, device=device)
+    lens = torch.ones(max_rows, dtype=torch.int32, device=device)
+    q = torch.zeros((max_rows, num_heads, head_dim), dtype=dtype, device=device)
+    for rows in range(1, max_rows + 1):
+        ops.paged_decode_attention(
+            q[:rows], kv.k, kv.v, tables[:rows], lens[:rows], scale, k_scales=kv.k_scales, v_scales=kv.v_scales
+        )
+    return max_rows

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from kernellab.runtime import ops as torch_ops
-from kernellab.runtime.attention import AttentionMetadata, ContextGather, LayerKV
+from kernellab.runtime.attention import AttentionMetadata, ContextGather, LayerKV, warm_decode_launches
 from kernellab.runtime.config import EngineConfig, ModelConfig
 from kernellab.runtime.dispatch import Ops, build_ops, describe_fast_path, fast_path, graph_safe
 from kernellab.runtime.graphs import FRESH_TOKEN_BUCKETS, DecodeWindow, GraphRunner, PiecewiseGraphs
@@ -166,6 +166,14 @@ class ModelRunner:
         if self.graphs is not None and cfg.piecewise_graphs:
             self.piecewise = self._capture_piecewise()
             self.use_piecewise = self.piecewise is not None
+        if self.graphs is not None:  # the decode attention of steps that mix decode rows with prompts
+            t = time.perf_counter()
+            n = warm_decode_launches(
+                ops, self.kv_caches[0], self.graphs.width, cfg.max_num_seqs, model_cfg.num_heads, self.model.scale,
+                dtype,
+            )  # fmt: skip
+            torch.cuda.synchronize(device)
+            log.info("eager decode attention warmed for 1-%d rows in %.1fs", n, time.perf_counter() - t)
         # The widest decode window: num_scheduler_steps replays on captured graphs, else single steps. Auto (0): 4
         # with asynchronous scheduling, whose look-ahead hides the host's turn-around at any width, so a shorter
         # window only shortens what an arrival waits for (H200: the same throughput and batch-1 ITL as windows of
