@@ -295,6 +295,7 @@ def gpu_serve_table() -> str:
         "nofreshgraphs": "several fresh prompts through the piecewise graphs",
         "sync": "each decode window read before the next is launched (asynchronous scheduling off)",
         "normtorch": "RMSNorm on torch",
+        "slice16": "output writes in slices of 16, first tokens first",
     }
     for name, ph in f["stack_by_phase"].items():
         g, *variants = name.removeprefix("g").split("-")

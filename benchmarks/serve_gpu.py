@@ -115,6 +115,8 @@ VARIANTS = {
     # the plain RMSNorm (the first layer's input norm in steps that prefill) on torch, as before the gate at f611de0
     # accepted its kernel: the interactive mix's TTFT rose between 591b0ef and 56c1be2, in both scheduling modes
     "normtorch": {"KERNELLAB_DISABLED_KERNELS": "rms_norm"},
+    # the worker's fenced output writes in slices of 16 messages, first tokens first (no gain on the CI box)
+    "slice16": {"KERNELLAB_OUTPUT_WRITE_SLICE": "16"},
 }
 GATEWAY_VARIANTS = {
     "slowpath": {"KERNELLAB_GATEWAY_FAST_PATH": "0"},  # generation routes through FastAPI
