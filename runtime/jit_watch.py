@@ -33,7 +33,7 @@ class JitWatch:
     seconds_after_ready: float = 0.0
     ready: bool = False
     starting: int = 0  # engines of this process inside their startup (their compiles are not "while serving")
-    recent: list[dict] = field(default_factory=list)  # the last few compiles after ready: kernel, ms, signature
+    recent: list[dict] = field(default_factory=list)  # the last 16 compiles while serving: kernel, ms, signature
     _starts: dict[str, float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -59,7 +59,7 @@ class JitWatch:
             dt = time.perf_counter() - started if started is not None else 0.0
             self.compiles += 1
             self.seconds += dt
-            if not (self.ready and self.starting == 0):
+            if not self.serving():
                 return
             self.after_ready += 1
             self.seconds_after_ready += dt

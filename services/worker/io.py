@@ -5,8 +5,10 @@
   ``prepare`` (the step loop's: message to engine request, validated) here, while the loop is in a step, so
   that between steps the loop only enqueues it.
 - ``cancel reader``: XREAD of the broadcast cancel stream; remembers recent cancels for requests not yet seen.
-- ``writer``: each step's chunks and XACKs in one MULTI/EXEC pipeline (so a gateway's blocked XREAD wakes once
-  per step with every stream's new entry). While Redis is away it keeps the batch and retries; after
+- ``writer``: each step's chunks and XACKs in one fenced write (a Lua script that writes and acks only for entries
+  still pending under this worker), or in slices of ``write_slice`` messages, first tokens first (a gateway's
+  blocked read is answered only once the script holding its entry has run; a retried batch rewrites its slices,
+  which readers drop by ``seq``). While Redis is away it keeps the batch and retries; after
   ``outage_grace_s`` it asks the step loop to abort everything in flight (the gateways have failed those
   streams already), and the aborts are written once Redis answers again.
 - ``housekeeping``: heartbeat, refresh of held entries, XAUTOCLAIM of dead workers' requests.
