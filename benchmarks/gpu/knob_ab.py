@@ -26,11 +26,8 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
-import statistics
 import time
 from pathlib import Path
-
-import torch
 
 
 def parse_value(text: str):
@@ -53,12 +50,12 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = ap.parse_args()
     args.values = [parse_value(v.strip()) for v in args.values.split(args.sep)]
-    from kernellab.bench.latency import engine_decode_step, engine_itl
+    from kernellab.bench.engine_ab import interleaved_rounds, itl_figures, median_summary, same_greedy_tokens
+    from kernellab.bench.latency import engine_decode_step
     from kernellab.bench.offline import gate_offline_setup
     from kernellab.results import provenance, write
     from kernellab.runtime.config import EngineConfig
     from kernellab.runtime.engine import LLMEngine
-    from kernellab.runtime.request.sampling import SamplingParams
 
     module_name, _, const = args.knob.rpartition(".")
     module = importlib.import_module(module_name)
@@ -85,37 +82,17 @@ def main() -> int:
         setattr(module, const, standing)
     print(f"{len(engines)} engines ready in {time.perf_counter() - t:.1f}s ({args.knob} = {args.values})", flush=True)
     contexts = args.contexts if gpu else [c for c in args.contexts if c < 400] or [64]
+
+    def measure(eng) -> dict:
+        row = itl_figures(eng, contexts, 64 if gpu else 12)
+        for b in args.decode_batches:
+            row[f"decode_step_ms@{b}"] = engine_decode_step(eng, b, new_tokens=128 if gpu else 8)["step_ms"]
+        return row
+
     names = list(engines)
-    runs: list[dict] = []
-    for r in range(args.rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            eng, row = engines[name], {"value": name, "round": r}
-            for ctx in contexts:
-                times = engine_itl(eng, ctx, new_tokens=64 if gpu else 12)
-                row[f"itl_ms_p50@{ctx}"] = round(statistics.median(times) * 1e3, 4)
-            for b in args.decode_batches:
-                row[f"decode_step_ms@{b}"] = engine_decode_step(eng, b, new_tokens=128 if gpu else 8)["step_ms"]
-            runs.append(row)
-            print(f"round {r} {args.knob.rsplit('.', 1)[1]}={name:8s} " + "  ".join(
-                f"{k} {v:.4f}" for k, v in row.items() if k not in ("value", "round")
-            ), flush=True)  # fmt: skip
-    g = torch.Generator().manual_seed(7)
-    prompt = torch.randint(0, 10000, (300,), generator=g).tolist()
-    tokens = {}
-    for name, eng in engines.items():
-        eng.add_request("check", prompt, SamplingParams(temperature=0.0, max_tokens=96 if gpu else 8, ignore_eos=True))
-        out = []
-        while eng.has_unfinished_requests():
-            out += [tok for o in eng.step() for tok in o.new_token_ids]
-        tokens[name] = tuple(out)
-    same = len(set(tokens.values())) == 1
-    metrics = [k for k in runs[0] if k not in ("value", "round")]
-    summary: dict = {}
-    for m in metrics:
-        med = {v: statistics.median([x[m] for x in runs if x["value"] == v]) for v in names}
-        summary[m] = {v: round(x, 4) for v, x in med.items()}
-        summary[m]["over_first"] = {v: round(med[v] / med[names[0]], 4) for v in names[1:]}
-        print(f"{m:20s} " + "  ".join(f"{v} {med[v]:.4f}" for v in names), flush=True)
+    runs = interleaved_rounds(engines, args.rounds, "value", measure)
+    same = same_greedy_tokens(engines, 96 if gpu else 8)
+    summary = median_summary(runs, "value", names)
     print(f"same greedy tokens from every engine: {same}", flush=True)
     result = {
         "schema": "kernellab.bench.knob_ab/v1",

@@ -77,7 +77,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = ap.parse_args()
-    from kernellab.bench.latency import engine_itl
+    from kernellab.bench.engine_ab import interleaved_rounds, itl_figures, median_summary, same_greedy_tokens
     from kernellab.bench.offline import gate_offline_setup
     from kernellab.results import provenance, write
     from kernellab.runtime import model as model_module
@@ -105,38 +105,11 @@ def main() -> int:
         if enabled != (name != "off") and gpu:
             raise RuntimeError(f"{name}: l2_prefetch enabled={enabled}")
     contexts = (128, 2048) if gpu else (128,)
-    runs: list[dict] = []
-    tokens: dict[str, set] = {}
-    for r in range(args.rounds):
-        for name in list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]:
-            row: dict = {"variant": name, "round": r}
-            for ctx in contexts:
-                times = engine_itl(engines[name], ctx, new_tokens=64 if gpu else 12)
-                row[f"itl_ms_p50@{ctx}"] = round(statistics.median(times) * 1e3, 4)
-                row[f"itl_ms_mean@{ctx}"] = round(statistics.fmean(times) * 1e3, 4)
-            runs.append(row)
-            print(
-                f"round {r} {name:6s} " + "  ".join(f"ITL@{c} {row[f'itl_ms_p50@{c}']:.4f} ms" for c in contexts),
-                flush=True,
-            )
-    # the same greedy tokens from every variant: one request of 96 tokens after a 300-token prompt
-    from kernellab.runtime.request.sampling import SamplingParams
-
-    g = torch.Generator().manual_seed(7)
-    prompt = torch.randint(0, 10000, (300,), generator=g).tolist()
-    for name, eng in engines.items():
-        eng.add_request("check", prompt, SamplingParams(temperature=0.0, max_tokens=96 if gpu else 8, ignore_eos=True))
-        out = []
-        while eng.has_unfinished_requests():
-            out += [t for o in eng.step() for t in o.new_token_ids]
-        tokens[name] = tuple(out)
-    same = len(set(tokens.values())) == 1
-    summary: dict = {}
-    for m in [f"itl_ms_p50@{c}" for c in contexts]:
-        med = {v: statistics.median([x[m] for x in runs if x["variant"] == v]) for v in VARIANTS}
-        summary[m] = {v: round(x, 4) for v, x in med.items()}
-        summary[m]["over_off"] = {v: round(med[v] / med["off"], 4) for v in VARIANTS if v != "off"}
-        print(f"{m:16s} " + "  ".join(f"{v} {med[v]:.4f}" for v in VARIANTS), flush=True)
+    runs = interleaved_rounds(
+        engines, args.rounds, "variant", lambda eng: itl_figures(eng, contexts, 64 if gpu else 12)
+    )
+    same = same_greedy_tokens(engines, 96 if gpu else 8)
+    summary = median_summary(runs, "variant", list(VARIANTS))
     print(f"same greedy tokens in every variant: {same}", flush=True)
     result = {
         "schema": "kernellab.bench.l2_prefetch_ab/v1",
