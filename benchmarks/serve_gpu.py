@@ -454,29 +454,38 @@ TTFT_METRICS = {
 }
 
 
-def ttft_sums(stack: StackProcs) -> dict[str, tuple[float, float]]:
-    """(sum, count) of the TTFT histograms the gateway tier and the workers export: where a request's wait went
-    (gateway receipt → first token sent; worker receipt → first token out of the engine)."""
+def scrape(stack: StackProcs) -> dict[str, str]:
+    """Each live metrics endpoint's exposition text, one GET each (an endpoint that does not answer is left out)."""
     import httpx
 
-    out: dict[str, tuple[float, float]] = {}
+    texts = {}
     for name, url in stack.metrics_urls.items():
         if name == "gateway" and stack.gateway is None:
             continue
-        metric = TTFT_METRICS["gateway" if name == "gateway" else "worker"]
-        total = count = 0.0
         try:
-            text = httpx.get(url, timeout=5).text
+            texts[name] = httpx.get(url, timeout=5).text
         except httpx.HTTPError:
             continue
-        for line in text.splitlines():
-            if line.startswith(metric + "_sum"):
-                total += float(line.rsplit(" ", 1)[1])
-            elif line.startswith(metric + "_count"):
-                count += float(line.rsplit(" ", 1)[1])
-        out["gateway" if name == "gateway" else "workers"] = (
-            out.get("workers", (0.0, 0.0))[0] + total if name != "gateway" else total,
-            out.get("workers", (0.0, 0.0))[1] + count if name != "gateway" else count,
+    return texts
+
+
+def _total(text: str, prefix: str) -> float | None:
+    """The sum of the samples whose line starts with ``prefix`` (every label set); None: no such sample."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)]
+    return sum(values) if values else None
+
+
+def ttft_sums(texts: dict[str, str]) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the TTFT histograms the gateway tier and the workers export (``scrape``): where a request's
+    wait went (gateway receipt → first token sent; worker receipt → first token out of the engine)."""
+    out: dict[str, tuple[float, float]] = {}
+    for name, text in texts.items():
+        side = "gateway" if name == "gateway" else "workers"
+        metric = TTFT_METRICS["gateway" if name == "gateway" else "worker"]
+        before = out.get(side, (0.0, 0.0))
+        out[side] = (
+            before[0] + (_total(text, metric + "_sum") or 0.0),
+            before[1] + (_total(text, metric + "_count") or 0.0),
         )
     return out
 
@@ -484,25 +493,14 @@ def ttft_sums(stack: StackProcs) -> dict[str, tuple[float, float]]:
 JIT_METRICS = ("kernellab:triton_jit_compiles_total", "kernellab:triton_jit_compile_seconds_total")
 
 
-def worker_jit(stack: StackProcs) -> tuple[float, float] | None:
+def worker_jit(texts: dict[str, str]) -> tuple[float, float] | None:
     """(compiles, seconds) of Triton compiles the workers met while serving (``runtime/jit_watch.py``): each one
     stalled the step that met it. None when no worker exports the counters."""
-    import httpx
-
-    totals, found = [0.0, 0.0], False
-    for name, url in stack.metrics_urls.items():
-        if not name.startswith("worker"):
-            continue
-        try:
-            text = httpx.get(url, timeout=5).text
-        except httpx.HTTPError:
-            continue
-        for line in text.splitlines():
-            for i, metric in enumerate(JIT_METRICS):
-                if line.startswith(metric):
-                    totals[i] += float(line.rsplit(" ", 1)[1])
-                    found = True
-    return (totals[0], totals[1]) if found else None
+    totals = [[_total(text, m) for m in JIT_METRICS] for name, text in texts.items() if name.startswith("worker")]
+    found = [t for t in totals if t[0] is not None]
+    if not found:
+        return None
+    return sum(t[0] or 0.0 for t in found), sum(t[1] or 0.0 for t in found)
 
 
 def jit_log_lines(workdir: Path) -> list[str]:
@@ -520,10 +518,12 @@ def stack_run(stack: StackProcs, model: str, requests, processes: int, timeout_s
     from kernellab.bench.timeline import read_gateway_trace, read_trace, timeline
 
     raws = [completion_request(stack.host, stack.port, model, p, n) for p, n in requests]
-    before, jit_before = ttft_sums(stack), worker_jit(stack)
+    texts = scrape(stack)
+    before, jit_before = ttft_sums(texts), worker_jit(texts)
     with CpuMeter(stack.pids()) as cpu:
         out = run_clients(stack.host, stack.port, raws, processes, timeout_s)
-    after, jit_after = ttft_sums(stack), worker_jit(stack)
+    texts = scrape(stack)
+    after, jit_after = ttft_sums(texts), worker_jit(texts)
     layers = {
         k: round((after[k][0] - before.get(k, (0, 0))[0]) / (after[k][1] - before.get(k, (0, 0))[1]) * 1e3, 3)
         for k in after

@@ -129,14 +129,15 @@ def l2_prefetch(*tensors: torch.Tensor, lines: bool = False, pdl: bool | None = 
     require(len(tensors) <= MAX_TENSORS, f"l2_prefetch takes at most {MAX_TENSORS} tensors, got {len(tensors)}")
     for t in tensors:
         require(t.is_contiguous(), "l2_prefetch needs contiguous tensors")
-        nbytes = t.numel() * t.element_size()
-        require(t.data_ptr() % 16 == 0 and nbytes % 16 == 0, "l2_prefetch needs 16-byte aligned, 16-byte sized ranges")
+        require(
+            t.data_ptr() % 16 == 0 and t.nbytes % 16 == 0, "l2_prefetch needs 16-byte aligned, 16-byte sized ranges"
+        )
     tensors = tuple(t for t in tensors if t.numel())
     if not tensors or not tensors[0].is_cuda:
         return None
     device = tensors[0].device
     require(all(t.device == device for t in tensors), "l2_prefetch needs its tensors on one device")
-    sizes = [t.numel() * t.element_size() for t in tensors]
+    sizes = [t.nbytes for t in tensors]
     chunk, block = (LINE_BYTES, 8 * LANES) if lines else (CHUNK_BYTES, LANES)
     programs = max(1, min(num_sms(device), cdiv(max(cdiv(n, chunk) for n in sizes), block)))
     args: list = []
