@@ -55,6 +55,7 @@ def main() -> int:
     from kernellab.bench.offline import gate_offline_setup
     from kernellab.results import provenance, write
     from kernellab.runtime.config import EngineConfig
+    from kernellab.runtime.dispatch import describe_fast_path
     from kernellab.runtime.engine import LLMEngine
 
     module_name, _, const = args.knob.rpartition(".")
@@ -104,6 +105,8 @@ def main() -> int:
         "workload": "one greedy sequence, 64 tokens after a random prompt of each context; decode steps of "
         "40-token prompts × 128 tokens at each batch; interleaved rounds, one engine per value",
         "same_tokens": same,
+        # what each engine ran on (dispatch.describe_fast_path): a knob that turns a path off shows here
+        "fast_path": {name: describe_fast_path(eng.runner.fast_path) for name, eng in engines.items()},
         "runs": runs,
         "summary": summary,
     }
