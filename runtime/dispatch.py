@@ -176,6 +176,4 @@ def describe_fast_path(fp: dict) -> str:
     window = f"decode window {fp['decode_window']}" + (
         " (asynchronous scheduling)" if fp.get("async_scheduling") else ""
     )
-    if fp.get("window_graph_rows"):
-        window += f", one graph a window up to {fp['window_graph_rows']} rows"
     return f"{graphs}; {window}; Triton: {', '.join(fp['triton_ops']) or 'none'}; torch: {torch_ops}"

@@ -47,10 +47,6 @@ CHUNK_BUCKETS = (32, 128, 512)  # a chunk after a cached context: its new tokens
 CONTEXT_BUCKETS = (1024, 2048, 4096, 8192)  # … and the whole context it attends (cached + new)
 FRESH_TOKEN_BUCKETS = (512, 1024, 2048, 4096)  # several fresh prompts in one step: their tokens …
 FRESH_SEQ_BUCKETS = (2, 4, 8, 16)  # … and how many (larger steps are GPU-bound: the piecewise graphs keep up)
-# A decode window of at most this many rows (its bucket's) replays as one CUDA graph: every step's plan copies,
-# forward, argmax and token feedback captured together, one launch a window. Wider windows launch their bucket's
-# decode graph once a step between small eager copies. 0: no window graphs.
-WINDOW_GRAPH_ROWS = 0
 
 
 class DecodeWindow:
@@ -158,9 +154,6 @@ class GraphRunner:
         self.fresh_rows = torch.zeros(sf, dtype=torch.int64, device=device)
         self.fresh_replays = 0  # several-fresh-prompt replays so far (the gate checks they happen)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        # (bucket, steps) → the whole decode window as one graph (WINDOW_GRAPH_ROWS), and the width captured
-        self.window_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | EagerReplay] = {}
-        self.window_replays = 0  # windows replayed as one graph so far (the gate checks they happen)
         self.logits: dict[tuple, torch.Tensor] = {}
         # A graph records addresses only: every tensor it reads (the metadata's too) must outlive it.
         self.metas: dict[tuple, AttentionMetadata] = {}
@@ -206,10 +199,9 @@ class GraphRunner:
         self.metas[key] = meta
 
     @torch.inference_mode()
-    def eager(self, window_steps: int = 0, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def eager(self) -> None:
         """No capture (a CPU): decode buckets only, each an ``EagerReplay`` of the forward ``_capture`` would
-        capture, and the windows ``capture`` would capture as one graph; the other kinds of graph are left out
-        (their steps run as without graphs)."""
+        capture; the other kinds of graph are left out (their steps run as without graphs)."""
         self.inputs[2].fill_(-1)
         self.prefill_buckets = self.chunk_buckets = self.fresh_token_buckets = self.fresh_seq_buckets = ()
         for bs in self.decode_buckets:
@@ -222,72 +214,17 @@ class GraphRunner:
             self.logits[key] = forward()
             self.graphs[key] = EagerReplay(forward, self.logits[key])  # type: ignore[assignment]
             self.metas[key] = meta
-        for bs in self._window_buckets(window_steps, argmax):
-            assert argmax is not None
-            tokens = self._window_view(bs, window_steps)[1]
-
-            def window(bs=bs, argmax=argmax, tokens=tokens) -> torch.Tensor:
-                self._window_body(bs, window_steps, argmax, self._forward(bs))
-                return tokens
-
-            self.window_graphs[(bs, window_steps)] = EagerReplay(window, tokens)
-
-    def _forward(self, bs: int) -> Callable[[], torch.Tensor]:
-        """Bucket ``bs``'s decode forward over the static buffers, to its logits."""
-        meta = self.metas[("decode", bs)]
-
-        def forward() -> torch.Tensor:
-            return self.model.compute_logits(self.model(self.inputs[0, :bs], meta, self.kv_caches)[meta.logits_indices])
-
-        return forward
-
-    def _window_buckets(self, steps: int, argmax) -> tuple[int, ...]:
-        """The decode buckets whose windows of ``steps`` are captured as one graph (WINDOW_GRAPH_ROWS)."""
-        if steps <= 1 or argmax is None:
-            return ()
-        return tuple(b for b in self.decode_buckets if b <= WINDOW_GRAPH_ROWS)
-
-    def _window_view(self, bs: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A window's device plan (steps, 3, bs) and tokens (steps, bs), at the start of their buffers."""
-        plan = self.plan.view(-1)[: steps * 3 * bs].view(steps, 3, bs)
-        return plan, self.step_tokens.view(-1)[: steps * bs].view(steps, bs)
-
-    def _window_body(self, bs: int, steps: int, argmax, forward: Callable[[], torch.Tensor]) -> None:
-        """A window's steps on the device: each step's positions, slots and context lengths from the plan, the
-        forward, its argmax as the step's token and the next step's input."""
-        plan, tokens = self._window_view(bs, steps)
-        for step in range(steps):
-            self.inputs[1:4, :bs].copy_(plan[step])
-            self.context_lens[:bs].copy_(plan[step, 2])
-            tokens[step].copy_(argmax(forward()))
-            self.inputs[0, :bs].copy_(tokens[step])
-
-    def _capture_window(self, bs: int, steps: int, argmax) -> None:
-        plan = self._window_view(bs, steps)[0]
-        plan[:, 0].zero_()
-        plan[:, 1].fill_(-1)  # warm-up and capture must not write the KV cache
-        plan[:, 2].fill_(1)
-        forward = self._forward(bs)
-        self._window_body(bs, steps, argmax, forward)  # warm-up: the argmax of this width compiled outside
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._window_body(bs, steps, argmax, forward)
-        self.pool = graph.pool()
-        self.window_graphs[(bs, steps)] = graph
 
     @torch.inference_mode()
-    def capture(self, window_steps: int = 0, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """Capture every graph; with ``window_steps`` and the sampler's ``argmax``, also the decode windows of
-        that many steps of the buckets up to WINDOW_GRAPH_ROWS rows."""
+    def capture(self, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Capture every graph; with the sampler's ``argmax``, compile it for every decode bucket's width now (a
+        decode window takes each step's argmax eagerly), not while serving."""
         self.inputs[2].fill_(-1)  # warm-up and capture must not write the KV cache
         for bs in reversed(self.decode_buckets):  # largest first: the shared pool is sized once
             self._capture(("decode", bs), self._decode_meta(bs))
-        if argmax is not None:  # compiled now for every bucket's width, not by a window while serving
+        if argmax is not None:
             for bs in self.decode_buckets:
                 argmax(self.logits[("decode", bs)])
-        for bs in reversed(self._window_buckets(window_steps, argmax)):
-            self._capture_window(bs, window_steps, argmax)
         for n in reversed(self.prefill_buckets):
             self._capture(("prefill", n), self._prefill_meta(n))
         try:
@@ -312,10 +249,7 @@ class GraphRunner:
                 del self.graphs[key], self.logits[key], self.metas[key]
             self.fresh_token_buckets = self.fresh_seq_buckets = ()
         torch.cuda.synchronize(self.device)
-        log.info(
-            "captured %d CUDA graphs, %d of them decode windows of %d steps",
-            len(self.graphs) + len(self.window_graphs), len(self.window_graphs), window_steps,
-        )  # fmt: skip
+        log.info("captured %d CUDA graphs", len(self.graphs))
 
     # ------------------------------------------------------------------ replay
     def decode_bucket(self, n: int) -> int | None:
@@ -398,7 +332,7 @@ class GraphRunner:
         plan[:, 1, n:] = -1
         plan[:, 2, :n] = np.where(live, pos + 1, pos0[None, :] + 1)
         plan[:, 2, n:] = 1
-        dev_plan = self._window_view(bs, steps)[0]
+        dev_plan = self.plan.view(-1)[: steps * 3 * bs].view(steps, 3, bs)
         self.tables[:bs].copy_(w.host_tables[:bs], non_blocking=True)
         dev_plan.copy_(host_plan, non_blocking=True)
         if carry is None:
@@ -413,14 +347,14 @@ class GraphRunner:
                 rows = w.host_rows[:n].to(self.device, non_blocking=True)
                 self.inputs[0, :n].copy_(self.inputs[0].index_select(0, rows))
         # else the rows are the last window's, in its order: its last step left their tokens in inputs[0]
-        tokens = self._window_view(bs, steps)[1]
-        whole = self.window_graphs.get((bs, steps))
-        if whole is not None:
-            whole.replay()
-            self.window_replays += 1
-        else:
-            graph, logits = self.graphs[("decode", bs)], self.logits[("decode", bs)]
-            self._window_body(bs, steps, argmax, lambda: (graph.replay(), logits)[1])
+        graph, logits = self.graphs[("decode", bs)], self.logits[("decode", bs)]
+        tokens = self.step_tokens.view(-1)[: steps * bs].view(steps, bs)
+        for step in range(steps):
+            self.inputs[1:4, :bs].copy_(dev_plan[step])
+            self.context_lens[:bs].copy_(dev_plan[step, 2])
+            graph.replay()
+            tokens[step].copy_(argmax(logits))
+            self.inputs[0, :bs].copy_(tokens[step])
         w.n, w.bs, w.steps, w.allowed, w.pending = n, bs, steps, list(allowed), True
         w.grid().copy_(tokens, non_blocking=True)
         if w.done is not None:

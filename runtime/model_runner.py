@@ -145,12 +145,6 @@ class ModelRunner:
         self.host_gate = host_gate_for(device)
         device_wait = self.host_gate.device_wait if self.host_gate is not None else contextlib.nullcontext
         self.sampler = Sampler(device, argmax=ops.argmax, device_wait=device_wait)
-        # The widest decode window: num_scheduler_steps replays on captured graphs, else single steps. Auto (0): 4
-        # with asynchronous scheduling, whose look-ahead hides the host's turn-around at any width, so a shorter
-        # window only shortens what an arrival waits for (H200: the same throughput and batch-1 ITL as windows of
-        # 16 / 8, an arrival's TTFT 20.6 against 39.5 ms; results/gpu/engine_h200_dev/async_scheduling_ab_*.json);
-        # 8 without it, where each window's turn-around leaves the device idle.
-        window = cfg.num_scheduler_steps or (4 if cfg.async_scheduling else 8)
         self.graphs: GraphRunner | None = None
         self.use_graphs = False  # False replays nothing: the same runner, eager (graph == eager checks)
         if device.type == "cuda" and cfg.cuda_graphs and graph_safe(ops, model_cfg.qk_norm):
@@ -165,7 +159,7 @@ class ModelRunner:
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
             )
             self.graphs.device_wait = device_wait
-            self.graphs.capture(min(window, self.graphs.max_steps), self.sampler.argmax)
+            self.graphs.capture(self.sampler.argmax)
             self.use_graphs = True
         self.piecewise: PiecewiseGraphs | None = None
         self.use_piecewise = False  # steps that prefill replay piecewise graphs (False: eager; the gate's A/B)
@@ -180,16 +174,18 @@ class ModelRunner:
             )  # fmt: skip
             torch.cuda.synchronize(device)
             log.info("eager decode attention warmed for 1-%d rows in %.1fs", n, time.perf_counter() - t)
-        self.max_window = min(window, self.graphs.max_steps) if self.graphs is not None else 1
+        # The widest decode window: num_scheduler_steps replays on captured graphs, else single steps. Auto (0): 4
+        # with asynchronous scheduling, whose look-ahead hides the host's turn-around at any width, so a shorter
+        # window only shortens what an arrival waits for (H200: the same throughput and batch-1 ITL as windows of
+        # 16 / 8, an arrival's TTFT 20.6 against 39.5 ms; results/gpu/engine_h200_dev/async_scheduling_ab_*.json);
+        # 8 without it, where each window's turn-around leaves the device idle.
+        auto = 4 if cfg.async_scheduling else 8
+        self.max_window = min(cfg.num_scheduler_steps or auto, self.graphs.max_steps) if self.graphs is not None else 1
         self.fast_path = fast_path(ops, model_cfg.qk_norm, device, cfg.cuda_graphs, self.max_window)
         self.fast_path["piecewise_graphs"] = self.piecewise is not None
         self.fast_path["async_scheduling"] = cfg.async_scheduling and self.max_window > 1
         self.fast_path["fresh_prompt_graphs"] = (
             sum(k[0] == "fresh" for k in self.graphs.graphs) if self.graphs is not None else 0
-        )
-        # the widest batch whose windows replay as one graph (0: none)
-        self.fast_path["window_graph_rows"] = (
-            max((b for b, _ in self.graphs.window_graphs), default=0) if (self.graphs is not None) else 0
         )
         log.info("fast path: %s", describe_fast_path(self.fast_path))
 
@@ -386,9 +382,9 @@ class ModelRunner:
         self.graphs = GraphRunner(
             self.model, self.kv_caches, self.device, self.block_size, self.max_model_len, self.cfg.max_num_seqs
         )
-        self.max_window = min(steps, self.graphs.max_steps)
-        self.graphs.eager(self.max_window, self.sampler.argmax)
+        self.graphs.eager()
         self.use_graphs = True
+        self.max_window = min(steps, self.graphs.max_steps)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[list[int]], dict[str, TokenLogprob]]:

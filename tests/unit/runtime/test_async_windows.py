@@ -138,25 +138,3 @@ def test_the_h200_ab_script_runs_its_path_on_the_cpu(tmp_path):
     assert validate(data) == "kernellab.bench.async_scheduling_ab/v1"
     assert data["same_tokens"] and data["graph_equals_eager"]["pass"]
     assert {r["variant"] for r in data["runs"]} == {"sync", "async", "async-w8", "async-w4"}
-
-
-def test_windows_replayed_as_one_graph_emit_what_single_steps_emit(engine):
-    """WINDOW_GRAPH_ROWS: a window of a small bucket runs as one replay of its captured steps (here the eager
-    stand-in of that graph: the same plan copies, forwards, argmaxes and token feedback, over the same buffers)."""
-    from kernellab.runtime import graphs
-
-    single, _ = run(engine, windows=False, async_scheduling=False)
-    standing = graphs.WINDOW_GRAPH_ROWS
-    graphs.WINDOW_GRAPH_ROWS = 4  # buckets 1, 2 and 4 as one graph; 8 (five rows) step by step
-    try:
-        engine.runner.eager_windows(4)
-        assert sorted(engine.runner.graphs.window_graphs) == [(1, 4), (2, 4), (4, 4)]
-        launched, carried = run(engine, windows=True, async_scheduling=True)
-        windowed, _ = run(engine, windows=True, async_scheduling=False)
-        replays = engine.runner.graphs.window_replays
-    finally:
-        graphs.WINDOW_GRAPH_ROWS = standing
-        engine.runner.eager_windows(4)
-    assert carried > 0 and replays > 0
-    assert launched == single
-    assert windowed == single
