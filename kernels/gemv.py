@@ -64,7 +64,13 @@ RMSNorm in the prologue (``add_rms_norm_linear``, batch-1 decode)
     (0, 0) stores ``r`` to a new buffer (every program reads ``residual``, so it cannot be updated in place). Two
     launches fewer per layer; on the interpreter the result equals norm kernel + GEMV bit for bit (CPU test), on
     the GPU the row's sum of squares may be reduced in another order (an ulp of ``rstd`` now and then).
-    Experimental until the gate's ablation measures it.
+    With no residual (a model's first layer: its input norm reads the embedding) the row is ``x`` itself and
+    nothing is stored. The final norm before the LM head can take the same path (``model.FUSED_FINAL_NORM``; off
+    until the H200 says whether ~9,500 programs each reading the row cost less than the launch saved).
+
+fp32 output (the LM head)
+    ``out`` may be fp32 where x is bf16/fp16: each value is rounded to x's dtype, then stored widened, so the
+    logits equal ``linear(x, W).float()`` bit for bit without the cast kernel after the projection.
 
 Trade-offs tried
     The first version looped over K in 512-wide tiles with split-K to fill the SMs: on the H200 the split-K
@@ -113,11 +119,11 @@ class GemvConfig:
 
 
 @triton.jit
-def _x_chunk(x_ptr, res_ptr, nw_ptr, rstd, k, km, K, GLU: tl.constexpr, NORM: tl.constexpr):
+def _x_chunk(x_ptr, res_ptr, nw_ptr, rstd, k, km, K, GLU: tl.constexpr, NORM: tl.constexpr, RES: tl.constexpr):
     """x[k] as fp32; with ``GLU`` x is a fused gate/up row of 2·K and the chunk is its SwiGLU, rounded to x's
     dtype exactly where ``swiglu.silu_and_mul`` rounds (so the fused GEMV reads the bits that kernel writes);
     with ``NORM`` the chunk is ``rms_norm(x + residual)`` (``rstd`` from ``_norm_rstd``), rounded where
-    ``rms_norm.add_rms_norm`` rounds."""
+    ``rms_norm.add_rms_norm`` rounds; without ``RES`` (no residual) ``rms_norm(x)``."""
     act_ty = x_ptr.dtype.element_ty
     if GLU:
         g = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
@@ -125,28 +131,33 @@ def _x_chunk(x_ptr, res_ptr, nw_ptr, rstd, k, km, K, GLU: tl.constexpr, NORM: tl
         s = (g / (1.0 + tl.exp(-g))).to(act_ty).to(tl.float32)
         return (s * u).to(act_ty).to(tl.float32)
     if NORM:
-        x = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
-        h = (x + tl.load(res_ptr + k, mask=km, other=0.0).to(tl.float32)).to(act_ty).to(tl.float32)
+        h = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+        if RES:
+            h = (h + tl.load(res_ptr + k, mask=km, other=0.0).to(tl.float32)).to(act_ty).to(tl.float32)
         normed = (h * rstd).to(act_ty).to(tl.float32)
         return (normed * tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)).to(act_ty).to(tl.float32)
     return tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, write, NORM: tl.constexpr, BLOCK_K: tl.constexpr):
+def _norm_rstd(
+    x_ptr, res_ptr, res_out_ptr, K, eps, write, NORM: tl.constexpr, BLOCK_K: tl.constexpr, RES: tl.constexpr
+):
     """With ``NORM``: ``1 / sqrt(mean(h²) + eps)`` of the row ``h = x + residual`` (rounded to x's dtype, as
-    ``add_rms_norm`` forms it), which the program where ``write`` holds also stores to ``res_out``. Every
-    program reads the whole row (a few KB, from L2) before its own tile. Without: 1."""
+    ``add_rms_norm`` forms it), which the program where ``write`` holds also stores to ``res_out``; without
+    ``RES``, of ``h = x`` (stored nowhere). Every program reads the whole row (a few KB, from L2) before its own
+    tile. Without ``NORM``: 1."""
     if NORM:
         act_ty = x_ptr.dtype.element_ty
         ss = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             km = k < K
-            x = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
-            h = (x + tl.load(res_ptr + k, mask=km, other=0.0).to(tl.float32)).to(act_ty)
-            tl.store(res_out_ptr + k, h, mask=km & write)
-            hf = h.to(tl.float32)
+            hf = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+            if RES:
+                h = (hf + tl.load(res_ptr + k, mask=km, other=0.0).to(tl.float32)).to(act_ty)
+                tl.store(res_out_ptr + k, h, mask=km & write)
+                hf = h.to(tl.float32)
             ss += hf * hf
         return tl.math.rsqrt(tl.sum(ss, axis=0) / K + eps)
     return 1.0
@@ -183,6 +194,7 @@ def _gemv_kernel(
     PDL: tl.constexpr,
     GLU: tl.constexpr = False,
     NORM: tl.constexpr = False,
+    RES: tl.constexpr = True,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -209,12 +221,12 @@ def _gemv_kernel(
         km = k < k_hi
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & km[None, :], other=0)
         gdc_wait()
-        rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, write_res, NORM, BLOCK_K)
-        xv = _x_chunk(x_ptr, res_ptr, nw_ptr, rstd, k, km, K, GLU, NORM)
+        rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, write_res, NORM, BLOCK_K, RES)
+        xv = _x_chunk(x_ptr, res_ptr, nw_ptr, rstd, k, km, K, GLU, NORM, RES)
         acc2 += w.to(tl.float32) * xv[None, :]
         loop_start = k_lo + BLOCK_K
     else:
-        rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, write_res, NORM, BLOCK_K)
+        rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, write_res, NORM, BLOCK_K, RES)
 
     for k0 in tl.range(loop_start, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         if W_BITS == 4:
@@ -247,7 +259,7 @@ def _gemv_kernel(
                 else:
                     acc = tl.dot(xt, wt, acc)
             else:
-                xv = _x_chunk(x_ptr, res_ptr, nw_ptr, rstd, k, km, K, GLU, NORM)
+                xv = _x_chunk(x_ptr, res_ptr, nw_ptr, rstd, k, km, K, GLU, NORM, RES)
                 acc2 += w.to(tl.float32) * xv[None, :]
 
     if not USE_DOT:
@@ -267,10 +279,10 @@ def _gemv_kernel(
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in range(0, split_k):
                 total += tl.load(ws_ptr + s * M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptrs, total.to(out_ty), mask=out_mask)
+            tl.store(out_ptrs, total.to(x_ty).to(out_ty), mask=out_mask)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
     else:
-        tl.store(out_ptrs, acc.to(out_ty), mask=out_mask)
+        tl.store(out_ptrs, acc.to(x_ty).to(out_ty), mask=out_mask)  # rounded as x's dtype, stored as out's
 
 
 def default_config(M: int, N: int, K: int, w_bits: int, device: torch.device) -> GemvConfig:
@@ -314,18 +326,26 @@ def gemv(
     """Launcher shared by the dense and quantized entry points. ``weight`` holds K/2 bytes per row for int4.
     ``glu``: x is a fused gate/up projection (M = 1, dense) whose SwiGLU is the GEMV's input.
     ``norm = (residual, norm_weight, residual_out, eps)``: the input is ``rms_norm(x + residual)`` (M = 1,
-    dense), and ``x + residual`` is stored to ``residual_out``."""
+    dense), and ``x + residual`` is stored to ``residual_out``; ``residual`` and ``residual_out`` None: the input
+    is ``rms_norm(x)``. ``out`` may be fp32 where x is not: y rounded to x's dtype, stored widened (the LM head's
+    logits, with no cast kernel after it)."""
     K = x.shape[-1] // 2 if glu else x.shape[-1]
     x2 = rows_2d(x)
     M, N = x2.shape[0], weight.shape[0]
     require(M <= MAX_M, f"the GEMV handles at most {MAX_M} rows, got {M}")
     require(not glu or (M == 1 and w_bits == 16 and x.shape[-1] % 2 == 0), "the SwiGLU GEMV is dense, M = 1")
     require(norm is None or (M == 1 and w_bits == 16 and not glu), "the RMSNorm GEMV is dense, M = 1")
+    has_res = True
     if norm is not None:
         res, nw, res_out, eps = norm
+        has_res = res is not None
+        if not has_res:
+            res = res_out = x2  # unused (RES=False)
         for name, t in (("residual", res), ("norm weight", nw), ("residual_out", res_out)):
             require(t.numel() == K and t.dtype == x.dtype and t.is_contiguous(), f"{name} must be ({K},) like x")
-        require(res_out.data_ptr() not in (x.data_ptr(), res.data_ptr()), "residual_out must be a new buffer")
+        require(
+            not has_res or res_out.data_ptr() not in (x.data_ptr(), res.data_ptr()), "residual_out must be a new buffer"
+        )
     else:
         res = nw = res_out = x2  # unused (NORM=False)
         eps = 0.0
@@ -335,7 +355,9 @@ def gemv(
         require(K % 2 == 0, "int4 weights need an even K")
     if out is None:
         out = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
-    require(out.shape == (*x.shape[:-1], N) and out.dtype == x.dtype and out.stride(-1) == 1, "bad out")
+    require(
+        out.shape == (*x.shape[:-1], N) and out.dtype in (x.dtype, torch.float32) and out.stride(-1) == 1, "bad out"
+    )
     out2 = out.view(-1, N)
     if M == 0 or N == 0:
         return out
@@ -380,6 +402,7 @@ def gemv(
         PDL=pdl,
         GLU=glu,
         NORM=norm is not None,
+        RES=has_res,
         num_warps=cfg.num_warps,
         launch_pdl=pdl,
     )
@@ -389,7 +412,8 @@ def gemv(
 def linear(
     x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None, config: GemvConfig | None = None
 ) -> torch.Tensor:
-    """``x @ weight.T`` for ``x: (M, K)`` with M ≤ 16, ``weight: (N, K)``; returns ``(M, N)`` in x's dtype."""
+    """``x @ weight.T`` for ``x: (M, K)`` with M ≤ 16, ``weight: (N, K)``; returns ``(M, N)`` in x's dtype (or in
+    ``out``, which may be fp32)."""
     require(weight.dtype == x.dtype, "weight and x must share a dtype")
     return gemv(x, weight, None, 16, out, config)
 
@@ -412,7 +436,7 @@ def silu_and_mul_linear(
 
 def add_rms_norm_linear(
     x: torch.Tensor,
-    residual: torch.Tensor,
+    residual: torch.Tensor | None,
     norm_weight: torch.Tensor,
     eps: float,
     weight: torch.Tensor,
@@ -425,12 +449,18 @@ def add_rms_norm_linear(
     writes ``r``. The norm's launch and its (1, H) output are gone. Other shapes: ``rms_norm.add_rms_norm``,
     then ``linear.linear``."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    same = residual.dtype == x.dtype and norm_weight.dtype == x.dtype and weight.dtype == x.dtype
-    if rows == 1 and same and x.is_contiguous() and residual.is_contiguous():
+    res_ok = residual is None or (residual.dtype == x.dtype and residual.is_contiguous())
+    same = res_ok and norm_weight.dtype == x.dtype and weight.dtype == x.dtype
+    if rows == 1 and same and x.is_contiguous():
+        if residual is None:
+            return gemv(x, weight, None, 16, out, None, norm=(None, norm_weight.contiguous(), None, eps)), x
         r = torch.empty_like(x)
         return gemv(x, weight, None, 16, out, None, norm=(residual, norm_weight.contiguous(), r, eps)), r
     from .linear import linear as dense_linear
-    from .rms_norm import add_rms_norm
+    from .rms_norm import add_rms_norm, rms_norm
 
-    normed, r = add_rms_norm(x, residual, norm_weight, eps)
+    if residual is None:
+        normed, r = rms_norm(x, norm_weight, eps), x
+    else:
+        normed, r = add_rms_norm(x, residual, norm_weight, eps)
     return dense_linear(normed, weight, out=out), r

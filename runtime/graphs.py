@@ -124,10 +124,11 @@ class GraphRunner:
             max(self.chunk_buckets, default=1),
             max(self.fresh_token_buckets, default=1),
         )
-        # int64 inputs: rows = input_ids, positions, slot_mapping, context_lens (as int64 for one copy).
+        # int64 inputs: rows = input_ids, positions, slot_mapping, context_lens (one copy for all four; the decode
+        # attention reads the context lengths as int64 where they are, no int32 copy a step).
         self.host = torch.zeros((4, n), dtype=torch.int64, pin_memory=cuda)
         self.inputs = torch.zeros((4, n), dtype=torch.int64, device=device)
-        self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.inputs[3].fill_(1)
         self.host_tables = torch.zeros((self.decode_buckets[-1], self.width), dtype=torch.int32, pin_memory=cuda)
         self.tables = torch.zeros((self.decode_buckets[-1], self.width), dtype=torch.int32, device=device)
         # Multi-step decode: per step k, rows (positions, slots, context_lens) planned on the host up front, in
@@ -167,7 +168,7 @@ class GraphRunner:
             slot_mapping=self.inputs[2, :bs],
             num_decode_tokens=bs,
             decode_block_tables=self.tables[:bs],
-            decode_context_lens=self.context_lens[:bs],
+            decode_context_lens=self.inputs[3, :bs],
             prefill_block_tables=None,
             prefill_cu_seqlens_q=None,
             prefill_context_lens=None,
@@ -187,13 +188,13 @@ class GraphRunner:
     def _capture(self, key: tuple, meta: AttentionMetadata) -> None:
         n = key[1]
         ids = self.inputs[0, :n]
+        rows = None if key[0] == "decode" else meta.logits_indices  # a decode step's logits are all its rows'
         for _ in range(2):  # warm up: Triton compilation and autotuning happen outside the capture
-            self.model.compute_logits(self.model(ids, meta, self.kv_caches)[meta.logits_indices])
+            self.model.logits(ids, meta, self.kv_caches, rows)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self.model(ids, meta, self.kv_caches)
-            self.logits[key] = self.model.compute_logits(hidden[meta.logits_indices])
+            self.logits[key] = self.model.logits(ids, meta, self.kv_caches, rows)
         self.pool = graph.pool()
         self.graphs[key] = graph
         self.metas[key] = meta
@@ -208,8 +209,7 @@ class GraphRunner:
             key, meta = ("decode", bs), self._decode_meta(bs)
 
             def forward(bs=bs, meta=meta) -> torch.Tensor:
-                hidden = self.model(self.inputs[0, :bs], meta, self.kv_caches)
-                return self.model.compute_logits(hidden[meta.logits_indices])
+                return self.model.logits(self.inputs[0, :bs], meta, self.kv_caches, None)
 
             self.logits[key] = forward()
             self.graphs[key] = EagerReplay(forward, self.logits[key])  # type: ignore[assignment]
@@ -286,7 +286,6 @@ class GraphRunner:
             t[i, : len(row)] = row
         self.inputs[:, :bs].copy_(self.host[:, :bs], non_blocking=True)
         self.tables[:bs].copy_(self.host_tables[:bs], non_blocking=True)
-        self.context_lens[:bs].copy_(self.inputs[3, :bs])
         self.graphs[("decode", bs)].replay()
         return self.logits[("decode", bs)][:n]
 
@@ -349,12 +348,11 @@ class GraphRunner:
         # else the rows are the last window's, in its order: its last step left their tokens in inputs[0]
         graph, logits = self.graphs[("decode", bs)], self.logits[("decode", bs)]
         tokens = self.step_tokens.view(-1)[: steps * bs].view(steps, bs)
-        for step in range(steps):
+        for step in range(steps):  # four launches a step: the plan's row, the graph, the argmax's two passes …
             self.inputs[1:4, :bs].copy_(dev_plan[step])
-            self.context_lens[:bs].copy_(dev_plan[step, 2])
             graph.replay()
-            tokens[step].copy_(argmax(logits))
-            self.inputs[0, :bs].copy_(tokens[step])
+            argmax(logits, out=tokens[step])
+            self.inputs[0, :bs].copy_(tokens[step])  # … and the token fed to the next step
         w.n, w.bs, w.steps, w.allowed, w.pending = n, bs, steps, list(allowed), True
         w.grid().copy_(tokens, non_blocking=True)
         if w.done is not None:

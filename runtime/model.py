@@ -18,6 +18,11 @@ from kernellab.runtime.dispatch import Ops
 # 64-row decode step's throughput 3.1 % [2.2, 3.9] slower, so larger batches keep the two kernels. 16 lies between
 # the two measured sizes; where the two forms cross is not measured yet (latency_anatomy.py --decode-ab).
 FUSED_DECODE_MAX_ROWS = 16
+# A step with one logits row (batch-1 decode, a prompt's last token): the final residual add + RMSNorm inside the
+# LM head's GEMV (``add_rms_norm_linear``), one launch fewer a token. Each of the GEMV's ~9,500 programs over the
+# 151,936-row head then reads the 4 KB row from L2 first; whether that costs less than the launch it saves is the
+# H200's to say (``benchmarks/gpu/knob_ab.py --knob kernellab.runtime.model.FUSED_FINAL_NORM``): off until then.
+FUSED_FINAL_NORM = False
 # Batch-1 decode with ``l2_prefetch`` enabled: after a layer's QKV GEMV, its output projection's and MLP's weights
 # are fetched into L2 while the attention runs, and with this also the next layer's QKV weights (31 MB in all at
 # Qwen3-0.6B, within the H200's 50 MB L2). ``PREFETCH_LINES``: line prefetches instead of bulk ones;
@@ -126,10 +131,14 @@ class CausalLM(nn.Module):
         """``(lin(norm(hidden + residual)), hidden + residual)``; one row (batch-1 decode): the norm inside the
         projection's GEMV, where that op is enabled."""
         eps = self.cfg.rms_norm_eps
-        if hidden.shape[0] == 1 and "add_rms_norm_linear" in self.ops.enabled and lin.int4 is None:
+        if self._norm_in_gemv(hidden, lin):
             return self.ops.add_rms_norm_linear(hidden, residual, norm.weight, eps, lin.weight)
         x, residual = self.ops.add_rms_norm(hidden, residual, norm.weight, eps)
         return self._linear(x, lin), residual
+
+    def _norm_in_gemv(self, hidden: torch.Tensor, lin: Linear) -> bool:
+        """Whether a norm feeding ``lin`` runs inside its GEMV: one row (batch-1 decode), the op enabled, dense."""
+        return hidden.shape[0] == 1 and "add_rms_norm_linear" in self.ops.enabled and lin.int4 is None
 
     def _mlp(self, gate_up: torch.Tensor, mlp: MLP) -> torch.Tensor:
         """The MLP from its gate/up projection's output."""
@@ -153,7 +162,12 @@ class CausalLM(nn.Module):
         unflattened, views of the one fused projection row."""
         cfg = self.cfg
         layer = self.decoder_layers[index]
-        if residual is None:
+        if residual is None and self._norm_in_gemv(hidden, layer.self_attn.qkv_proj):
+            # a model's first layer at one row: the norm inside the QKV GEMV, as every later layer has it
+            qkv, residual = self.ops.add_rms_norm_linear(
+                hidden, None, layer.input_layernorm.weight, cfg.rms_norm_eps, layer.self_attn.qkv_proj.weight
+            )
+        elif residual is None:
             residual = hidden
             normed = self.ops.rms_norm(hidden, layer.input_layernorm.weight, cfg.rms_norm_eps)
             qkv = self._linear(normed, layer.self_attn.qkv_proj)
@@ -303,7 +317,36 @@ class CausalLM(nn.Module):
         kv_caches: list[LayerKV],
         collect: list | None = None,
     ) -> torch.Tensor:
-        """``collect``, when given, receives the residual stream after each layer (numerics checks)."""
+        """The final hidden states (normed). ``collect``, when given, receives the residual stream after each layer
+        (numerics checks)."""
+        return self.final_norm(*self._layers(input_ids, meta, kv_caches, collect))
+
+    @torch.inference_mode()
+    def logits(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[LayerKV], rows: torch.Tensor | None
+    ) -> torch.Tensor:
+        """fp32 logits of the step's ``rows`` (``meta.logits_indices``; None: every row, as a decode step needs):
+        the final norm runs on those rows only (a prefill's last token, not its 2,048), and at one row inside the
+        LM head's GEMV where ``FUSED_FINAL_NORM`` allows. The values of ``compute_logits(forward(…)[rows])``."""
+        hidden, residual = self._layers(input_ids, meta, kv_caches)
+        if rows is not None:
+            hidden, residual = hidden[rows], residual[rows]
+        if FUSED_FINAL_NORM and self._norm_in_gemv(hidden, self.lm_head):
+            out = torch.empty((1, self.cfg.vocab_size), dtype=torch.float32, device=hidden.device)
+            eps = self.cfg.rms_norm_eps
+            return self.ops.add_rms_norm_linear(
+                hidden, residual, self.model.norm.weight, eps, self.lm_head.weight, out=out
+            )[0]
+        return self.compute_logits(self.final_norm(hidden, residual))
+
+    def _layers(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[LayerKV],
+        collect: list | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer: the last one's output and the residual stream, before the final norm."""
         hidden = self.embed(input_ids)
         residual: torch.Tensor | None = None
         fused = self._fused_decode(meta, input_ids.shape[0], kv_caches[0])
@@ -325,11 +368,18 @@ class CausalLM(nn.Module):
                 torch.cuda.current_stream(self._side_stream.device).wait_stream(self._side_stream)
                 self._side_pending = False
         assert residual is not None  # a model has at least one layer
-        return self.final_norm(hidden, residual)
+        return hidden, residual
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._linear(hidden, self.lm_head).float()
+        """fp32 logits of final hidden states: the LM head's output rounded to the model's dtype, stored as fp32 by
+        the projection itself (a GEMV row; no cast kernel after it) where the weight is dense."""
+        if self.lm_head.int4 is not None and hidden.shape[0] <= self.int4_max_rows:
+            return self.lm_head.int4.mm(hidden).float()
+        if hidden.dtype == torch.float32:
+            return self.ops.linear(hidden, self.lm_head.weight)
+        out = torch.empty((hidden.shape[0], self.cfg.vocab_size), dtype=torch.float32, device=hidden.device)
+        return self.ops.linear(hidden, self.lm_head.weight, out=out)
 
     @torch.inference_mode()
     def attach_int4(self, int4_weights, dtype: torch.dtype, max_rows: int) -> int:

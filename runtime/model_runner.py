@@ -399,8 +399,11 @@ class ModelRunner:
             logits_and_seqs = self._execute_piecewise(out, self.piecewise)
         if logits_and_seqs is None:
             input_ids, meta, _, sampling = self.prepare(out)
-            hidden = self.model(input_ids, meta, self.kv_caches)
-            logits = self.model.compute_logits(hidden[meta.logits_indices]) if sampling else None
+            if sampling:
+                logits = self.model.logits(input_ids, meta, self.kv_caches, meta.logits_indices)
+            else:  # a prefill chunk that samples nothing: its KV writes only
+                self.model(input_ids, meta, self.kv_caches)
+                logits = None
         else:
             logits, sampling = logits_and_seqs
         tokens: list[int] = []

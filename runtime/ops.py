@@ -55,11 +55,18 @@ def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Te
 
 
 def add_rms_norm_linear(
-    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A residual add and RMSNorm feeding a projection: ``(linear(rms_norm(r), weight), r)``, ``r = x + residual``."""
-    normed, r = add_rms_norm(x, residual, norm_weight, eps)
-    return linear(normed, weight), r
+    """A residual add and RMSNorm feeding a projection: ``(linear(rms_norm(r), weight), r)``, ``r = x + residual``;
+    with no residual (a model's first layer) ``r = x``. ``out``: as ``linear``'s."""
+    normed, r = (rms_norm(x, norm_weight, eps), x) if residual is None else add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, weight, out=out), r
 
 
 def add_silu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -72,14 +79,22 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     return torch.softmax(x.float(), dim=-1).to(x.dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``y = x @ W^T`` for ``x: (M, K)``, ``weight: (N, K)`` (no bias: Qwen3 and Llama have none)."""
-    return F.linear(x, weight)
+def linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``y = x @ W^T`` for ``x: (M, K)``, ``weight: (N, K)`` (no bias: Qwen3 and Llama have none). ``out``: where
+    ``y``, rounded to x's dtype as computed, is stored; it may be fp32 (the LM head's logits: the values of
+    ``linear(x, W).float()``)."""
+    y = F.linear(x, weight)
+    if out is None:
+        return y
+    return out.copy_(y)
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Greedy token per row: ``logits: (B, V)`` → ``(B,)`` int64; ties resolve to the lowest index."""
-    return torch.argmax(logits, dim=-1)
+def argmax(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Greedy token per row: ``logits: (B, V)`` → ``(B,)`` int64; ties resolve to the lowest index. ``out``: a
+    ``(B,)`` int64 buffer to write them to (a decode window's row of tokens)."""
+    if out is None:
+        return torch.argmax(logits, dim=-1)
+    return torch.argmax(logits, dim=-1, out=out)
 
 
 def l2_prefetch(*tensors: torch.Tensor, lines: bool = False, pdl: bool | None = None) -> None:

@@ -65,6 +65,8 @@ def _exercise(gen: torch.Generator) -> None:
         gemv.silu_and_mul_linear(rnd(1, 256, dtype=dtype), rnd(64, 128, dtype=dtype))  # SwiGLU in the GEMV
         row, norm_w = rnd(1, 128, dtype=dtype), rnd(128, dtype=dtype)
         gemv.add_rms_norm_linear(row, rnd(1, 128, dtype=dtype), norm_w, 1e-6, rnd(64, 128, dtype=dtype))  # RMSNorm
+        logits = torch.empty(1, 64, dtype=torch.float32)  # a first layer's norm (no residual); fp32 logits out
+        gemv.add_rms_norm_linear(row, None, norm_w, 1e-6, rnd(64, 128, dtype=dtype), out=logits)
         gemv.gemv(
             row,
             rnd(8, 128, dtype=dtype),
@@ -96,6 +98,9 @@ def _exercise(gen: torch.Generator) -> None:
                         kd, vd = rnd(B, Hk, D, dtype=dtype), rnd(B, Hk, D, dtype=dtype)
                         paged_attention.paged_decode_attention_qk_norm_rope(
                             qd, kd, vd, nw, nw, 1e-6, cos_ctx, kc2, vc2, lens.long() - 1, tables, lens, D**-0.5
+                        )
+                        paged_attention.paged_decode_attention_qk_norm_rope(  # a graph's int64 context lengths
+                            qd, kd, vd, nw, nw, 1e-6, cos_ctx, kc2, vc2, lens.long() - 1, tables, lens.long(), D**-0.5
                         )
                 if not fp8:  # steps that prefill: v copied dense too
                     v_out = torch.empty_like(v)
@@ -165,6 +170,7 @@ def test_every_recorded_launch_compiles_for_sm90():
     assert any(launch["constexprs"].get("GLU") for launch in launches)
     norm_gemvs = [launch for launch in launches if launch["kernel"] == "_gemv_kernel" and launch["constexprs"]["NORM"]]
     assert {launch["constexprs"]["SPLIT"] for launch in norm_gemvs} == {False, True}
+    assert {launch["constexprs"]["RES"] for launch in norm_gemvs} == {False, True}
     with_pdl = {launch["kernel"] for launch in launches if launch["constexprs"].get("PDL")}
     assert with_pdl >= {
         "_gemv_kernel",

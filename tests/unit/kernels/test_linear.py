@@ -149,3 +149,52 @@ def test_swiglu_linear_other_shapes_take_the_two_kernels(gen):
     assert_close(gemv.silu_and_mul_linear(gate_up, w), ops.silu_and_mul_linear(gate_up, w), 1e-4, 1e-4, "M=3")
     with pytest.raises(ValueError):
         gemv.gemv(gate_up, w, None, 16, None, None, glu=True)  # the fused GEMV is one row only
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", LINEAR_DTYPES)
+@pytest.mark.parametrize("N, K, config", [(40, 96, None), (33, 200, GemvConfig(8, 64, 3))])
+def test_norm_gemv_without_a_residual_reads_what_the_norm_kernel_writes(N, K, config, dtype, atol, rtol, gen):
+    """A model's first layer at one row: ``add_rms_norm_linear(x, None, …)`` is ``linear(rms_norm(x))`` (the same
+    bits as the rms_norm kernel followed by the GEMV, on the interpreter) and hands back x itself as the residual
+    stream, storing nothing."""
+    from kernellab.kernels.rms_norm import rms_norm
+
+    x = (torch.randn(1, K, generator=gen) * 3).to(dtype)
+    nw = (1 + 0.1 * torch.randn(K, generator=gen)).to(dtype)
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to(dtype)
+    fused = gemv.gemv(x, w, None, 16, poisoned((1, N), dtype, "cpu"), config, norm=(None, nw, None, 1e-6))
+    torch.testing.assert_close(fused, gemv.linear(rms_norm(x, nw, 1e-6), w, config=config), atol=0, rtol=0)
+    y, r = gemv.add_rms_norm_linear(x, None, nw, 1e-6, w)
+    assert r is x
+    y_ref, r_ref = ops.add_rms_norm_linear(x.float(), None, nw.float(), 1e-6, w.float())
+    assert_close(y, y_ref.to(dtype), atol, rtol, "add_rms_norm_linear without a residual")
+    torch.testing.assert_close(r_ref, x.float(), atol=0, rtol=0)  # the reference's residual is x too
+    x3 = x.expand(3, K).contiguous()
+    y3, r3 = gemv.add_rms_norm_linear(x3, None, nw, 1e-6, w)  # other shapes: the norm kernel, then the projection
+    assert r3 is x3
+    assert_close(y3, y_ref.to(dtype).expand(3, N), atol, rtol, "M=3 without a residual")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("config", [None, GemvConfig(8, 64, 3)])
+def test_gemv_fp32_out_holds_the_rounded_projection(dtype, config, gen):
+    """The LM head writes its logits as fp32 itself: exactly ``linear(x, W).float()`` (rounded to x's dtype
+    first, as the cast kernel it replaces saw them), with and without split-K; the reference and the dispatcher
+    (cuBLAS rows copy into the fp32 buffer) agree with it; the fused norm writes fp32 the same way."""
+    K, N = 200, 48
+    x = torch.randn(1, K, generator=gen).to(dtype)
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to(dtype)
+    want = gemv.linear(x, w, config=config).float()
+    got = gemv.gemv(x, w, None, 16, poisoned((1, N), torch.float32, "cpu"), config)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    out = poisoned((1, N), torch.float32, "cpu")
+    assert ops.linear(x, w, out=out) is out
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w).float(), atol=0, rtol=0)
+    x3 = torch.randn(3, K, generator=gen).to(dtype)
+    out3 = poisoned((3, N), torch.float32, "cpu")
+    torch.testing.assert_close(linear.linear(x3, w, out=out3), ops.linear(x3, w).float(), atol=0, rtol=0)
+    res, nw = torch.randn(1, K, generator=gen).to(dtype), (1 + 0.1 * torch.randn(K, generator=gen)).to(dtype)
+    y16, _ = gemv.add_rms_norm_linear(x, res, nw, 1e-6, w)
+    y32, _ = gemv.add_rms_norm_linear(x, res, nw, 1e-6, w, out=poisoned((1, N), torch.float32, "cpu"))
+    torch.testing.assert_close(y32, y16.float(), atol=0, rtol=0)

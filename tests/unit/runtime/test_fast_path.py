@@ -4,6 +4,7 @@ Qwen3's path, where it never runs."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -96,9 +97,9 @@ def triton_qwen3(tiny_checkpoints, disabled: tuple[str, ...]) -> LLMEngine:
 
 
 # fused op → (the GEMV constexpr it sets, its launches per batch-1 decode step of the tiny 2-layer Qwen3): the
-# SwiGLU in each layer's down projection; the residual add + norm in each projection that follows one (the
-# first layer's input norm has no residual to add: 1 + 2)
-FUSED_GEMV = {"silu_and_mul_linear": ("GLU", 2), "add_rms_norm_linear": ("NORM", 3)}
+# SwiGLU in each layer's down projection; the (residual add and) norm in each layer's two projections after one
+# (the first layer's input norm, with no residual to add, too)
+FUSED_GEMV = {"silu_and_mul_linear": ("GLU", 2), "add_rms_norm_linear": ("NORM", 4)}
 
 
 @pytest.mark.skipif(not os.environ.get("TRITON_INTERPRET"), reason="runs the Triton kernels under the interpreter")
@@ -226,3 +227,55 @@ def test_batch1_decode_prefetches_the_layers_next_weights(tiny_checkpoints, monk
             eng.step()
         assert calls == []  # two rows: the GEMVs stream their weights themselves
     assert tokens[()] == tokens[("l2_prefetch",)] and len(tokens[()]) == 6
+
+
+@pytest.mark.skipif(not os.environ.get("TRITON_INTERPRET"), reason="runs the Triton kernels under the interpreter")
+@pytest.mark.parametrize("fused_final_norm", [False, True])
+def test_logits_of_the_rows_that_sample_are_the_full_forwards(fused_final_norm, tiny_checkpoints, monkeypatch):
+    """``CausalLM.logits``: the final norm on the logits rows only (at one row inside the LM head's GEMV with
+    FUSED_FINAL_NORM), the LM head writing fp32 itself. Its logits are bit for bit those of the final norm over
+    every row, the projection and the fp32 cast (a prompt's last row; one decode row); greedy tokens unchanged, and
+    with the knob each batch-1 step launches one norm GEMV more and no norm kernel."""
+    from kernellab.kernels.compile_check import record_launches
+    from kernellab.kernels.testing import patch_interpreter
+    from kernellab.runtime import model as model_mod
+    from kernellab.runtime.request.sampling import SamplingParams
+
+    patch_interpreter()
+    monkeypatch.setattr(model_mod, "FUSED_FINAL_NORM", fused_final_norm)
+    eng = triton_qwen3(tiny_checkpoints, ())
+    model = eng.runner.model
+    inner, checked = model.logits, []
+
+    def logits(ids, meta, kv, rows):  # each step's logits against the full forward's (its KV writes are the same)
+        full = model(ids, meta, kv)
+        want = model.ops.linear(full if rows is None else full[rows], model.lm_head.weight).float()
+        got = inner(ids, meta, kv, rows)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        checked.append(ids.shape[0])
+        return got
+
+    model.logits = logits
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def generate(rid: str, record: bool = False) -> list[int]:
+        eng.add_request(rid, list(range(5, 25)), params)
+        out = [t for o in eng.step() for t in o.new_token_ids]  # the prompt
+        with record_launches() if record else contextlib.nullcontext([]) as launches:
+            while eng.has_unfinished_requests():
+                out += [t for o in eng.step() for t in o.new_token_ids]
+        generate.launches = launches  # type: ignore[attr-defined]
+        return out
+
+    checked_tokens = generate("s")
+    assert checked == [20, 1, 1, 1, 1, 1]
+    del model.logits
+    tokens = generate("t", record=True)
+    norm_gemvs = sum(1 for x in generate.launches if x["kernel"] == "_gemv_kernel" and x["constexprs"].get("NORM"))  # type: ignore[attr-defined]
+    norms = sum(1 for x in generate.launches if x["kernel"] == "_rms_norm_kernel")  # type: ignore[attr-defined]
+    # 5 decode steps: 4 norm GEMVs each, and the final norm: its kernel, or with the knob the LM head's GEMV
+    assert (norm_gemvs, norms) == ((25, 0) if fused_final_norm else (20, 5))
+    monkeypatch.setattr(model_mod, "FUSED_FINAL_NORM", not fused_final_norm)
+    other = generate("u")
+    assert checked_tokens == tokens == other and len(tokens) == 6
