@@ -7,7 +7,11 @@ HF transformers fp32 on the same GGUF: our fp32 cache (the path itself, expected
 caches, and HF bf16 (the gate: an 8-bit cache's agreement no worse than HF bf16's minus 0.5 points).
 ``--split`` also quantizes only K or only V (quantize → dequantize into an fp32 cache) to show which of the two
 carries the loss; ``--int8`` does the same with int8 (one scale per token and head, the same bytes): K alone,
-and K and V.
+and K and V. ``--hadamard`` simulates an FP8 cache that stores each K and V row rotated by the normalised
+Hadamard matrix H of the head dimension (``H·x`` quantized; read back as ``Hᵀ·dequantize(…)``, which is what a
+kernel computes when it rotates q by H and the attention output by Hᵀ, or folds Hᵀ into the output projection):
+the rotation spreads K's outlier channels over all D values, so FP8's per-value relative error no longer lands on
+the few products that dominate ``q·k``.
 
     python benchmarks/fp8_kv_numerics.py --output results/fp8_kv_cpu.json
 """
@@ -46,15 +50,34 @@ def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(xf / scale).clamp(-127, 127) * scale).to(x.dtype)
 
 
+def hadamard(d: int) -> torch.Tensor:
+    """The ``d × d`` Hadamard matrix (Sylvester's construction, ``d`` a power of two) scaled to be orthonormal."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two head dimension, got {d}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / d**0.5
+
+
 def _store_quantizing(ops_table, which: str, fmt: str = "fp8"):
     """An op table whose KV write stores ``dequantize(quantize(x))`` of K and/or V in a full-precision cache
-    (``fmt``: fp8 as the FP8 cache stores it, or int8 per ``int8_round_trip``)."""
+    (``fmt``: fp8 as the FP8 cache stores it, int8 per ``int8_round_trip``, or ``fp8-hadamard``: FP8 of each row
+    rotated by the Hadamard matrix, rotated back after)."""
     from kernellab.runtime import ops
 
     store = ops_table.store_kv
 
+    def fp8(x):
+        return ops.dequantize_kv(*ops.quantize_kv(x)).to(x.dtype)
+
     def round_trip(x):
-        return int8_round_trip(x) if fmt == "int8" else ops.dequantize_kv(*ops.quantize_kv(x)).to(x.dtype)
+        if fmt == "int8":
+            return int8_round_trip(x)
+        if fmt == "fp8-hadamard":
+            h = hadamard(x.shape[-1]).to(x.dtype)
+            return fp8(x @ h.T) @ h  # rows rotated by H, quantized, rotated back by Hᵀ (x @ H.T = (H x)ᵀ per row)
+        return fp8(x)
 
     def store_kv(k, v, k_cache, v_cache, slot_mapping, *, k_scales=None, v_scales=None):
         if "k" in which:
@@ -74,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument(
         "--int8", action=argparse.BooleanOptionalAction, default=True, help="also int8 K only and int8 K and V"
+    )
+    ap.add_argument(
+        "--hadamard",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also FP8 of Hadamard-rotated K (alone, and with V)",
     )
     ap.add_argument("--output", default="results/fp8_kv_cpu.json")
     args = ap.parse_args(argv)
@@ -112,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         for which, name in (("k", "int8_k_only_simulated"), ("kv", "int8_kv_simulated")):
             eng = _engine("auto", args.chunk)
             eng.runner.model.ops = _store_quantizing(eng.runner.model.ops, which, "int8")
+            engines[name] = eng
+    if args.hadamard:
+        for which, name in (("k", "fp8_hadamard_k_only_simulated"), ("kv", "fp8_hadamard_kv_simulated")):
+            eng = _engine("auto", args.chunk)
+            eng.runner.model.ops = _store_quantizing(eng.runner.model.ops, which, "fp8-hadamard")
             engines[name] = eng
     gate = kv_cache_gate(engines, hf[torch.float32], hf[torch.bfloat16], sequences, reference="fp32_cache")
     result = {
