@@ -446,8 +446,9 @@ def add_rms_norm_linear(
     """``(linear(rms_norm(r), weight), r)`` with ``r = x + residual``: a decoder layer's residual add and
     RMSNorm feeding its next projection. One row (batch-1 decode): one GEMV whose every program forms ``r`` and
     its ``rstd`` from the row (a few KB, from L2) and normalises its x chunks as it loads them; one program
-    writes ``r``. The norm's launch and its (1, H) output are gone. Other shapes: ``rms_norm.add_rms_norm``,
-    then ``linear.linear``."""
+    writes ``r``. The norm's launch and its (1, H) output are gone. With ``residual`` None (a model's first layer)
+    ``r`` is x itself and nothing is stored. Other shapes: ``rms_norm.add_rms_norm`` (or ``rms_norm``), then
+    ``linear.linear``."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     res_ok = residual is None or (residual.dtype == x.dtype and residual.is_contiguous())
     same = res_ok and norm_weight.dtype == x.dtype and weight.dtype == x.dtype
