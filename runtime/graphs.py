@@ -348,11 +348,11 @@ class GraphRunner:
         # else the rows are the last window's, in its order: its last step left their tokens in inputs[0]
         graph, logits = self.graphs[("decode", bs)], self.logits[("decode", bs)]
         tokens = self.step_tokens.view(-1)[: steps * bs].view(steps, bs)
-        for step in range(steps):  # four launches a step: the plan's row, the graph, the argmax's two passes …
-            self.inputs[1:4, :bs].copy_(dev_plan[step])
+        for step in range(steps):  # a step: the plan's row, the graph, the argmax (two passes) into the step's
+            self.inputs[1:4, :bs].copy_(dev_plan[step])  # token row, and that row fed to the next step
             graph.replay()
             argmax(logits, out=tokens[step])
-            self.inputs[0, :bs].copy_(tokens[step])  # … and the token fed to the next step
+            self.inputs[0, :bs].copy_(tokens[step])
         w.n, w.bs, w.steps, w.allowed, w.pending = n, bs, steps, list(allowed), True
         w.grid().copy_(tokens, non_blocking=True)
         if w.done is not None:
