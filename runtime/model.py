@@ -126,13 +126,16 @@ class CausalLM(nn.Module):
         return self.ops.linear(x, lin.weight)
 
     def _add_norm_linear(
-        self, hidden: torch.Tensor, residual: torch.Tensor, norm: Norm, lin: Linear
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: Norm, lin: Linear
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(lin(norm(hidden + residual)), hidden + residual)``; one row (batch-1 decode): the norm inside the
-        projection's GEMV, where that op is enabled."""
+        """``(lin(norm(hidden + residual)), hidden + residual)``, or with no residual (a model's first layer)
+        ``(lin(norm(hidden)), hidden)``; one row (batch-1 decode): the norm inside the projection's GEMV, where that
+        op is enabled."""
         eps = self.cfg.rms_norm_eps
         if self._norm_in_gemv(hidden, lin):
             return self.ops.add_rms_norm_linear(hidden, residual, norm.weight, eps, lin.weight)
+        if residual is None:
+            return self._linear(self.ops.rms_norm(hidden, norm.weight, eps), lin), hidden
         x, residual = self.ops.add_rms_norm(hidden, residual, norm.weight, eps)
         return self._linear(x, lin), residual
 
@@ -162,17 +165,7 @@ class CausalLM(nn.Module):
         unflattened, views of the one fused projection row."""
         cfg = self.cfg
         layer = self.decoder_layers[index]
-        if residual is None and self._norm_in_gemv(hidden, layer.self_attn.qkv_proj):
-            # a model's first layer at one row: the norm inside the QKV GEMV, as every later layer has it
-            qkv, residual = self.ops.add_rms_norm_linear(
-                hidden, None, layer.input_layernorm.weight, cfg.rms_norm_eps, layer.self_attn.qkv_proj.weight
-            )
-        elif residual is None:
-            residual = hidden
-            normed = self.ops.rms_norm(hidden, layer.input_layernorm.weight, cfg.rms_norm_eps)
-            qkv = self._linear(normed, layer.self_attn.qkv_proj)
-        else:
-            qkv, residual = self._add_norm_linear(hidden, residual, layer.input_layernorm, layer.self_attn.qkv_proj)
+        qkv, residual = self._add_norm_linear(hidden, residual, layer.input_layernorm, layer.self_attn.qkv_proj)
         if qkv.shape[0] == 1 and self._prefetching and "l2_prefetch" in self.ops.enabled:
             self._prefetch(qkv, self._weights_after_qkv(index))
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)

@@ -92,8 +92,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = 
 def argmax(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Greedy token per row: ``logits: (B, V)`` → ``(B,)`` int64; ties resolve to the lowest index. ``out``: a
     ``(B,)`` int64 buffer to write them to (a decode window's row of tokens)."""
-    if out is None:
-        return torch.argmax(logits, dim=-1)
     return torch.argmax(logits, dim=-1, out=out)
 
 

@@ -4,7 +4,6 @@ Qwen3's path, where it never runs."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 
@@ -259,23 +258,23 @@ def test_logits_of_the_rows_that_sample_are_the_full_forwards(fused_final_norm, 
     model.logits = logits
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
-    def generate(rid: str, record: bool = False) -> list[int]:
+    def generate(rid: str) -> tuple[list[int], list[dict]]:
+        """One request's tokens, and the launches of its decode steps (the prompt's step left out)."""
         eng.add_request(rid, list(range(5, 25)), params)
         out = [t for o in eng.step() for t in o.new_token_ids]  # the prompt
-        with record_launches() if record else contextlib.nullcontext([]) as launches:
+        with record_launches() as launches:
             while eng.has_unfinished_requests():
                 out += [t for o in eng.step() for t in o.new_token_ids]
-        generate.launches = launches  # type: ignore[attr-defined]
-        return out
+        return out, launches
 
-    checked_tokens = generate("s")
+    checked_tokens, _ = generate("s")
     assert checked == [20, 1, 1, 1, 1, 1]
     del model.logits
-    tokens = generate("t", record=True)
-    norm_gemvs = sum(1 for x in generate.launches if x["kernel"] == "_gemv_kernel" and x["constexprs"].get("NORM"))  # type: ignore[attr-defined]
-    norms = sum(1 for x in generate.launches if x["kernel"] == "_rms_norm_kernel")  # type: ignore[attr-defined]
+    tokens, launches = generate("t")
+    norm_gemvs = sum(1 for x in launches if x["kernel"] == "_gemv_kernel" and x["constexprs"].get("NORM"))
+    norms = sum(1 for x in launches if x["kernel"] == "_rms_norm_kernel")
     # 5 decode steps: 4 norm GEMVs each, and the final norm: its kernel, or with the knob the LM head's GEMV
     assert (norm_gemvs, norms) == ((25, 0) if fused_final_norm else (20, 5))
     monkeypatch.setattr(model_mod, "FUSED_FINAL_NORM", not fused_final_norm)
-    other = generate("u")
+    other, _ = generate("u")
     assert checked_tokens == tokens == other and len(tokens) == 6
