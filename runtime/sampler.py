@@ -141,10 +141,11 @@ class Sampler:
             ranks = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
             drop = ranks >= torch.tensor(top_k, device=probs.device).unsqueeze(1)
             cumulative = sorted_probs.cumsum(dim=-1) / sorted_probs.sum(dim=-1, keepdim=True)
-            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            drop |= (cumulative - sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)) >= torch.tensor(
-                top_p, device=probs.device
-            ).unsqueeze(1)
+            # Keep the smallest prefix whose mass reaches top_p; the first token always stays (top_p 0 keeps it alone).
+            drop |= (
+                (cumulative - sorted_probs / sorted_probs.sum(dim=-1, keepdim=True))
+                >= torch.tensor(top_p, device=probs.device).unsqueeze(1)
+            ) & (ranks > 0)
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
         return probs

@@ -72,8 +72,8 @@ class SamplingParams:
         if self.temperature < 0:
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
         number("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.top_p <= 1.0:  # 0: the most probable token only (the API's documented range is [0, 1])
+            raise bad("top_p", f"must be in [0, 1], got {self.top_p}")
         number("top_k", self.top_k, int)
         if self.top_k < -1:
             raise bad("top_k", f"must be -1 (off), 0 (off) or positive, got {self.top_k}")

@@ -28,6 +28,9 @@ from kernellab.services.gateway.options import ServingOptions, default_options
 from kernellab.services.gateway.output_parsers import ParserConfig
 
 _TEXT_PART_TYPES = ("text", "input_text")
+# /v1/completions without max_tokens (or with null) generates 16 tokens, the API's documented default; chat
+# requests without one generate to the end of the context (or the model's generation_config limit).
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 class _Common(BaseModel):
@@ -99,6 +102,15 @@ class Prepared:
         return len(self.choices)
 
 
+# Fields of several accepted shapes: pydantic reports the first shape's complaint ("prompt.str: Input should be a
+# valid string"), which names a branch of the union rather than what the field takes.
+_UNION_FIELDS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "tool_choice": "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+}
+
+
 def validation_error(exc: ValidationError) -> InvalidRequestError:
     err = exc.errors()[0]
     loc = [str(p) for p in err.get("loc", ())]
@@ -106,6 +118,9 @@ def validation_error(exc: ValidationError) -> InvalidRequestError:
     where = ".".join(loc) or "body"
     if err.get("type") == "missing":
         return InvalidRequestError(f"missing required field '{where}'", param=param)
+    if param in _UNION_FIELDS:
+        got = "null" if err.get("input", ...) is None else type(err.get("input")).__name__
+        return InvalidRequestError(f"'{param}' must be {_UNION_FIELDS[param]} (got {got})", param=param)
     return InvalidRequestError(f"invalid value for '{where}': {err.get('msg')}", param=param)
 
 
@@ -231,9 +246,9 @@ def _check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, 
 _UNSUPPORTED: dict[str, dict[str, tuple]] = {
     "chat": {
         "functions": ([], None),
-        "function_call": ("none", None),
+        "function_call": ("none", "auto", None),  # with no functions to call, "auto" calls none
         "audio": (None,),
-        "modalities": (["text"], None),
+        "modalities": (["text"], [], None),
         "prediction": (None,),
         "web_search_options": (None,),
     },
@@ -328,6 +343,7 @@ def prepare(
     parser = None
     if isinstance(body, ChatBody):  # kind == "chat"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        default_max_tokens = opts.default_max_tokens
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -338,6 +354,7 @@ def prepare(
     else:
         structured = structured_spec(body.response_format)
         max_tokens = body.max_tokens
+        default_max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
         logprobs = body.logprobs
         # the body model made it one str, or a list of all str, all int or all list[int]
         prompt: list = [body.prompt] if isinstance(body.prompt, str) else body.prompt
@@ -363,8 +380,8 @@ def prepare(
     base = _params(body, max_tokens, logprobs, opts, tokenizer.vocab_size, structured)
     for ids in prompts:
         _check_context(len(ids), base.max_tokens, max_model_len, param)
-    if base.max_tokens is None and opts.default_max_tokens is not None:
-        base = replace(base, max_tokens=max(1, min(opts.default_max_tokens, max_model_len - max(map(len, prompts)))))
+    if base.max_tokens is None and default_max_tokens is not None:
+        base = replace(base, max_tokens=max(1, min(default_max_tokens, max_model_len - max(map(len, prompts)))))
     choices = []
     for p in range(len(prompts)):
         for i in range(n):

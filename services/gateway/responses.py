@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+from importlib import metadata
 from typing import Any
 
 from kernellab.services.gateway.requests import Prepared
@@ -15,6 +18,17 @@ def sse(obj) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+@functools.cache
+def system_fingerprint(model: str) -> str:
+    """The ``system_fingerprint`` of every response: the serving software's release and the model, hashed (the API
+    documents it as a string that changes when the backend configuration does; null is not in its schema)."""
+    try:
+        version = metadata.version("kernellab")
+    except metadata.PackageNotFoundError:
+        version = "dev"
+    return "fp_" + hashlib.sha256(f"kernellab {version} {model}".encode()).hexdigest()[:10]
 
 
 class TokenText:
@@ -83,7 +97,7 @@ def chat_chunk(
         "object": "chat.completion.chunk",
         "created": created,
         "model": p.model,
-        "system_fingerprint": None,
+        "system_fingerprint": system_fingerprint(p.model),
         "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
     if with_usage_field:
@@ -99,7 +113,7 @@ def completion_chunk(
         "object": "text_completion",
         "created": created,
         "model": p.model,
-        "system_fingerprint": None,
+        "system_fingerprint": system_fingerprint(p.model),
         "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
     if with_usage_field:
@@ -114,7 +128,7 @@ def usage_chunk(p: Prepared, created: int, u: dict) -> dict:
         "object": obj,
         "created": created,
         "model": p.model,
-        "system_fingerprint": None,
+        "system_fingerprint": system_fingerprint(p.model),
         "choices": [],
         "usage": u,
     }
@@ -127,7 +141,7 @@ def final_response(p: Prepared, created: int, choices: list[dict], u: dict) -> d
         "object": obj,
         "created": created,
         "model": p.model,
-        "system_fingerprint": None,
+        "system_fingerprint": system_fingerprint(p.model),
         "choices": choices,
         "usage": u,
     }

@@ -48,6 +48,7 @@ def test_chat_greedy_equals_offline_stream_and_not(client, reference):
         resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=N, temperature=0)
         assert resp.choices[0].message.content == expected
         assert resp.choices[0].finish_reason in ("length", "stop")
+        assert resp.system_fingerprint.startswith("fp_")  # a string: null is outside the API's schema
         assert resp.usage.completion_tokens <= N and resp.usage.prompt_tokens > 0
         stream = client.chat.completions.create(
             model=MODEL,
@@ -61,6 +62,7 @@ def test_chat_greedy_equals_offline_stream_and_not(client, reference):
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == expected
         assert chunks[0].choices[0].delta.role == "assistant"
+        assert {c.system_fingerprint for c in chunks} == {resp.system_fingerprint}
         assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == resp.usage.total_tokens
 
 

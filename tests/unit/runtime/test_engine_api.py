@@ -115,7 +115,7 @@ def test_reset_prefix_cache_makes_the_same_prompt_compute_again(engine):
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": -3}, "max_tokens"),
         ({"temperature": -0.1}, "temperature"),
-        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": -0.1}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -2}, "top_k"),
         ({"seed": -1}, "seed"),
@@ -247,3 +247,15 @@ def test_stop_string_on_the_last_allowed_token_reports_stop(smol_engine_fp32):
     out = llm.generate([prompt], SP(temperature=0.0, max_tokens=n, stop=[last_piece]))[0]
     assert out.finish_reason == "stop"
     assert last_piece not in out.text
+
+
+def test_nucleus_filter_keeps_the_smallest_prefix_and_top_p_zero_keeps_the_top_token():
+    import torch
+
+    from kernellab.runtime.request.sequence import Sequence
+    from kernellab.runtime.sampler import Sampler
+
+    probs = torch.tensor([[0.05, 0.5, 0.3, 0.15]] * 3)
+    seqs = [Sequence(str(i), [1, 2], SamplingParams(top_p=p), 4) for i, p in enumerate((0.0, 0.7, 0.85))]
+    kept = (Sampler._filter(probs, seqs) > 0).tolist()
+    assert kept == [[False, True, False, False], [False, True, True, False], [False, True, True, True]]

@@ -105,7 +105,7 @@ def test_completion_prompts(tokenizer):
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": "hot"}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
-        ({"top_p": 0}, "top_p"),
+        ({"top_p": -0.1}, "top_p"),
         ({"top_k": -2}, "top_k"),
         ({"min_p": 2}, "min_p"),
         ({"presence_penalty": 3}, "presence_penalty"),
@@ -199,5 +199,29 @@ def test_neutral_values_of_unsupported_parameters_are_accepted(tokenizer):
         logit_bias={},
         modalities=["text"],
     )
+    chat(tokenizer, function_call="auto", modalities=[])  # nothing to call, no modality asked for
     completion(tokenizer, suffix=None, best_of=2, n=2)
     completion(tokenizer, best_of=1)
+
+
+def test_completion_without_max_tokens_generates_the_apis_default_16(tokenizer):
+    assert completion(tokenizer).choices[0].params.max_tokens == 16
+    assert completion(tokenizer, max_tokens=None).choices[0].params.max_tokens == 16
+    long = "word " * 118  # leaves fewer than 16 tokens of the 128-token context
+    room = 128 - len(completion(tokenizer, prompt=long, max_tokens=1).prompts[0])
+    assert 1 <= room < 16 and completion(tokenizer, prompt=long).choices[0].params.max_tokens == room
+    assert chat(tokenizer).choices[0].params.max_tokens is None  # chat: the rest of the context
+
+
+@pytest.mark.parametrize(
+    "body, param, shape",
+    [
+        ({"prompt": None}, "prompt", "a list of token-id lists (got null)"),
+        ({"prompt": [{}]}, "prompt", "a list of token-id lists"),
+        ({"stop": [{}]}, "stop", "a string or a list of strings"),
+    ],
+)
+def test_fields_of_several_shapes_say_which_shapes_they_take(tokenizer, body, param, shape):
+    with pytest.raises(InvalidRequestError) as info:
+        completion(tokenizer, **body)
+    assert info.value.param == param and shape in info.value.message and "str:" not in info.value.message
