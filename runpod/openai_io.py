@@ -66,6 +66,10 @@ def _parse_openai(job_input: dict, tokenizer, served_model: str, max_model_len: 
         raise InvalidRequestError("one prompt per job; send several prompts as several jobs", param="prompt")
     if prepared.echo_text:
         raise InvalidRequestError("echo is served by the gateway, not by the RunPod handler", param="echo")
+    if prepared.discard_output:
+        raise InvalidRequestError(
+            "max_tokens 0 is served by the gateway, not by the RunPod handler", param="max_tokens"
+        )
     params = prepared.choices[0].params
     return ParsedRequest(kind, prepared.prompts[0], params, prepared.stream, prepared)
 

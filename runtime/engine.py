@@ -408,6 +408,9 @@ class LLMEngine:
         if seq.is_finished:
             self._detokenizers.pop(seq.request_id, None)
             seq.grammar = None
+        prompt_logprobs = None
+        if tokens and seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
         return RequestOutput(
             seq.request_id,
             tokens,
@@ -418,6 +421,7 @@ class LLMEngine:
             seq.num_prompt_tokens,
             seq.num_output_tokens,
             seq.num_cached_tokens,
+            prompt_logprobs,
         )
 
     @property
@@ -468,6 +472,7 @@ class GenerationOutput:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None  # SamplingParams.prompt_logprobs: prompt tokens 1.. on
 
 
 class LLM:
@@ -517,6 +522,8 @@ class LLM:
                         continue
                     r.token_ids.extend(o.new_token_ids)
                     r.logprobs.extend(o.new_logprobs or [])
+                    if o.prompt_logprobs is not None:
+                        r.prompt_logprobs = o.prompt_logprobs
                     if o.finished:
                         r.finish_reason = o.finish_reason
                         r.num_cached_tokens = o.num_cached_tokens

@@ -394,7 +394,10 @@ class ModelRunner:
         if out.window > 1:
             return self.window_tokens(self.launch_window(out)), {}
         graphs = self.graphs if self.use_graphs else None
-        logits_and_seqs = self._execute_graph(out, graphs) if graphs is not None else None
+        if any(seq.wants_prompt_logprobs for seq, _ in out.scheduled):
+            logits_and_seqs = self._execute_prompt_logprobs(out)  # needs every row's logits: eager
+        else:
+            logits_and_seqs = self._execute_graph(out, graphs) if graphs is not None else None
         if logits_and_seqs is None and self.use_piecewise and self.piecewise is not None:
             logits_and_seqs = self._execute_piecewise(out, self.piecewise)
         if logits_and_seqs is None:
@@ -450,6 +453,42 @@ class ModelRunner:
             logits = graphs.fresh(plan.rows, plan.cu, plan.logits_rows)
             return (logits, plan.sampling) if plan.sampling else (None, [])
         return None
+
+    def _execute_prompt_logprobs(self, out: SchedulerOutput):
+        """An eager step in which some prompt chunk wants its prompt logprobs (completions' echo with logprobs):
+        the final hidden state of every row, the sampling rows' logits as any step gives them, and each such
+        chunk's positions scored against the prompt token that follows them (``Sequence.prompt_logprobs``)."""
+        input_ids, meta, order, sampling = self.prepare(out)
+        hidden = self.model(input_ids, meta, self.kv_caches)
+        row = 0
+        for i in order:
+            seq, n = out.scheduled[i]
+            if seq.wants_prompt_logprobs:
+                self._score_prompt(seq, hidden[row : row + n])
+            row += n
+        return (self.model.compute_logits(hidden[meta.logits_indices]), sampling) if sampling else (None, [])
+
+    PROMPT_LOGPROB_ROWS = 512  # rows per LM-head pass: 512 × a 152k vocabulary of fp32 logits is 311 MB
+
+    def _score_prompt(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """Append to ``seq.prompt_logprobs`` the entries this chunk's rows give: the row at position p scores
+        prompt token p + 1 (raw log-softmax of the model's logits, as generated tokens' logprobs are), with the top
+        ``params.prompt_logprobs`` at that position."""
+        assert seq.prompt_logprobs is not None
+        start, k = seq.num_computed_tokens, seq.params.prompt_logprobs or 0
+        lo = max(start, len(seq.prompt_logprobs))  # positions before lo were scored by an earlier chunk
+        hi = min(start + hidden.shape[0], seq.num_prompt_tokens - 1)
+        for a in range(lo, hi, self.PROMPT_LOGPROB_ROWS):
+            b = min(a + self.PROMPT_LOGPROB_ROWS, hi)
+            logp = torch.log_softmax(self.model.compute_logits(hidden[a - start : b - start]).float(), dim=-1)
+            targets = seq.token_ids[a + 1 : b + 1]
+            chosen = logp.gather(1, torch.tensor(targets, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
+            tops: list[list[tuple[int, float]]] = [[] for _ in targets]
+            if k:
+                best = logp.topk(k, dim=-1)
+                pairs = zip(best.indices.tolist(), best.values.tolist(), strict=True)
+                tops = [list(zip(i, v, strict=True)) for i, v in pairs]
+            seq.prompt_logprobs.extend(TokenLogprob(t, c, top) for t, c, top in zip(targets, chosen, tops, strict=True))
 
     def _execute_piecewise(self, out: SchedulerOutput, pw: PiecewiseGraphs):
         """A step within the largest token bucket through the piecewise graphs (any mix of rows)."""

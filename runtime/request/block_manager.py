@@ -78,9 +78,10 @@ class BlockManager:
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """Cached blocks holding a prefix of a fresh sequence's tokens (no side effects but the sequence's hash
-        chain). Only blocks strictly before the last token: that token must be computed to produce logits."""
+        chain). Only blocks strictly before the last token: that token must be computed to produce logits. None
+        for a sequence that wants its prompt logprobs: every prompt position's logits are computed."""
         hits: list[int] = []
-        if not self.enable_prefix_caching or seq.block_table:
+        if not self.enable_prefix_caching or seq.block_table or seq.wants_prompt_logprobs:
             return hits
         n = (seq.num_tokens - 1) // self.block_size
         chain = self.hash_chain(seq, n)

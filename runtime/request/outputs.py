@@ -36,6 +36,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    # with the first output token of a request that asked for them: the logprob of every prompt token after the
+    # first (and the top k at its position)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

@@ -28,6 +28,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; n ≥ 0: the chosen token's plus the top n
+    # None: off; k ≥ 0: every prompt token's logprob (from the first token's on, given the tokens before it) plus
+    # the top k at its position (completions' echo with logprobs); such a prompt is computed whole, never taken
+    # from the prefix cache
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     # token id → bias added to its logit before sampling (OpenAI's logit_bias; -100 bans, 100 forces)
     logit_bias: dict[int, float] | None = None
@@ -121,6 +125,10 @@ class SamplingParams:
             number("logprobs", self.logprobs, int)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise bad("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            number("prompt_logprobs", self.prompt_logprobs, int)
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
 
     def to_dict(self) -> dict:
         # Flat fields (lists of str/int at most): a shallow copy per list, not asdict's recursive deep copy,

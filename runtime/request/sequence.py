@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from kernellab.runtime.request.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from kernellab.runtime.request.outputs import TokenLogprob
     from kernellab.runtime.request.structured import GrammarState  # llguidance: imported once a grammar is used
 
 
@@ -59,9 +60,21 @@ class Sequence:
         # The request's structured.GrammarState, or None. It lives with the sequence (preemption keeps it: the
         # tokens it consumed are kept); the engine drops it when the sequence ends.
         self.grammar: GrammarState | None = None
+        # Prompt logprobs (params.prompt_logprobs): one entry per prompt token after the first, filled by the runner
+        # chunk by chunk; the engine hands them out once, with the first output token. None: not asked for, or
+        # already delivered before this sequence was made (a resumed request that has emitted tokens).
+        self.prompt_logprobs: list[TokenLogprob] | None = (
+            [] if params.prompt_logprobs is not None and not output_token_ids else None
+        )
+        self.prompt_logprobs_sent = False
 
     def __repr__(self) -> str:
         return f"Sequence({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet (a prefix-cache hit would skip some)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def num_tokens(self) -> int:

@@ -32,7 +32,7 @@ from kernellab.services.gateway.errors import (
     Unauthorized,
     error_headers,
 )
-from kernellab.services.gateway.generation import NOT_READY, ClientGone, chat_delta, collect, usage_of
+from kernellab.services.gateway.generation import NOT_READY, ClientGone, chat_delta, collect, echo_logprobs, usage_of
 from kernellab.services.gateway.metrics import GatewayMetrics, HTTPMetricsMiddleware
 from kernellab.services.gateway.middleware import (
     GatewayApp,
@@ -312,8 +312,10 @@ def create_app(settings: GatewaySettings, tokenizer=None, *, freeze_heap: bool =
         first = u.index not in sent
         sent.add(u.index)
         text = u.text
+        echoed = ""
         if first and p.echo_text:
-            text = p.echo_text[u.index // (p.n_choices // len(p.prompts))] + text
+            echoed = p.echo_text[u.index // (p.n_choices // len(p.prompts))]
+            text = echoed + text
         if p.kind == "chat":
             delta, reason = chat_delta(rs.choices[u.index], u)
             if first:
@@ -323,8 +325,9 @@ def create_app(settings: GatewaySettings, tokenizer=None, *, freeze_heap: bool =
             lp = R.chat_logprobs(u.logprobs, g_text()) if u.logprobs is not None else None
             return R.chat_chunk(p, created, u.index, delta, lp, reason, with_usage_field=p.include_usage)
         lp = None
-        if u.logprobs is not None:
-            lp = R.completion_logprobs(u.logprobs, g_text(), offsets.get(u.index, 0))
+        prompt = echo_logprobs(p, u.index, rs) if u.prompt_logprobs is not None else None
+        if u.logprobs is not None or prompt is not None:
+            lp = R.completion_logprobs(u.logprobs or [], g_text(), offsets.get(u.index, 0) + len(echoed), prompt)
         offsets[u.index] = offsets.get(u.index, 0) + len(text)
         return R.completion_chunk(p, created, u.index, text, lp, u.finish_reason, with_usage_field=p.include_usage)
 

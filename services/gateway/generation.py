@@ -50,6 +50,7 @@ class Update:
     logprobs: list | None  # wire-format entries for the new tokens
     finish_reason: str | None
     token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list | None = None  # with the choice's first token: its prompt's entries (echo with logprobs)
 
 
 @dataclass
@@ -61,6 +62,7 @@ class ChoiceState:
     cached_tokens: int = 0
     logprobs: list = field(default_factory=list)
     parser: ChatOutputParser | None = None  # chat: reasoning / content / tool calls
+    prompt_logprobs: list | None = None
 
 
 def chat_delta(st: ChoiceState, u: Update) -> tuple[dict, str | None]:
@@ -72,6 +74,14 @@ def chat_delta(st: ChoiceState, u: Update) -> tuple[dict, str | None]:
         return with_alias(delta), None
     delta, reason = finish_delta(st.parser, delta, u.finish_reason)
     return with_alias(delta), reason
+
+
+def echo_logprobs(p: Prepared, index: int, rs: ResultStream) -> tuple[list[int], list] | None:
+    """(prompt token ids, their entries) of a completion choice that echoes its scored prompt, else None."""
+    scored = rs.choices[index].prompt_logprobs
+    if not p.echo_text or scored is None:
+        return None
+    return p.prompts[p.choices[index].prompt_index], scored
 
 
 def usage_of(p: Prepared, rs: ResultStream) -> dict:
@@ -122,6 +132,8 @@ class ResultStream:
 
     @property
     def completion_tokens(self) -> int:
+        if self.p.discard_output:
+            return 0  # max_tokens 0: the engine's one token is not part of the answer
         return sum(c.next_index for c in self.choices.values())
 
     @property
@@ -177,6 +189,11 @@ class ResultStream:
         if tokens and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
             self.g.first_token(self)
+        prompt_logprobs = None
+        if msg.prompt_logprobs is not None and st.prompt_logprobs is None:  # once (a reclaiming worker resends)
+            st.prompt_logprobs = prompt_logprobs = msg.prompt_logprobs
+        if self.p.discard_output:  # max_tokens 0: the prompt (echoed, scored) and nothing generated
+            tokens, logprobs = [], None
         text = st.detok.push(tokens) if tokens else ""
         reason = None
         if st.detok.stopped:
@@ -185,7 +202,7 @@ class ResultStream:
                 self.g.cancel(self.p.request_id, index, "stop_string")
         elif msg.finished:
             text += st.detok.flush()
-            reason = msg.finish_reason
+            reason = "length" if self.p.discard_output else msg.finish_reason
         if msg.finished:
             st.cached_tokens = msg.cached_tokens
         if reason is not None:
@@ -193,11 +210,17 @@ class ResultStream:
                 raise DeadlineExceeded()
             st.finished, st.finish_reason = True, reason
             self.remaining -= 1
-        if not text and not logprobs and reason is None and not (tokens and st.parser is not None):
+        if (
+            not text
+            and not logprobs
+            and prompt_logprobs is None
+            and reason is None
+            and not (tokens and st.parser is not None)
+        ):
             return None
         if logprobs and self.p.logprobs is not None:
             st.logprobs.extend(logprobs)
-        return Update(index, text, logprobs if self.p.logprobs is not None else None, reason, tokens)
+        return Update(index, text, logprobs if self.p.logprobs is not None else None, reason, tokens, prompt_logprobs)
 
     def close(self) -> None:
         """Idempotent: drop the subscription; cancel what has not finished (client gone, error)."""
@@ -249,6 +272,9 @@ async def collect(p: Prepared, rs: ResultStream, first: Update | None, token_tex
             message = parser.result() if parser is not None else None
             choices.append(R.chat_choice(c.index, text, lp, reasons.get(c.index), message))
         else:
-            lp = R.completion_logprobs(entries, token_text, 0) if p.logprobs is not None else None
+            lp = None
+            if p.logprobs is not None:
+                echoed = len(p.echo_text[c.index // per_prompt]) if p.echo_text else 0
+                lp = R.completion_logprobs(entries, token_text, echoed, echo_logprobs(p, c.index, rs))
             choices.append(R.completion_choice(c.index, text, lp, reasons.get(c.index)))
     return R.final_response(p, int(time.time()), choices, usage_of(p, rs))

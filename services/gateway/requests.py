@@ -96,6 +96,9 @@ class Prepared:
     priority: str = "interactive"
     echo_text: list[str] = field(default_factory=list)  # completions with echo: the prompt text per prompt
     parser: ParserConfig | None = None  # chat: how the output splits into reasoning / content / tool calls
+    # completions with max_tokens 0 (the API's minimum: the prompt echoed and scored, nothing generated): the engine
+    # still makes one token per choice, which the answer leaves out
+    discard_output: bool = False
 
     @property
     def n_choices(self) -> int:
@@ -341,6 +344,7 @@ def prepare(
         raise InvalidRequestError(f"seed must be in [0, {MAX_SEED - max_n}]", param="seed")
     echo: list[str] = []
     parser = None
+    discard = False
     if isinstance(body, ChatBody):  # kind == "chat"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         default_max_tokens = opts.default_max_tokens
@@ -356,6 +360,8 @@ def prepare(
         max_tokens = body.max_tokens
         default_max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
         logprobs = body.logprobs
+        if max_tokens == 0:
+            max_tokens, discard = 1, True
         # the body model made it one str, or a list of all str, all int or all list[int]
         prompt: list = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if not prompt:
@@ -378,6 +384,8 @@ def prepare(
 
         check(structured, tokenizer)  # a schema or grammar the engine cannot use is the client's 400, here
     base = _params(body, max_tokens, logprobs, opts, tokenizer.vocab_size, structured)
+    if isinstance(body, CompletionBody) and body.echo and logprobs is not None:
+        base = replace(base, prompt_logprobs=logprobs)  # the echoed prompt's tokens are scored too, as the API does
     for ids in prompts:
         _check_context(len(ids), base.max_tokens, max_model_len, param)
     if base.max_tokens is None and default_max_tokens is not None:
@@ -403,4 +411,5 @@ def prepare(
         priority,
         echo,
         parser,
+        discard,
     )

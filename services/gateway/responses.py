@@ -63,8 +63,33 @@ def chat_logprobs(entries: list, text: TokenText) -> dict:
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(entries: list, text: TokenText, offset: int) -> dict:
-    tokens, token_logprobs, tops, offsets = [], [], [], []
+def completion_logprobs(
+    entries: list, text: TokenText, offset: int, prompt: tuple[list[int], list] | None = None
+) -> dict:
+    """``entries``: the generated tokens' (the wire format), the first of them at ``offset`` characters into the
+    choice's text. ``prompt``: (the prompt's token ids, their wire entries from the second token on), for echo
+    with logprobs: the prompt's tokens come first, at offsets from 0, the first one with a null logprob and top
+    logprobs (nothing comes before it to condition on), as the API answers and as scoring clients (e.g.
+    lm-evaluation-harness, which slices ``token_logprobs[context_len:]``) expect."""
+    tokens: list = []
+    token_logprobs: list = []
+    tops: list = []
+    offsets: list = []
+    if prompt is not None:
+        ids, scored = prompt
+        at = 0
+        for i, token_id in enumerate(ids[: len(scored) + 1]):
+            s = text(token_id)
+            tokens.append(s)
+            offsets.append(at)
+            at += len(s)
+            if i == 0:
+                token_logprobs.append(None)
+                tops.append(None)
+            else:
+                _, logprob, top = scored[i - 1]
+                token_logprobs.append(logprob)
+                tops.append({text(t): lp for t, lp in top})
     for token_id, logprob, top in entries:
         s = text(token_id)
         tokens.append(s)

@@ -72,6 +72,9 @@ class OutputChunk:
     completion_tokens: int = 0
     cached_tokens: int = 0
     worker: str = ""
+    # with a choice's first token, when its request asked for them (completions' echo with logprobs): per prompt
+    # token after the first, [token_id, logprob, [[top_id, top_logprob], ...]]
+    prompt_logprobs: list | None = None
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,11 @@ class Active:
     last: float | None = None
 
 
+def _wire_logprobs(entries) -> list:
+    """TokenLogprob entries as the protocol carries them: [token_id, logprob, [[top_id, top_logprob], ...]]."""
+    return [[lp.token_id, float(lp.logprob), [[int(t), float(v)] for t, v in lp.top]] for lp in entries]
+
+
 def load_engine_factory(path: str):
     module, _, attr = path.partition(":")
     return getattr(importlib.import_module(module), attr or "LLMEngine")
@@ -434,7 +439,16 @@ class Worker:
         batch.ack(a.delivery, lambda: self.metrics.finish("abort"))
 
     def _chunk(
-        self, d: Delivery, seq: int, tokens, logprobs, finished: bool, reason, stop_reason=None, cached: int = 0
+        self,
+        d: Delivery,
+        seq: int,
+        tokens,
+        logprobs,
+        finished: bool,
+        reason,
+        stop_reason=None,
+        cached: int = 0,
+        prompt_logprobs: list | None = None,
     ) -> OutputChunk:
         m = d.message
         return OutputChunk(
@@ -450,6 +464,7 @@ class Worker:
             seq + len(tokens),
             cached,
             self.worker_id,
+            prompt_logprobs,
         )
 
     def _emit(self, outputs) -> list[str]:
@@ -466,11 +481,7 @@ class Worker:
             tokens = list(out.new_token_ids)
             if not tokens and not out.finished:
                 continue
-            logprobs = None
-            if out.new_logprobs:
-                logprobs = [
-                    [lp.token_id, float(lp.logprob), [[int(t), float(v)] for t, v in lp.top]] for lp in out.new_logprobs
-                ]
+            logprobs = _wire_logprobs(out.new_logprobs) if out.new_logprobs else None
             batch.add(
                 self._chunk(
                     a.delivery,
@@ -481,6 +492,7 @@ class Worker:
                     out.finish_reason,
                     out.stop_reason,
                     out.num_cached_tokens,
+                    _wire_logprobs(out.prompt_logprobs) if out.prompt_logprobs is not None else None,
                 ),
                 a.delivery,
             )

@@ -79,6 +79,41 @@ def test_completion_greedy_and_logprobs(client, reference):
     )
 
 
+def test_completion_echo_with_logprobs_scores_the_prompt(client, offline_llm):
+    """Echo with logprobs answers every prompt token's logprob (the first null: nothing comes before it), as
+    scoring clients use it (lm-evaluation-harness: max_tokens 0 or 1, then ``token_logprobs[context:]``)."""
+    ids = offline_llm.encode(PROMPT)
+    [ref] = offline_llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))
+    expected = [e.logprob for e in ref.prompt_logprobs]
+    assert len(expected) == len(ids) - 1
+
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2)
+    choice = resp.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length" and resp.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) and "".join(lp.tokens) == PROMPT and lp.text_offset[0] == 0
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+
+    # streamed, with a generated token after the prompt: the first chunk carries the prompt's entries too, and the
+    # generated token's text_offset counts the echoed prompt
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1, temperature=0, stream=True
+        )
+    )
+    entries = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    tokens = [t for e in entries for t in e.tokens]
+    offsets = [o for e in entries for o in e.text_offset]
+    values = [v for e in entries for v in e.token_logprobs]
+    assert len(tokens) == len(ids) + 2 and values[0] is None
+    assert values[1 : len(ids)] == pytest.approx(expected, abs=1e-4)
+    assert offsets[len(ids)] == len(PROMPT) and "".join(c.choices[0].text for c in chunks if c.choices).startswith(
+        PROMPT + ref.text[:1]
+    )
+
+
 def test_chat_logprobs(client):
     resp = client.chat.completions.create(
         model=MODEL, messages=CHATS[0], max_tokens=4, temperature=0, logprobs=True, top_logprobs=3

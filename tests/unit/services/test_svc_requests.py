@@ -225,3 +225,32 @@ def test_fields_of_several_shapes_say_which_shapes_they_take(tokenizer, body, pa
     with pytest.raises(InvalidRequestError) as info:
         completion(tokenizer, **body)
     assert info.value.param == param and shape in info.value.message and "str:" not in info.value.message
+
+
+def test_echo_with_logprobs_scores_the_prompt_and_max_tokens_0_generates_nothing(tokenizer):
+    [c] = completion(tokenizer, echo=True, logprobs=2).choices
+    assert c.params.prompt_logprobs == 2
+    assert completion(tokenizer, logprobs=2).choices[0].params.prompt_logprobs is None  # no echo: not scored
+    assert completion(tokenizer, echo=True).choices[0].params.prompt_logprobs is None  # no logprobs asked for
+    p = completion(tokenizer, max_tokens=0, echo=True, logprobs=0)
+    # the engine makes one token, which the answer leaves out
+    assert p.discard_output and p.choices[0].params.max_tokens == 1 and p.choices[0].params.prompt_logprobs == 0
+    assert not completion(tokenizer, max_tokens=1).discard_output
+    with pytest.raises(InvalidRequestError) as info:
+        chat(tokenizer, max_tokens=0)  # chat has no echo: nothing to answer
+    assert info.value.param == "max_tokens"
+
+
+def test_completion_logprobs_put_the_echoed_prompt_first():
+    from kernellab.services.gateway.responses import completion_logprobs
+
+    def text(token_id):
+        return {1: "Hi", 2: " there", 3: "!", 4: "?"}[token_id]
+
+    lp = completion_logprobs([[3, -0.5, [[3, -0.5]]]], text, len("Hi there"), ([1, 2], [[2, -1.25, [[4, -0.75]]]]))
+    assert lp == {
+        "tokens": ["Hi", " there", "!"],
+        "token_logprobs": [None, -1.25, -0.5],
+        "top_logprobs": [None, {"?": -0.75}, {"!": -0.5}],
+        "text_offset": [0, 2, 8],
+    }
