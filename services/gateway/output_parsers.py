@@ -39,6 +39,9 @@ class ParserConfig:
     reasoning_open: bool = False  # the prompt ends inside an open <think> block
     tools: bool = False  # parse <tool_call> blocks
     think_end_id: int | None = None  # the </think> token's id: counts reasoning tokens exactly
+    # the tools came as the deprecated ``functions``: the first call is answered as ``function_call`` (name and
+    # arguments), the finish reason "function_call"; that API has no place for a second call
+    legacy_functions: bool = False
 
 
 @dataclass
@@ -47,6 +50,7 @@ class ParsedMessage:
     content: str | None
     tool_calls: list[dict] = field(default_factory=list)
     reasoning_tokens: int = 0
+    function_call: dict | None = None  # ParserConfig.legacy_functions: the call, in the deprecated form
 
 
 class ChatOutputParser:
@@ -82,13 +86,14 @@ class ChatOutputParser:
 
     def result(self) -> ParsedMessage:
         """The whole message (after ``finish``)."""
-        content = "".join(self.content)
+        text = "".join(self.content)
         if self.tool_calls:
-            content = content.strip()
+            text = text.strip()
         reasoning = "".join(self.reasoning) if self._opened else None
-        return ParsedMessage(
-            reasoning, content or (None if self.tool_calls else ""), self.tool_calls, self.reasoning_tokens
-        )
+        content = text or (None if self.tool_calls else "")
+        if self.cfg.legacy_functions and self.tool_calls:
+            return ParsedMessage(reasoning, content, [], self.reasoning_tokens, dict(self.tool_calls[0]["function"]))
+        return ParsedMessage(reasoning, content, self.tool_calls, self.reasoning_tokens)
 
     # ------------------------------------------------------------------ internals
     def _count(self, text: str, token_ids, was_reasoning: bool) -> None:
@@ -188,7 +193,10 @@ class ChatOutputParser:
         text = "".join(content)
         if text:
             delta["content"] = text
-        if calls:
+        if calls and self.cfg.legacy_functions:
+            if calls[0]["index"] == 0:  # the one call the deprecated form holds
+                delta["function_call"] = dict(calls[0]["function"])
+        elif calls:
             delta["tool_calls"] = calls
         return delta
 
@@ -208,10 +216,12 @@ def with_alias(delta: dict) -> dict:
 
 def finish_delta(parser: ChatOutputParser, delta: dict, finish_reason: str | None) -> tuple[dict, str | None]:
     """``delta`` completed with what the parser held back, and the finish reason a client sees: "tool_calls"
-    when the model stopped after calling tools."""
+    when the model stopped after calling tools ("function_call" in the deprecated form)."""
     for key, value in parser.finish().items():
         delta[key] = delta[key] + value if key in delta else value
-    return delta, "tool_calls" if parser.tool_calls and finish_reason == "stop" else finish_reason
+    if parser.tool_calls and finish_reason == "stop":
+        finish_reason = "function_call" if parser.cfg.legacy_functions else "tool_calls"
+    return delta, finish_reason
 
 
 def _tool_call(body: str) -> dict | None:

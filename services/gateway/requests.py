@@ -245,11 +245,10 @@ def _check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, 
 
 # OpenAI parameters that would change the answer and that this server does not honour: a request that sets one
 # gets a 400 naming it, never a 200 that silently ignored it. Each maps to the values that ask for nothing (an
-# empty or "off" value is accepted). The legacy functions/function_call have their successor in tools/tool_choice.
+# empty or "off" value is accepted). The deprecated functions/function_call are served as the tools they became
+# (``_from_functions``).
 _UNSUPPORTED: dict[str, dict[str, tuple]] = {
     "chat": {
-        "functions": ([], None),
-        "function_call": ("none", "auto", None),  # with no functions to call, "auto" calls none
         "audio": (None,),
         "modalities": (["text"], [], None),
         "prediction": (None,),
@@ -262,9 +261,8 @@ _UNSUPPORTED: dict[str, dict[str, tuple]] = {
 def _refuse_unsupported(kind: str, data: dict) -> None:
     for name, neutral in _UNSUPPORTED[kind].items():
         if name in data and data[name] not in neutral:
-            hint = "; use tools and tool_choice" if name in ("functions", "function_call") else "; leave it out"
             raise InvalidRequestError(
-                f"'{name}' is not supported by this server{hint}", param=name, code="unsupported_parameter"
+                f"'{name}' is not supported by this server; leave it out", param=name, code="unsupported_parameter"
             )
     if kind == "completion" and data.get("best_of") not in (None, data.get("n", 1) or 1):
         raise InvalidRequestError(
@@ -274,8 +272,71 @@ def _refuse_unsupported(kind: str, data: dict) -> None:
         )
 
 
-def _chat_prompt(body: ChatBody, tokenizer, opts: ServingOptions) -> tuple[list[int], ParserConfig, dict | None]:
-    """(prompt ids, output parser config, structured-output spec)."""
+def _from_functions(data: dict) -> tuple[dict, bool]:
+    """A chat body using OpenAI's deprecated function calling, as the tools it became: ``functions`` → ``tools``,
+    ``function_call`` ("none", "auto" or {"name": ...}) → ``tool_choice``, an assistant turn's ``function_call``
+    → one ``tool_calls`` entry, a ``function`` turn → a ``tool`` turn answering the call before it. Returns the
+    body and whether the answer must speak the old form too (``functions`` given: a ``function_call`` in the
+    message, ``finish_reason`` "function_call", at most one call)."""
+    functions, call, messages = data.get("functions"), data.get("function_call"), data.get("messages")
+    old_turns = isinstance(messages, list) and any(
+        isinstance(m, dict) and (m.get("role") == "function" or m.get("function_call") is not None) for m in messages
+    )
+    if functions is None and call is None and not old_turns:
+        return data, False
+    data = {k: v for k, v in data.items() if k not in ("functions", "function_call")}
+    legacy = bool(functions)
+    if functions is not None:
+        if not isinstance(functions, list) or not all(isinstance(f, dict) for f in functions):
+            raise InvalidRequestError("functions must be a list of function objects", param="functions")
+        if functions and data.get("tools"):
+            raise InvalidRequestError("give tools or the deprecated functions, not both", param="functions")
+        if functions:
+            data["tools"] = [{"type": "function", "function": f} for f in functions]
+    if call is not None:
+        if call in ("none", "auto"):
+            choice = call if legacy else None  # without functions, neither asks for anything
+        elif isinstance(call, dict) and isinstance(call.get("name"), str) and legacy:
+            choice = {"type": "function", "function": {"name": call["name"]}}
+        else:
+            raise InvalidRequestError(
+                "function_call must be 'none', 'auto' or {'name': ...} naming one of the functions",
+                param="function_call",
+            )
+        if choice is not None:
+            if data.get("tool_choice") is not None:
+                raise InvalidRequestError(
+                    "give tool_choice or the deprecated function_call, not both", param="function_call"
+                )
+            data["tool_choice"] = choice
+    if old_turns and isinstance(messages, list):
+        turns, last_id = [], None
+        for i, m in enumerate(messages):
+            if isinstance(m, dict) and m.get("function_call") is not None and m.get("role") == "assistant":
+                fc = m["function_call"]
+                if not isinstance(fc, dict) or not isinstance(fc.get("name"), str):
+                    raise InvalidRequestError(
+                        f"messages[{i}].function_call must be {{'name': str, 'arguments': str}}",
+                        param=f"messages[{i}].function_call",
+                    )
+                last_id = f"call_{i}"
+                args = fc.get("arguments", "{}")
+                m = {k: v for k, v in m.items() if k != "function_call"}
+                m["tool_calls"] = [
+                    {"id": last_id, "type": "function", "function": {"name": fc["name"], "arguments": args}}
+                ]
+            elif isinstance(m, dict) and m.get("role") == "function":
+                m = {**m, "role": "tool", "tool_call_id": last_id or f"call_{i}"}
+            turns.append(m)
+        data["messages"] = turns
+    return data, legacy
+
+
+def _chat_prompt(
+    body: ChatBody, tokenizer, opts: ServingOptions, legacy_functions: bool = False
+) -> tuple[list[int], ParserConfig, dict | None]:
+    """(prompt ids, output parser config, structured-output spec). ``legacy_functions``: the tools came as the
+    deprecated ``functions``, whose answer holds one ``function_call``."""
     if not isinstance(body.messages, list) or not body.messages:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
     structured = structured_spec(body.response_format)
@@ -308,10 +369,15 @@ def _chat_prompt(body: ChatBody, tokenizer, opts: ServingOptions) -> tuple[list[
         tail = text.rstrip()
         think = "" if tail.endswith("</think>") else "open" if tail.endswith("<think>") else "optional"
     parser = ParserConfig(
-        reasoning=opts.reasoning, reasoning_open=think == "open", tools=use_tools, think_end_id=opts.think_end_id
+        reasoning=opts.reasoning,
+        reasoning_open=think == "open",
+        tools=use_tools,
+        think_end_id=opts.think_end_id,
+        legacy_functions=legacy_functions and use_tools,
     )
     if forced:
-        structured = {"lark": tool_call_grammar(tools, forced, body.parallel_tool_calls is not False, think)}
+        parallel = body.parallel_tool_calls is not False and not legacy_functions
+        structured = {"lark": tool_call_grammar(tools, forced, parallel, think)}
     elif structured is not None:
         structured = structured_with_think(structured, think)
     return tokenizer.encode(text, add_special_tokens=False), parser, structured
@@ -330,6 +396,9 @@ def prepare(
     """Validate a decoded JSON body of /v1/chat/completions (``kind="chat"``) or /v1/completions."""
     if not isinstance(data, dict):
         raise InvalidRequestError("the request body must be a JSON object")
+    legacy_functions = False
+    if kind == "chat":
+        data, legacy_functions = _from_functions(data)
     _refuse_unsupported(kind, data)
     try:
         body = (ChatBody if kind == "chat" else CompletionBody).model_validate(data)
@@ -351,7 +420,7 @@ def prepare(
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        ids, parser, structured = _chat_prompt(body, tokenizer, opts)
+        ids, parser, structured = _chat_prompt(body, tokenizer, opts, legacy_functions)
         prompts = [ids]
         prefix = "chatcmpl"
         param = "messages"

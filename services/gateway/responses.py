@@ -182,6 +182,8 @@ def chat_choice(index: int, text: str, logprobs, finish_reason, parsed=None) -> 
             message["reasoning"] = message["reasoning_content"] = parsed.reasoning
         if parsed.tool_calls:
             message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in parsed.tool_calls]
+        if parsed.function_call is not None:
+            message["function_call"] = parsed.function_call
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 

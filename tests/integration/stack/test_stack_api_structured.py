@@ -161,6 +161,47 @@ def test_streamed_tool_calls_and_a_tool_result_round_trip(client):
     assert resp.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def test_deprecated_functions_answer_a_function_call(client):
+    """OpenAI's deprecated function calling (``functions`` / ``function_call``), still sent by older clients: served
+    as tools, answered in the old form, streamed and whole, and its call and result taken back as history."""
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    forced = {"name": "get_weather"}
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        functions=[WEATHER["function"]],
+        function_call=forced,
+        temperature=0,
+        max_tokens=150,
+    )
+    message = resp.choices[0].message
+    assert resp.choices[0].finish_reason == "function_call" and message.tool_calls is None
+    assert message.function_call.name == "get_weather"
+    jsonschema.validate(json.loads(message.function_call.arguments), PARAMS["get_weather"])
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            functions=[WEATHER["function"]],
+            function_call=forced,
+            temperature=0,
+            max_tokens=150,
+            stream=True,
+        )
+    )
+    calls = [c.choices[0].delta.function_call for c in chunks if c.choices and c.choices[0].delta.function_call]
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", message.function_call.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "function_call"
+    messages += [
+        {"role": "assistant", "content": None, "function_call": message.function_call.model_dump()},
+        {"role": "function", "name": "get_weather", "content": '{"temp": 3, "sky": "snow"}'},
+    ]
+    after = client.chat.completions.create(
+        model=MODEL, messages=messages, functions=[WEATHER["function"]], temperature=0, max_tokens=12
+    )
+    assert after.choices[0].finish_reason in ("stop", "length", "function_call")
+
+
 def test_logit_bias_bans_and_forces(stack, client):
     greedy = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=1, logprobs=True)
     first = greedy.choices[0].logprobs.content[0].token

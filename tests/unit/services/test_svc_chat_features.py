@@ -252,3 +252,67 @@ def test_an_assistant_refusal_part_is_its_text(tokenizer):
     assert "I can't help with that." in text
     with pytest.raises(InvalidRequestError):
         chat(tokenizer, messages=[{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}])
+
+
+def test_deprecated_functions_are_served_as_tools(qwen3):
+    fn = WEATHER["function"]
+    p = chat(qwen3, functions=[fn])
+    assert "get_weather" in qwen3.decode(p.prompts[0]) and p.parser.tools and p.parser.legacy_functions
+    assert p.choices[0].params.structured is None  # "auto": nothing forced
+    forced = chat(qwen3, functions=[fn, CLOCK["function"]], function_call={"name": "get_time"})
+    assert "get_time" in forced.choices[0].params.structured["lark"]
+    assert "get_weather" not in forced.choices[0].params.structured["lark"]
+    off = chat(qwen3, functions=[fn], function_call="none")
+    assert not off.parser.tools and "get_weather" not in qwen3.decode(off.prompts[0])
+    # an earlier call and its result in the old form render as the tool call and tool turn they became
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "function_call": {"name": "get_weather", "arguments": '{"city": "P"}'}},
+        {"role": "function", "name": "get_weather", "content": '{"temp": 21}'},
+    ]
+    new = [
+        history[0],
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{**CALL, "id": "call_1", "function": {"name": "get_weather", "arguments": '{"city": "P"}'}}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": '{"temp": 21}'},
+    ]
+    assert chat(qwen3, messages=history, functions=[fn]).prompts == chat(qwen3, messages=new, tools=[WEATHER]).prompts
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"functions": [WEATHER["function"]], "tools": [CLOCK]}, "functions"),
+        ({"functions": "get_weather"}, "functions"),
+        ({"function_call": {"name": "get_weather"}}, "function_call"),  # no functions to call
+        ({"functions": [WEATHER["function"]], "function_call": "always"}, "function_call"),
+        ({"functions": [WEATHER["function"]], "function_call": "auto", "tool_choice": "none"}, "function_call"),
+        ({"functions": [WEATHER["function"]], "function_call": {"name": "nope"}}, "tool_choice"),
+    ],
+)
+def test_bad_deprecated_function_requests_are_400s(tokenizer, body, param):
+    with pytest.raises(InvalidRequestError) as info:
+        chat(tokenizer, **body)
+    assert info.value.param == param, info.value.message
+
+
+def test_the_deprecated_form_answers_one_function_call():
+    from kernellab.services.gateway.output_parsers import ChatOutputParser, ParserConfig, finish_delta
+    from kernellab.services.gateway.responses import chat_choice
+
+    text = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "f"}\n</tool_call>'
+    streamed = ChatOutputParser(ParserConfig(tools=True, legacy_functions=True))
+    deltas = [streamed.feed(text[:30]), streamed.feed(text[30:])]
+    last, reason = finish_delta(streamed, {}, "stop")
+    assert reason == "function_call" and [d for d in [*deltas, last] if d] == [
+        {"function_call": {"name": "get_time", "arguments": "{}"}}
+    ]
+    whole = ChatOutputParser(ParserConfig(tools=True, legacy_functions=True))
+    whole.feed(text)
+    whole.finish()
+    message = chat_choice(0, text, None, "function_call", whole.result())["message"]
+    assert message["function_call"] == {"name": "get_time", "arguments": "{}"} and "tool_calls" not in message
+    assert message["content"] is None

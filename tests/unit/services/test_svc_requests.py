@@ -174,8 +174,6 @@ def test_every_validation_error_is_4xx(tokenizer):
 @pytest.mark.parametrize(
     "kind, body, param",
     [
-        ("chat", {"functions": [{"name": "f"}]}, "functions"),
-        ("chat", {"function_call": {"name": "f"}}, "function_call"),
         ("chat", {"modalities": ["text", "audio"]}, "modalities"),
         ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         ("chat", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
