@@ -218,8 +218,8 @@ class ResultStream:
             and not (tokens and st.parser is not None)
         ):
             return None
-        if logprobs and self.p.logprobs is not None:
-            st.logprobs.extend(logprobs)
+        if logprobs and (self.p.logprobs is not None or self.p.best_of_keep is not None):
+            st.logprobs.extend(logprobs)  # kept to answer them, or to rank best_of's candidates
         return Update(index, text, logprobs if self.p.logprobs is not None else None, reason, tokens, prompt_logprobs)
 
     def close(self) -> None:
@@ -277,4 +277,24 @@ async def collect(p: Prepared, rs: ResultStream, first: Update | None, token_tex
                 echoed = len(p.echo_text[c.index // per_prompt]) if p.echo_text else 0
                 lp = R.completion_logprobs(entries, token_text, echoed, echo_logprobs(p, c.index, rs))
             choices.append(R.completion_choice(c.index, text, lp, reasons.get(c.index)))
+    if p.best_of_keep is not None:
+        choices = best_of(p, choices, rs)
     return R.final_response(p, int(time.time()), choices, usage_of(p, rs))
+
+
+def best_of(p: Prepared, choices: list[dict], rs: ResultStream) -> list[dict]:
+    """best_of's answer: of each prompt's candidates, the ``best_of_keep`` with the highest mean logprob per
+    generated token (the API's "highest log probability per token"), best first, numbered anew. Usage counts
+    every candidate's tokens, as the API bills them."""
+    assert p.best_of_keep is not None
+    per_prompt = p.n_choices // len(p.prompts)
+
+    def score(choice: dict) -> float:
+        entries = rs.choices[choice["index"]].logprobs
+        return sum(e[1] for e in entries) / len(entries) if entries else float("-inf")
+
+    kept = []
+    for first in range(0, len(choices), per_prompt):
+        ranked = sorted(choices[first : first + per_prompt], key=score, reverse=True)[: p.best_of_keep]
+        kept.extend({**c, "index": len(kept) + j} for j, c in enumerate(ranked))
+    return kept

@@ -74,6 +74,7 @@ class CompletionBody(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = None
+    best_of: int | None = None
 
 
 @dataclass
@@ -99,6 +100,9 @@ class Prepared:
     # completions with max_tokens 0 (the API's minimum: the prompt echoed and scored, nothing generated): the engine
     # still makes one token per choice, which the answer leaves out
     discard_output: bool = False
+    # completions with best_of > n: the engine makes best_of candidates per prompt (``choices``) and the answer
+    # keeps the ``best_of_keep`` (= n) with the highest mean token logprob of each prompt
+    best_of_keep: int | None = None
 
     @property
     def n_choices(self) -> int:
@@ -264,12 +268,6 @@ def _refuse_unsupported(kind: str, data: dict) -> None:
             raise InvalidRequestError(
                 f"'{name}' is not supported by this server; leave it out", param=name, code="unsupported_parameter"
             )
-    if kind == "completion" and data.get("best_of") not in (None, data.get("n", 1) or 1):
-        raise InvalidRequestError(
-            "'best_of' is supported only equal to n (no server-side candidates)",
-            param="best_of",
-            code="unsupported_parameter",
-        )
 
 
 def _from_functions(data: dict) -> tuple[dict, bool]:
@@ -459,6 +457,17 @@ def prepare(
         _check_context(len(ids), base.max_tokens, max_model_len, param)
     if base.max_tokens is None and default_max_tokens is not None:
         base = replace(base, max_tokens=max(1, min(default_max_tokens, max_model_len - max(map(len, prompts)))))
+    keep = None
+    if isinstance(body, CompletionBody) and body.best_of is not None and body.best_of != n:
+        if not n < body.best_of <= max_n:
+            raise InvalidRequestError(
+                f"best_of must be between n ({n}) and {max_n}, got {body.best_of}", param="best_of"
+            )
+        if body.stream:
+            raise InvalidRequestError("best_of greater than n cannot be streamed", param="best_of")
+        keep, n = n, body.best_of
+        if base.logprobs is None:
+            base = replace(base, logprobs=0)  # the candidates are ranked by their tokens' logprobs
     choices = []
     for p in range(len(prompts)):
         for i in range(n):
@@ -481,4 +490,5 @@ def prepare(
         echo,
         parser,
         discard,
+        keep,
     )

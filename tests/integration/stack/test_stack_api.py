@@ -114,6 +114,22 @@ def test_completion_echo_with_logprobs_scores_the_prompt(client, offline_llm):
     )
 
 
+def test_best_of_answers_the_candidate_with_the_best_logprob_per_token(client):
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=1.0, seed=5)
+    resp = client.completions.create(best_of=3, n=1, logprobs=1, **kw)
+    [choice] = resp.choices
+    assert choice.index == 0 and resp.usage.completion_tokens >= len(choice.logprobs.tokens)
+    # the three candidates are what n=3 with the same seed makes; the answer is the best of them per token
+    three = client.completions.create(n=3, logprobs=1, **kw).choices
+
+    def mean(c):
+        return sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs)
+
+    best = max(three, key=mean)
+    assert choice.text == best.text and mean(choice) == pytest.approx(mean(best))
+    assert resp.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in three)
+
+
 def test_chat_logprobs(client):
     resp = client.chat.completions.create(
         model=MODEL, messages=CHATS[0], max_tokens=4, temperature=0, logprobs=True, top_logprobs=3

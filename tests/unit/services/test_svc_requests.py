@@ -178,7 +178,6 @@ def test_every_validation_error_is_4xx(tokenizer):
         ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         ("chat", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ("completion", {"suffix": " end"}, "suffix"),
-        ("completion", {"best_of": 3}, "best_of"),
     ],
 )
 def test_parameters_not_honoured_are_refused_by_name(tokenizer, kind, body, param):
@@ -252,3 +251,14 @@ def test_completion_logprobs_put_the_echoed_prompt_first():
         "top_logprobs": [None, {"?": -0.75}, {"!": -0.5}],
         "text_offset": [0, 2, 8],
     }
+
+
+def test_best_of_makes_candidates_ranked_by_their_logprobs(tokenizer):
+    p = completion(tokenizer, best_of=3, n=1, prompt=["a", "b"])
+    assert p.best_of_keep == 1 and p.n_choices == 6 and [c.prompt_index for c in p.choices] == [0, 0, 0, 1, 1, 1]
+    assert p.logprobs is None and all(c.params.logprobs == 0 for c in p.choices)  # ranked, not answered
+    assert completion(tokenizer, best_of=2, n=2).best_of_keep is None  # best_of == n: nothing to rank
+    for body in ({"best_of": 1, "n": 2}, {"best_of": 5}, {"best_of": 2, "stream": True}, {"best_of": "2"}):
+        with pytest.raises(InvalidRequestError) as info:
+            completion(tokenizer, **body)
+        assert info.value.param == "best_of", body
