@@ -293,7 +293,7 @@ def best_of(p: Prepared, choices: list[dict], rs: ResultStream) -> list[dict]:
         entries = rs.choices[choice["index"]].logprobs
         return sum(e[1] for e in entries) / len(entries) if entries else float("-inf")
 
-    kept = []
+    kept: list[dict] = []
     for first in range(0, len(choices), per_prompt):
         ranked = sorted(choices[first : first + per_prompt], key=score, reverse=True)[: p.best_of_keep]
         kept.extend({**c, "index": len(kept) + j} for j, c in enumerate(ranked))
