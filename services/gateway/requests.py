@@ -302,7 +302,7 @@ def _from_functions(data: dict) -> tuple[dict, bool]:
                 param="function_call",
             )
         if choice is not None:
-            if data.get("tool_choice") is not None:
+            if data.get("tool_choice") not in (None, choice):
                 raise InvalidRequestError(
                     "give tool_choice or the deprecated function_call, not both", param="function_call"
                 )

@@ -262,6 +262,7 @@ def test_deprecated_functions_are_served_as_tools(qwen3):
     forced = chat(qwen3, functions=[fn, CLOCK["function"]], function_call={"name": "get_time"})
     assert "get_time" in forced.choices[0].params.structured["lark"]
     assert "get_weather" not in forced.choices[0].params.structured["lark"]
+    assert chat(qwen3, functions=[fn], function_call="auto", tool_choice="auto").parser.legacy_functions  # agree
     off = chat(qwen3, functions=[fn], function_call="none")
     assert not off.parser.tools and "get_weather" not in qwen3.decode(off.prompts[0])
     # an earlier call and its result in the old form render as the tool call and tool turn they became
