@@ -31,6 +31,9 @@ _TEXT_PART_TYPES = ("text", "input_text")
 # /v1/completions without max_tokens (or with null) generates 16 tokens, the API's documented default; chat
 # requests without one generate to the end of the context (or the model's generation_config limit).
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+# /v1/completions with "prompt": null: the API's documented default prompt, a document boundary (a special token
+# in Qwen3's and SmolLM2's vocabularies, plain text in others)
+COMPLETION_DEFAULT_PROMPT = "<|endoftext|>"
 
 
 class _Common(BaseModel):
@@ -397,6 +400,8 @@ def prepare(
     legacy_functions = False
     if kind == "chat":
         data, legacy_functions = _from_functions(data)
+    elif "prompt" in data and data["prompt"] is None:
+        data = {**data, "prompt": COMPLETION_DEFAULT_PROMPT}
     _refuse_unsupported(kind, data)
     try:
         body = (ChatBody if kind == "chat" else CompletionBody).model_validate(data)

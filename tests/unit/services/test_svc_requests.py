@@ -213,7 +213,7 @@ def test_completion_without_max_tokens_generates_the_apis_default_16(tokenizer):
 @pytest.mark.parametrize(
     "body, param, shape",
     [
-        ({"prompt": None}, "prompt", "a list of token-id lists (got null)"),
+        ({"prompt": {}}, "prompt", "a list of token-id lists (got dict)"),
         ({"prompt": [{}]}, "prompt", "a list of token-id lists"),
         ({"stop": [{}]}, "stop", "a string or a list of strings"),
     ],
@@ -262,3 +262,7 @@ def test_best_of_makes_candidates_ranked_by_their_logprobs(tokenizer):
         with pytest.raises(InvalidRequestError) as info:
             completion(tokenizer, **body)
         assert info.value.param == "best_of", body
+
+
+def test_a_null_prompt_is_the_apis_default_document_boundary(tokenizer):
+    assert completion(tokenizer, prompt=None).prompts == [tokenizer.encode("<|endoftext|>")]
