@@ -165,30 +165,19 @@ def test_deprecated_functions_answer_a_function_call(client):
     """OpenAI's deprecated function calling (``functions`` / ``function_call``), still sent by older clients: served
     as tools, answered in the old form, streamed and whole, and its call and result taken back as history."""
     messages = [{"role": "user", "content": "Weather in Oslo?"}]
-    forced = {"name": "get_weather"}
-    resp = client.chat.completions.create(
+    ask = dict(
         model=MODEL,
-        messages=messages,
         functions=[WEATHER["function"]],
-        function_call=forced,
+        function_call={"name": "get_weather"},
         temperature=0,
         max_tokens=150,
     )
+    resp = client.chat.completions.create(messages=messages, **ask)
     message = resp.choices[0].message
     assert resp.choices[0].finish_reason == "function_call" and message.tool_calls is None
     assert message.function_call.name == "get_weather"
     jsonschema.validate(json.loads(message.function_call.arguments), PARAMS["get_weather"])
-    chunks = list(
-        client.chat.completions.create(
-            model=MODEL,
-            messages=messages,
-            functions=[WEATHER["function"]],
-            function_call=forced,
-            temperature=0,
-            max_tokens=150,
-            stream=True,
-        )
-    )
+    chunks = list(client.chat.completions.create(messages=messages, stream=True, **ask))
     calls = [c.choices[0].delta.function_call for c in chunks if c.choices and c.choices[0].delta.function_call]
     assert [(c.name, c.arguments) for c in calls] == [("get_weather", message.function_call.arguments)]
     assert chunks[-1].choices[0].finish_reason == "function_call"
