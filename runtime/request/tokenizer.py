@@ -113,7 +113,7 @@ class TextTokenizer:
 
 def validate_messages(messages) -> list[dict]:
     """Checked messages, as the template should see them: text content (``None`` only where OpenAI allows it, on
-    an assistant turn that calls tools, and then rendered as ""), tool calls and tool-call ids kept."""
+    an assistant turn, and then rendered as its refusal or ""), tool calls and tool-call ids kept."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
     out = []
@@ -136,12 +136,15 @@ def validate_messages(messages) -> list[dict]:
                 )
             _validate_tool_calls(tool_calls, i)
         if content is None:
-            if not (role == "assistant" and tool_calls):
+            # only an assistant turn may leave it out (the API requires no more than its role): one that called
+            # tools, refused (its refusal is its text) or is otherwise empty
+            if role != "assistant":
                 raise InvalidRequestError(
                     f"messages[{i}].content is required (a {role} message without content)",
                     param=f"messages[{i}].content",
                 )
-            message = {**message, "content": ""}
+            refusal = message.get("refusal")
+            message = {**message, "content": refusal if isinstance(refusal, str) and not tool_calls else ""}
         if role == "tool" and not isinstance(message.get("tool_call_id", ""), str):
             raise InvalidRequestError(
                 f"messages[{i}].tool_call_id must be a string", param=f"messages[{i}].tool_call_id"

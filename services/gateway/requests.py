@@ -326,8 +326,9 @@ def _from_functions(data: dict) -> tuple[dict, bool]:
                 m["tool_calls"] = [
                     {"id": last_id, "type": "function", "function": {"name": fc["name"], "arguments": args}}
                 ]
-            elif isinstance(m, dict) and m.get("role") == "function":
-                m = {**m, "role": "tool", "tool_call_id": last_id or f"call_{i}"}
+            elif isinstance(m, dict) and m.get("role") == "function":  # its content may be null (a call with no result)
+                content = "" if m.get("content") is None else m["content"]
+                m = {**m, "role": "tool", "tool_call_id": last_id or f"call_{i}", "content": content}
             turns.append(m)
         data["messages"] = turns
     return data, legacy

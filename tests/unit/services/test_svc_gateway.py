@@ -252,15 +252,15 @@ def test_context_limit_follows_what_live_workers_serve(redis_url, prefix, tokeni
 
 
 def test_a_message_the_template_cannot_render_is_a_400(client):
-    """A chat message without content is the client's input, not a server fault: a 400 naming the message, and
-    an assistant turn without content or tool calls likewise."""
+    """A chat message without content is the client's input, not a server fault: a 400 naming the message (a user
+    or tool turn; an assistant turn may leave it out, as the API allows)."""
     resp = client.post("/v1/chat/completions", headers=AUTH, json={"model": MODEL, "messages": [{"role": "user"}]})
     is_openai_error(resp, 400)
     assert resp.json()["error"]["param"] == "messages[0].content"
-    two = [{"role": "user", "content": "hi"}, {"role": "assistant"}, {"role": "assistant"}]
+    two = [{"role": "user", "content": "hi"}, {"role": "assistant"}, {"role": "tool", "tool_call_id": "c"}]
     resp = client.post("/v1/chat/completions", headers=AUTH, json={"model": MODEL, "messages": two})
     is_openai_error(resp, 400)
-    assert resp.json()["error"]["param"] == "messages[1].content"
+    assert resp.json()["error"]["param"] == "messages[2].content"
 
 
 class _FailingTemplate:

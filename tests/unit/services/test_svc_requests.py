@@ -266,3 +266,15 @@ def test_best_of_makes_candidates_ranked_by_their_logprobs(tokenizer):
 
 def test_a_null_prompt_is_the_apis_default_document_boundary(tokenizer):
     assert completion(tokenizer, prompt=None).prompts == [tokenizer.encode("<|endoftext|>")]
+
+
+def test_an_assistant_turn_may_leave_out_its_content(tokenizer):
+    """The API requires only an assistant turn's role: without content it renders as its refusal, or empty."""
+    user = {"role": "user", "content": "Hi"}
+
+    def rendered(*turns):
+        return tokenizer.decode(chat(tokenizer, messages=[user, *turns, user]).prompts[0])
+
+    assert rendered({"role": "assistant"}) == rendered({"role": "assistant", "content": ""})
+    refused = rendered({"role": "assistant", "content": None, "refusal": "I can't help with that."})
+    assert refused == rendered({"role": "assistant", "content": "I can't help with that."})
