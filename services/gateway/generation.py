@@ -296,5 +296,5 @@ def best_of(p: Prepared, choices: list[dict], rs: ResultStream) -> list[dict]:
     kept: list[dict] = []
     for first in range(0, len(choices), per_prompt):
         ranked = sorted(choices[first : first + per_prompt], key=score, reverse=True)[: p.best_of_keep]
-        kept.extend({**c, "index": len(kept) + j} for j, c in enumerate(ranked))
+        kept += [{**c, "index": len(kept) + j} for j, c in enumerate(ranked)]
     return kept

@@ -128,6 +128,10 @@ def test_best_of_answers_the_candidate_with_the_best_logprob_per_token(client):
     best = max(three, key=mean)
     assert choice.text == best.text and mean(choice) == pytest.approx(mean(best))
     assert resp.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in three)
+    two = client.completions.create(best_of=3, n=2, logprobs=1, **kw).choices  # the best two, best first
+    assert [c.index for c in two] == [0, 1] and [c.text for c in two] == [
+        c.text for c in sorted(three, key=mean, reverse=True)[:2]
+    ]
 
 
 def test_chat_logprobs(client):
