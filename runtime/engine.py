@@ -409,8 +409,8 @@ class LLMEngine:
             self._detokenizers.pop(seq.request_id, None)
             seq.grammar = None
         prompt_logprobs = None
-        if tokens and seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
-            prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
+        if tokens and seq.prompt_logprobs is not None:  # handed out once, with the first token
+            prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
         return RequestOutput(
             seq.request_id,
             tokens,

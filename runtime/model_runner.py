@@ -22,7 +22,7 @@ from kernellab.runtime.request.block_manager import slot_of
 from kernellab.runtime.request.outputs import TokenLogprob
 from kernellab.runtime.request.scheduler import SchedulerOutput
 from kernellab.runtime.request.sequence import Sequence
-from kernellab.runtime.sampler import Sampler
+from kernellab.runtime.sampler import Sampler, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -480,15 +480,8 @@ class ModelRunner:
         hi = min(start + hidden.shape[0], seq.num_prompt_tokens - 1)
         for a in range(lo, hi, self.PROMPT_LOGPROB_ROWS):
             b = min(a + self.PROMPT_LOGPROB_ROWS, hi)
-            logp = torch.log_softmax(self.model.compute_logits(hidden[a - start : b - start]).float(), dim=-1)
-            targets = seq.token_ids[a + 1 : b + 1]
-            chosen = logp.gather(1, torch.tensor(targets, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
-            tops: list[list[tuple[int, float]]] = [[] for _ in targets]
-            if k:
-                best = logp.topk(k, dim=-1)
-                pairs = zip(best.indices.tolist(), best.values.tolist(), strict=True)
-                tops = [list(zip(i, v, strict=True)) for i, v in pairs]
-            seq.prompt_logprobs.extend(TokenLogprob(t, c, top) for t, c, top in zip(targets, chosen, tops, strict=True))
+            logits = self.model.compute_logits(hidden[a - start : b - start])
+            seq.prompt_logprobs.extend(token_logprobs(logits, seq.token_ids[a + 1 : b + 1], [k] * (b - a)))
 
     def _execute_piecewise(self, out: SchedulerOutput, pw: PiecewiseGraphs):
         """A step within the largest token bucket through the piecewise graphs (any mix of rows)."""

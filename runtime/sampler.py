@@ -169,17 +169,22 @@ class Sampler:
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, tokens: list[int], seqs: list[Sequence]) -> list[TokenLogprob]:
-        logp = torch.log_softmax(raw.float(), dim=-1)
-        k = max((s.params.logprobs or 0) for s in seqs)
-        chosen = logp.gather(1, torch.tensor(tokens, device=raw.device).unsqueeze(1)).squeeze(1).tolist()
-        best = logp.topk(k, dim=-1) if k else None
-        out = []
-        for i, seq in enumerate(seqs):
-            n = seq.params.logprobs or 0
-            top = (
-                list(zip(best.indices[i, :n].tolist(), best.values[i, :n].tolist(), strict=True))
-                if best is not None and n
-                else []
-            )
-            out.append(TokenLogprob(tokens[i], chosen[i], top))
-        return out
+        return token_logprobs(raw, tokens, [s.params.logprobs or 0 for s in seqs])
+
+
+def token_logprobs(raw: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """Row i's entry: ``tokens[i]``'s logprob under the raw logits ``raw[i]`` (log-softmax in fp32) and the top
+    ``ks[i]`` there. Sampled tokens' logprobs and prompt logprobs (``ModelRunner._score_prompt``) both."""
+    logp = torch.log_softmax(raw.float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor(tokens, device=raw.device).unsqueeze(1)).squeeze(1).tolist()
+    k = max(ks, default=0)
+    best = logp.topk(k, dim=-1) if k else None
+    out = []
+    for i, n in enumerate(ks):
+        top = (
+            list(zip(best.indices[i, :n].tolist(), best.values[i, :n].tolist(), strict=True))
+            if best is not None and n
+            else []
+        )
+        out.append(TokenLogprob(tokens[i], chosen[i], top))
+    return out

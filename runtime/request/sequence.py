@@ -61,12 +61,11 @@ class Sequence:
         # tokens it consumed are kept); the engine drops it when the sequence ends.
         self.grammar: GrammarState | None = None
         # Prompt logprobs (params.prompt_logprobs): one entry per prompt token after the first, filled by the runner
-        # chunk by chunk; the engine hands them out once, with the first output token. None: not asked for, or
-        # already delivered before this sequence was made (a resumed request that has emitted tokens).
+        # chunk by chunk; the engine hands them out once, with the first output token, and drops them. None: not
+        # asked for, or delivered (also before this sequence was made: a resumed request that has emitted tokens).
         self.prompt_logprobs: list[TokenLogprob] | None = (
             [] if params.prompt_logprobs is not None and not output_token_ids else None
         )
-        self.prompt_logprobs_sent = False
 
     def __repr__(self) -> str:
         return f"Sequence({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"

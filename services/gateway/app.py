@@ -312,10 +312,8 @@ def create_app(settings: GatewaySettings, tokenizer=None, *, freeze_heap: bool =
         first = u.index not in sent
         sent.add(u.index)
         text = u.text
-        echoed = ""
-        if first and p.echo_text:
-            echoed = p.echo_text[u.index // (p.n_choices // len(p.prompts))]
-            text = echoed + text
+        echoed = p.echo_of(u.index) if first else ""
+        text = echoed + text
         if p.kind == "chat":
             delta, reason = chat_delta(rs.choices[u.index], u)
             if first:

@@ -260,11 +260,8 @@ async def collect(p: Prepared, rs: ResultStream, first: Update | None, token_tex
             reasons[update.index] = reason
         update = await rs.next()
     choices = []
-    per_prompt = p.n_choices // len(p.prompts)
     for c in p.choices:
-        text = "".join(texts[c.index])
-        if p.echo_text:
-            text = p.echo_text[c.index // per_prompt] + text
+        text = p.echo_of(c.index) + "".join(texts[c.index])
         entries = rs.choices[c.index].logprobs
         if p.kind == "chat":
             lp = R.chat_logprobs(entries, token_text) if p.logprobs is not None else None
@@ -274,8 +271,7 @@ async def collect(p: Prepared, rs: ResultStream, first: Update | None, token_tex
         else:
             lp = None
             if p.logprobs is not None:
-                echoed = len(p.echo_text[c.index // per_prompt]) if p.echo_text else 0
-                lp = R.completion_logprobs(entries, token_text, echoed, echo_logprobs(p, c.index, rs))
+                lp = R.completion_logprobs(entries, token_text, len(p.echo_of(c.index)), echo_logprobs(p, c.index, rs))
             choices.append(R.completion_choice(c.index, text, lp, reasons.get(c.index)))
     if p.best_of_keep is not None:
         choices = best_of(p, choices, rs)

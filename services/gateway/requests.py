@@ -111,6 +111,10 @@ class Prepared:
     def n_choices(self) -> int:
         return len(self.choices)
 
+    def echo_of(self, index: int) -> str:
+        """The prompt text choice ``index`` echoes ("" without echo)."""
+        return self.echo_text[self.choices[index].prompt_index] if self.echo_text else ""
+
 
 # Fields of several accepted shapes: pydantic reports the first shape's complaint ("prompt.str: Input should be a
 # valid string"), which names a branch of the union rather than what the field takes.
