@@ -20,15 +20,21 @@ def sse(obj) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+def _release() -> str:
+    try:
+        return metadata.version("kernellab")
+    except metadata.PackageNotFoundError:
+        return "dev"
+
+
+_RELEASE = _release()  # read once at import: the metadata scan takes ~20 ms, not for a request's event loop
+
+
 @functools.cache
 def system_fingerprint(model: str) -> str:
     """The ``system_fingerprint`` of every response: the serving software's release and the model, hashed (the API
     documents it as a string that changes when the backend configuration does; null is not in its schema)."""
-    try:
-        version = metadata.version("kernellab")
-    except metadata.PackageNotFoundError:
-        version = "dev"
-    return "fp_" + hashlib.sha256(f"kernellab {version} {model}".encode()).hexdigest()[:10]
+    return "fp_" + hashlib.sha256(f"kernellab {_RELEASE} {model}".encode()).hexdigest()[:10]
 
 
 class TokenText:
