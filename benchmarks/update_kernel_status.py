@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from kernellab.bench.ablation import Effect, decide
+from kernellab.bench.ablation import Effect, decide, standing_run, verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 STATUS = ROOT / "runtime" / "kernel_status.json"
@@ -26,10 +26,13 @@ OFF_PATH = {
 }
 
 
-def evidence(row: dict, rows: dict, artifact: str, standing: str | None = None) -> dict:
+def evidence(
+    row: dict, rows: dict, artifact: str, standing: str | None = None, standing_run: str | None = None
+) -> dict:
     """An op's status with what decided it: numerics at real shapes and the end-to-end effect of turning it off
     (interleaved rounds with a 95 % interval per figure; older artifacts: one run against a noise band). An
-    unsettled run keeps ``standing``, the op's status before this artifact (kernellab.bench.ablation.decide)."""
+    unsettled run keeps ``standing``, the op's status before this artifact, and a settled contrary one changes it
+    only when ``standing_run``, the run before's own verdict, said the same (kernellab.bench.ablation.decide)."""
     e2e = {"throughput_gain_pct": row["e2e_gain_tok_per_s_pct"], "itl_gain_pct": row["e2e_gain_itl_pct"]}
     status = row["status"]
     if "effects" in row:
@@ -38,10 +41,17 @@ def evidence(row: dict, rows: dict, artifact: str, standing: str | None = None) 
         e2e["settled"] = row["settled"]
         e2e["rule"] = rows.get("__rule__")
         effects = {fig: Effect(**e) for fig, e in row["effects"].items()}
-        run_status = decide(effects, row["numerics"]["pass"], rows["__rule__"]["min_effect_pct"])
-        status = decide(effects, row["numerics"]["pass"], rows["__rule__"]["min_effect_pct"], previous=standing)
+        ok, threshold = row["numerics"]["pass"], rows["__rule__"]["min_effect_pct"]
+        run_status = decide(effects, ok, threshold)
+        status = decide(effects, ok, threshold, previous=standing, previous_run=standing_run)
+        e2e["run_status"] = verdict(effects, ok, threshold)  # the next run's standing_run
         if status != run_status:
-            e2e["kept"] = f"this run alone says {run_status}; unsettled, so the standing decision stays"
+            e2e["kept"] = (
+                f"this run alone says {run_status}; unsettled, so the standing decision stays"
+                if e2e["run_status"] is None
+                else f"this run alone says {run_status} (settled), the run before did not: contested, and the "
+                "standing decision stays until a second run in a row says the same"
+            )
     else:
         e2e["noise_band_pct"] = rows.get("__noise_pct__")
     return {
@@ -73,7 +83,7 @@ def main(artifact: str) -> int:
         if op in OFF_PATH.get(data["model"], ()) and judged_on is not None:
             rows = path_ablations[judged_on]
             ops[op] = {
-                **evidence(rows[op], rows, artifact, entry.get("status")),
+                **evidence(rows[op], rows, artifact, entry.get("status"), standing_run(entry)),
                 "path": f"{judged_on} (not on {data['model']}'s: {OFF_PATH[data['model']][op]})",
             }
             continue
@@ -92,7 +102,7 @@ def main(artifact: str) -> int:
         if not isinstance(row, dict) or "status" not in row:
             ops[op] = {"status": "experimental", "reason": entry.get("reason", "not measured")}
             continue
-        ops[op] = evidence(row, ablation, artifact, entry.get("status"))
+        ops[op] = evidence(row, ablation, artifact, entry.get("status"), standing_run(entry))
     out = {
         "schema": "kernellab.acceptance/v1",
         "source": {
@@ -103,7 +113,8 @@ def main(artifact: str) -> int:
         "rule": "accepted = numerics pass at real shapes AND the complete workload (decode 64x128 throughput or "
         "batch-1 ITL) is faster with the op by at least the rule's min_effect_pct at 95 % confidence (interleaved "
         "rounds against the engine without it), and neither figure is that much slower with the same confidence; "
-        "a run whose intervals still straddle the threshold keeps the standing decision",
+        "a run whose intervals still straddle the threshold keeps the standing decision, and a settled run changes it "
+        "only when the run before it said the same (two consecutive runs)",
         "ops": ops,
     }
     STATUS.write_text(json.dumps(out, indent=2) + "\n")

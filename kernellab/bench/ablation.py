@@ -20,8 +20,13 @@ Decisions that hold still (``previous``): an op whose true effect lies near ``mi
 some runs and clears it in others, so a rule applied to each run alone flips it between accepted and
 experimental from one gate to the next (silu_and_mul_linear: ITL +2.8 % [2.4, 3.2] then +3.1 % [2.1, 4.1] at
 thresholds of 2.35 and 2.31 %). So a run whose intervals are not settled does not overturn the standing decision
-(``runtime/kernel_status.json``): it keeps it, and only a settled run, whose evidence points the other way with
-the same confidence, changes it. A kernel whose numerics fail is rejected whatever came before.
+(``runtime/kernel_status.json``): it keeps it, and only settled evidence that points the other way with the
+same confidence changes it. Settled is not enough on its own: a run's interval covers the spread between its own
+rounds, not between the lent machines, and two settled runs of the same commit can disagree (rms_norm, ITL gain
++1.28 % [1.04, 1.52] at f611de0, then +0.4 % [0.2, 0.5] at 3fc91bb against a 1 % threshold). So a settled run
+that contradicts the standing decision changes it only when the run before it (``previous_run``: its own settled
+verdict, kept in the status table) said the same: a decision changes on two consecutive runs, never on one, and a
+lone contrary run is recorded as contesting it. A kernel whose numerics fail is rejected whatever came before.
 """
 
 from __future__ import annotations
@@ -69,17 +74,43 @@ def paired_effect(ratios: list[float]) -> Effect:
     return Effect(pct(mean), pct(mean - half), pct(mean + half), len(logs))
 
 
-def decide(effects: dict[str, Effect], numerics_pass: bool, min_effect_pct: float, previous: str | None = None) -> str:
+def decide(
+    effects: dict[str, Effect],
+    numerics_pass: bool,
+    min_effect_pct: float,
+    previous: str | None = None,
+    previous_run: str | None = None,
+) -> str:
     """The op's status from this run (see the module's "Decision"); ``previous``: the standing status, which an
-    unsettled run keeps (see "Decisions that hold still")."""
+    unsettled run keeps; ``previous_run``: the last run's own settled verdict, which a contrary settled run needs
+    to change it (see "Decisions that hold still")."""
     if not numerics_pass:
         return "rejected"
     helps = any(e.lo_pct > min_effect_pct for e in effects.values())
     hurts = any(e.hi_pct < -min_effect_pct for e in effects.values())
     status = "accepted" if helps and not hurts else "experimental"
-    if previous in ("accepted", "experimental") and not settled(effects, min_effect_pct):
-        return previous
+    if previous in ("accepted", "experimental"):
+        if not settled(effects, min_effect_pct):
+            return previous
+        if status != previous and previous_run != status:
+            return previous  # a first contrary run contests the decision; a second in a row changes it
     return status
+
+
+def verdict(effects: dict[str, Effect], numerics_pass: bool, min_effect_pct: float) -> str | None:
+    """This run's own settled verdict (what the next run's ``previous_run`` is), or None where it is unsettled."""
+    if numerics_pass and not settled(effects, min_effect_pct):
+        return None
+    return decide(effects, numerics_pass, min_effect_pct)
+
+
+def standing_run(entry: dict) -> str | None:
+    """The last run's own settled verdict on an op, from its entry in runtime/kernel_status.json: recorded since
+    3fc91bb's gate; before, a settled run's verdict was its status unless the standing one was kept over it."""
+    e2e = entry.get("e2e") or {}
+    if "run_status" in e2e:
+        return e2e["run_status"]
+    return entry.get("status") if e2e.get("settled") and "kept" not in e2e else None
 
 
 def settled(effects: dict[str, Effect], min_effect_pct: float) -> bool:

@@ -478,7 +478,7 @@ def ablation(weights, report, model=MODEL, only=None):
         itl = statistics.median(engine_itl(eng, 128, new_tokens=48)) * 1e3
         return {"tok_per_s": round(thr, 1), "itl_ms": round(itl, 4)}
 
-    standing = standing_statuses()
+    standing, standing_runs = standing_statuses()
     all_on_engine = build()
     enabled = list(all_on_engine.runner.model.ops.enabled)
     all_on = {**measure(all_on_engine), "enabled": enabled}
@@ -509,7 +509,9 @@ def ablation(weights, report, model=MODEL, only=None):
         num = kernel_numerics(op, lib.KERNELS[op], getattr(reference, op), None if model == MODEL else model)
         # this run alone, and with the standing decision kept when this run is not settled (ablation.py)
         run_status = decide(effects, num["pass"], rule["min_effect_pct"])
-        status = decide(effects, num["pass"], rule["min_effect_pct"], previous=standing.get(op))
+        status = decide(
+            effects, num["pass"], rule["min_effect_pct"], previous=standing.get(op), previous_run=standing_runs.get(op)
+        )
         thr, itl = effects["tok_per_s"], effects["itl_ms"]
         last = record["rounds"][-1]["without"]
         rows[op] = {
@@ -533,10 +535,14 @@ def ablation(weights, report, model=MODEL, only=None):
     return rows
 
 
-def standing_statuses() -> dict[str, str]:
-    """The dispatcher's table as it stands (runtime/kernel_status.json): an unsettled ablation keeps these."""
+def standing_statuses() -> tuple[dict[str, str], dict[str, str | None]]:
+    """The dispatcher's table as it stands (runtime/kernel_status.json): the statuses an unsettled ablation keeps,
+    and the last run's own verdicts, which a contrary settled run needs to change a status."""
+    from kernellab.bench.ablation import standing_run
+
     path = Path(__file__).resolve().parents[2] / "runtime" / "kernel_status.json"
-    return {op: e["status"] for op, e in json.loads(path.read_text())["ops"].items()}
+    ops = json.loads(path.read_text())["ops"]
+    return {op: e["status"] for op, e in ops.items()}, {op: standing_run(e) for op, e in ops.items()}
 
 
 def pdl_ab(build, measure, all_on_engine, rule) -> dict:

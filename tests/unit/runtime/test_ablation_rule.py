@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from kernellab.bench.ablation import Effect, decide, interleaved, paired_effect, settled
+from kernellab.bench.ablation import Effect, decide, interleaved, paired_effect, settled, standing_run, verdict
 
 
 def test_paired_effect_mean_and_student_interval():
@@ -43,7 +43,7 @@ def test_decision_needs_a_confident_gain_and_no_confident_loss():
     assert settled({"a": gain, "b": loss}, 1.0) and not settled({"a": flat}, 1.0)
 
 
-def test_an_unsettled_run_keeps_the_standing_decision_and_a_settled_one_overturns_it():
+def test_an_unsettled_run_keeps_the_standing_decision_and_two_settled_ones_overturn_it():
     near = Effect(3.05, 2.06, 4.05, 8)  # straddles a 2.31 % threshold: this run alone would say experimental
     flat = Effect(-0.6, -2.0, 1.2, 8)
     assert decide({"tok_per_s": flat, "itl_ms": near}, True, 2.31) == "experimental"
@@ -52,8 +52,15 @@ def test_an_unsettled_run_keeps_the_standing_decision_and_a_settled_one_overturn
     # settled evidence decides whatever stood before: a clear gain promotes, a clear absence of one demotes
     clear_gain = Effect(5.0, 3.0, 7.0, 4)
     tight_flat = Effect(0.1, -0.5, 0.7, 8)
-    assert decide({"tok_per_s": tight_flat, "itl_ms": clear_gain}, True, 2.31, previous="experimental") == "accepted"
-    assert decide({"tok_per_s": tight_flat, "itl_ms": tight_flat}, True, 2.31, previous="accepted") == "experimental"
+    # settled evidence against the standing decision changes it when the run before said the same
+    assert (
+        decide({"tok_per_s": tight_flat, "itl_ms": clear_gain}, True, 2.31, "experimental", previous_run="accepted")
+        == "accepted"
+    )
+    assert (
+        decide({"tok_per_s": tight_flat, "itl_ms": tight_flat}, True, 2.31, "accepted", previous_run="experimental")
+        == "experimental"
+    )
     # failed numerics reject, standing decision or not; a rejected op is not kept rejected by noise alone
     assert decide({"tok_per_s": flat, "itl_ms": near}, False, 2.31, previous="accepted") == "rejected"
     assert decide({"tok_per_s": flat, "itl_ms": near}, True, 2.31, previous="rejected") == "experimental"
@@ -90,3 +97,32 @@ def test_no_effect_runs_every_round_and_stays_experimental_on_repeat():
         assert effects["tok_per_s"].lo_pct < 1.0 < effects["tok_per_s"].hi_pct or effects["tok_per_s"].hi_pct < 1.0
         decisions.append(decide(effects, True, 1.0))
     assert decisions == ["experimental", "experimental"]
+
+
+def test_one_settled_contrary_run_contests_a_decision_and_the_next_confirms_or_not():
+    # rms_norm's two gates: ITL +1.28 % [1.04, 1.52] (settled: accepted), then +0.4 % [0.2, 0.5] (settled below 1 %)
+    first = {"tok_per_s": Effect(0.63, 0.52, 0.74, 4), "itl_ms": Effect(1.28, 1.04, 1.52, 4)}
+    second = {"tok_per_s": Effect(0.6, 0.4, 0.7, 3), "itl_ms": Effect(0.4, 0.2, 0.5, 3)}
+    assert verdict(first, True, 1.0) == "accepted" and verdict(second, True, 1.0) == "experimental"
+    # the second run alone does not overturn the first's decision: contested, kept
+    assert decide(second, True, 1.0, previous="accepted", previous_run="accepted") == "accepted"
+    # a third run that agrees with the second changes it; one that agrees with the first keeps it
+    assert decide(second, True, 1.0, previous="accepted", previous_run="experimental") == "experimental"
+    assert decide(first, True, 1.0, previous="accepted", previous_run="experimental") == "accepted"
+    # an unsettled run has no verdict to pass on, and a settled contrary run after it only contests
+    near = {"tok_per_s": Effect(1.0, 0.5, 1.5, 8), "itl_ms": Effect(0.0, -0.3, 0.3, 8)}
+    assert verdict(near, True, 1.0) is None
+    assert decide(second, True, 1.0, previous="accepted", previous_run=None) == "accepted"
+    # failed numerics reject at once and are a verdict of their own
+    assert verdict(near, False, 1.0) == "rejected"
+    assert decide(first, False, 1.0, previous="accepted", previous_run="accepted") == "rejected"
+
+
+def test_standing_run_reads_the_recorded_verdict_or_infers_it_from_older_entries():
+    assert (
+        standing_run({"status": "accepted", "e2e": {"run_status": "experimental", "settled": True}}) == "experimental"
+    )
+    assert standing_run({"status": "accepted", "e2e": {"run_status": None, "settled": False}}) is None
+    assert standing_run({"status": "accepted", "e2e": {"settled": True}}) == "accepted"
+    assert standing_run({"status": "accepted", "e2e": {"settled": False, "kept": "..."}}) is None
+    assert standing_run({"status": "experimental", "reason": "not on the path"}) is None
