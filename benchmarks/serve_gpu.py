@@ -13,7 +13,12 @@ Phases, in this order (each a set of real processes on this machine, torn down a
    before and after of each change. The worker restarts only when its settings change; the gateway tier every phase.
 3. ``stack-2gpu-<phase>`` (``--gpus 2``): with the last phase's settings, a second worker on GPU 1 joins the
    same consumer group, and the nano-vllm workload runs at twice the requests (each worker again holds a full
-   batch): scale-out.
+   batch): scale-out. The last phase must then be the product's (``g<N>`` alone).
+
+The product's figures (``figures.product_phase``) are those of the last phase that runs the defaults, ``g<N>``
+without a suffix: a phase with a suffix is the before or the alternative of a change, wherever it stands in the
+order (the last phase where none runs the defaults). ``--refigure ARTIFACT`` recomputes an artifact's figures
+from its runs with this script's rule.
 
 Workloads: ``nanovllm`` (nano-vllm's benchmark: 256 prompts of 100–1,024 random token ids, outputs of 100–1,024
 tokens, seed 0) and ``interactive`` (64 clients, 512 → 128 tokens), greedy with ``ignore_eos`` so every request
@@ -38,6 +43,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -586,13 +592,22 @@ def main() -> int:
     ap.add_argument("--model-dir", default=None, help="reuse a checkpoint folder written by an earlier run")
     ap.add_argument("--output", default="results/gpu/serve_h200.json")
     ap.add_argument("--engine-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--refigure", default=None, metavar="ARTIFACT", help="recompute an artifact's figures into --output"
+    )
     args = ap.parse_args()
+    if args.refigure:
+        print_table(refigure(args.refigure, args.output))
+        print(f"wrote {args.output}")
+        return 0
     if args.engine_child:
         engine_child(json.loads(args.engine_child))
         return 0
     profile = dict(PROFILES[args.profile])
     if args.phases:
         profile["phases"] = args.phases
+    if args.gpus > 1 and product_phase(profile["phases"]) != profile["phases"][-1]:
+        ap.error(f"--gpus {args.gpus} scales out the last phase: list the product's phase (g<N>) last")
     if args.client_processes:
         profile["client_processes"] = args.client_processes
     from kernellab.bench.synthetic import write_checkpoint
@@ -788,6 +803,31 @@ def _median(runs: list[dict], key) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def product_phase(phases: list[str]) -> str | None:
+    """The phase whose figures are the product's: the last that runs the defaults (``g<N>``, no suffix), else the
+    last."""
+    defaults = [ph for ph in phases if re.fullmatch(r"g\d+", ph)]
+    return (defaults or phases or [None])[-1]
+
+
+def refigure(path: str, output: str) -> dict:
+    """An artifact's figures recomputed from its runs with this script's rule (``--refigure``), the commit that
+    recomputed them recorded beside the run's own provenance."""
+    from kernellab.results import git_commit
+
+    artifact = json.loads(Path(path).read_text())
+    gpus = max((r.get("gpus", 1) for r in artifact["runs"]), default=1)
+    before = artifact["figures"].get("product_phase")
+    artifact["figures"] = compute_figures(artifact["runs"], gpus)
+    artifact["refigured"] = {
+        "commit": git_commit(),
+        "rule": "the product's figures are the last phase that runs the defaults (g<N> without a suffix)",
+        "product_phase_before": before,
+    }
+    Path(output).write_text(json.dumps(artifact, indent=1) + "\n")
+    return artifact
+
+
 def compute_figures(runs: list[dict], gpus: int) -> dict:
     def sel(phase, wl):
         return [r for r in runs if r["phase"] == phase and r["workload"] == wl]
@@ -822,7 +862,7 @@ def compute_figures(runs: list[dict], gpus: int) -> dict:
             "throughput_ratio": round(ratio, 4) if ratio is not None else None,
             "interactive_added_ttft_p50_ms": round(added, 3) if added is not None else None,
         }
-    best = phases[-1].removeprefix("stack-") if phases else None
+    best = product_phase([ph.removeprefix("stack-") for ph in phases])
     out = {
         "engine_nanovllm_tok_s": eng_nano,
         "engine_interactive_ttft_p50_ms": eng_ttft,
