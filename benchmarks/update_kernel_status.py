@@ -100,7 +100,9 @@ def main(artifact: str) -> int:
                 del ops[op]["numerics"]
             continue
         if not isinstance(row, dict) or "status" not in row:
-            ops[op] = {"status": "experimental", "reason": entry.get("reason", "not measured")}
+            # not measured by this artifact (an op the gate does not ablate, such as l2_prefetch, rejected by its
+            # own A/B): the standing entry stays as it is, evidence included
+            ops[op] = entry if "status" in entry else {"status": "experimental", "reason": "not measured"}
             continue
         ops[op] = evidence(row, ablation, artifact, entry.get("status"), standing_run(entry))
     out = {

@@ -1,0 +1,63 @@
+"""benchmarks/update_kernel_status.py: the dispatcher's status table from a gate artifact. A decision changes on
+two consecutive settled runs, an unsettled run keeps it, and an op the artifact did not measure keeps its entry."""
+
+from __future__ import annotations
+
+import json
+
+import benchmarks.update_kernel_status as uks
+
+
+def _row(status: str, itl: tuple[float, float, float], settled: bool = True, rounds: int = 3) -> dict:
+    effects = {
+        "tok_per_s": {"mean_pct": 0.5, "lo_pct": 0.4, "hi_pct": 0.7, "rounds": rounds},
+        "itl_ms": {"mean_pct": itl[0], "lo_pct": itl[1], "hi_pct": itl[2], "rounds": rounds},
+    }
+    return {
+        "status": status,
+        "numerics": {"rel_err_max": 1e-5, "tolerance": 0.02, "pass": True},
+        "e2e_gain_tok_per_s_pct": 0.5,
+        "e2e_gain_itl_pct": itl[0],
+        "effects": effects,
+        "settled": settled,
+        "rounds": [{}] * rounds,
+    }
+
+
+def _gate(tmp_path, name: str, rows: dict) -> str:
+    artifact = {
+        "model": "qwen3-0.6b",
+        "provenance": {"commit": name, "gpu": "NVIDIA H200", "date": "2026-12-05T00:00:00+00:00"},
+        "ablation": {"__rule__": {"min_rounds": 3, "max_rounds": 8, "min_effect_pct": 1.0}, **rows},
+    }
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(artifact))
+    return str(path)
+
+
+def test_a_decision_changes_on_two_consecutive_settled_runs_and_unmeasured_ops_keep_theirs(tmp_path, monkeypatch):
+    status = tmp_path / "kernel_status.json"
+    rejected = {"status": "rejected", "reason": "slower in every form", "artifact": "results/x.json"}
+    status.write_text(
+        json.dumps({"ops": {"rms_norm": {"status": "accepted", "e2e": {"settled": True}}, "l2_prefetch": rejected}})
+    )
+    monkeypatch.setattr(uks, "STATUS", status)
+    monkeypatch.setattr(uks, "ROOT", tmp_path)  # artifacts are recorded relative to the repo root
+
+    def run(name: str, row: dict) -> dict:
+        assert uks.main(_gate(tmp_path, name, {"rms_norm": row})) == 0
+        return json.loads(status.read_text())["ops"]
+
+    below = _row("experimental", (0.4, 0.2, 0.5))  # settled below the 1 % threshold
+    ops = run("a", below)
+    assert ops["rms_norm"]["status"] == "accepted" and ops["rms_norm"]["e2e"]["run_status"] == "experimental"
+    assert "contested" in ops["rms_norm"]["e2e"]["kept"]
+    assert ops["l2_prefetch"] == rejected  # the gate does not ablate it: its own A/B's rejection stands
+    ops = run("b", _row("experimental", (1.0, 0.5, 1.5), settled=False, rounds=8))  # unsettled: no verdict
+    assert ops["rms_norm"]["status"] == "accepted" and ops["rms_norm"]["e2e"]["run_status"] is None
+    ops = run("c", below)  # contested again, after an unsettled run: still kept
+    assert ops["rms_norm"]["status"] == "accepted"
+    ops = run("d", below)  # the second settled run in a row that says so
+    assert ops["rms_norm"]["status"] == "experimental" and "kept" not in ops["rms_norm"]["e2e"]
+    ops = run("e", _row("accepted", (1.3, 1.1, 1.5)))  # one run above the threshold only contests that
+    assert ops["rms_norm"]["status"] == "experimental" and ops["rms_norm"]["e2e"]["run_status"] == "accepted"
