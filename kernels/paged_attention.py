@@ -103,19 +103,6 @@ _LOG2E = 1.4426950408889634
 # tiles, 4 warps, 2 stages took 256 × 1,024 from 394 to 280 µs and 64 × 1,024 from 136 to 77 µs, with a third of
 # the error, and the offline workload with the FP8 cache from 16,649 to 21,322 tok/s (+28 %, interleaved).
 LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 2}
-# A step of one sequence (batch-1 decode) with a bf16/fp16/fp32 cache: settings that replace LAUNCH's, and
-# "min_slice" in place of MIN_SLICE_TOKENS (None: LAUNCH and MIN_SLICE_TOKENS, as for every batch). At context 128
-# the default runs two 64-token slices and merges them (publish, atomic, re-read: the merge's dependent trips); one
-# slice of one 128-token tile, loaded before the PDL wait, would have no merge and no tile loaded after the wait.
-# Not measured yet: ``benchmarks/gpu/knob_ab.py --knob kernellab.kernels.paged_attention.B1_LAUNCH`` decides it.
-B1_LAUNCH: dict | None = None
-
-
-def _bf16_launch(rows: int) -> dict:
-    """LAUNCH, with B1_LAUNCH's settings over it for a step of one sequence."""
-    return {**LAUNCH, **(B1_LAUNCH if rows == 1 and B1_LAUNCH else {})}
-
-
 # 2^9: P·V's fp16 operand is p·vs·2^9 (see "Precision"); acc gives it back after the walk
 _P_SCALE = tl.constexpr(512.0)
 FP8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16"}
@@ -475,10 +462,7 @@ def paged_decode_attention(
     cache's tiles widen through byte permutes (CUDA only; see ``INT8_LAUNCH``).
     """
     eight_bit = k_scales is not None
-    cfg = (
-        _bf16_launch(q.shape[0]) if not eight_bit else {**(INT8_LAUNCH if k_cache.dtype == torch.int8 else FP8_LAUNCH)}
-    )
-    min_slice = cfg.get("min_slice") if min_slice is None else min_slice
+    cfg = dict(LAUNCH if not eight_bit else INT8_LAUNCH if k_cache.dtype == torch.int8 else FP8_LAUNCH)
     for key, value in (
         ("block_n", block_n),
         ("num_warps", num_warps),
@@ -537,12 +521,10 @@ def paged_decode_attention_qk_norm_rope(
     require(cos_sin_cache.shape[-1] == D and cos_sin_cache.stride(-1) == 1, "cos_sin_cache must be (P, head_dim)")
     require(slot_mapping.shape == (B,), "slot_mapping must be (B,)")
     rope = (k, v, q_norm_weight, k_norm_weight, cos_sin_cache, slot_mapping, eps)
-    cfg = _bf16_launch(B)
-    min_slice = cfg.get("min_slice") if min_slice is None else min_slice
     return _decode(
         q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits,
-        block_n or cfg["block_n"], min_slice, num_warps or cfg["num_warps"], num_stages or cfg["num_stages"],
-        None, None, rope,
+        block_n or LAUNCH["block_n"], min_slice, num_warps or LAUNCH["num_warps"],
+        num_stages or LAUNCH["num_stages"], None, None, rope,
     )  # fmt: skip
 
 

@@ -18,11 +18,6 @@ from kernellab.runtime.dispatch import Ops
 # 64-row decode step's throughput 3.1 % [2.2, 3.9] slower, so larger batches keep the two kernels. 16 lies between
 # the two measured sizes; where the two forms cross is not measured yet (latency_anatomy.py --decode-ab).
 FUSED_DECODE_MAX_ROWS = 16
-# A step with one logits row (batch-1 decode, a prompt's last token): the final residual add + RMSNorm inside the
-# LM head's GEMV (``add_rms_norm_linear``), one launch fewer a token. Each of the GEMV's ~9,500 programs over the
-# 151,936-row head then reads the 4 KB row from L2 first; whether that costs less than the launch it saves is the
-# H200's to say (``benchmarks/gpu/knob_ab.py --knob kernellab.runtime.model.FUSED_FINAL_NORM``): off until then.
-FUSED_FINAL_NORM = False
 # Batch-1 decode with ``l2_prefetch`` enabled: after a layer's QKV GEMV, its output projection's and MLP's weights
 # are fetched into L2 while the attention runs, and with this also the next layer's QKV weights (31 MB in all at
 # Qwen3-0.6B, within the H200's 50 MB L2). ``PREFETCH_LINES``: line prefetches instead of bulk ones;
@@ -319,17 +314,11 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[LayerKV], rows: torch.Tensor | None
     ) -> torch.Tensor:
         """fp32 logits of the step's ``rows`` (``meta.logits_indices``; None: every row, as a decode step needs):
-        the final norm runs on those rows only (a prefill's last token, not its 2,048), and at one row inside the
-        LM head's GEMV where ``FUSED_FINAL_NORM`` allows. The values of ``compute_logits(forward(…)[rows])``."""
+        the final norm runs on those rows only (a prefill's last token, not its 2,048). The values of
+        ``compute_logits(forward(…)[rows])``."""
         hidden, residual = self._layers(input_ids, meta, kv_caches)
         if rows is not None:
             hidden, residual = hidden[rows], residual[rows]
-        if FUSED_FINAL_NORM and self._norm_in_gemv(hidden, self.lm_head):
-            out = torch.empty((1, self.cfg.vocab_size), dtype=torch.float32, device=hidden.device)
-            eps = self.cfg.rms_norm_eps
-            return self.ops.add_rms_norm_linear(
-                hidden, residual, self.model.norm.weight, eps, self.lm_head.weight, out=out
-            )[0]
         return self.compute_logits(self.final_norm(hidden, residual))
 
     def _layers(

@@ -13,8 +13,8 @@ built with the constant set (graphs captured with it), and the rounds alternate 
 
     python3 benchmarks/gpu/knob_ab.py --out "$OUT/knob" \\
         --knob kernellab.kernels.paged_attention.MIN_SLICE_TOKENS --values 64,128 --contexts 128,512,2048
-    python3 benchmarks/gpu/knob_ab.py --out "$OUT/b1" --knob kernellab.kernels.paged_attention.B1_LAUNCH --sep ';' \
-        --values 'None; {"block_n": 128, "num_warps": 8, "min_slice": 128}' --contexts 128,512,2048
+    python3 benchmarks/gpu/knob_ab.py --out "$OUT/launch" --knob kernellab.kernels.paged_attention.LAUNCH --sep ';' \\
+        --values '{"block_n": 64, "num_warps": 4, "num_stages": 2}; {"block_n": 32, "num_warps": 4, "num_stages": 3}'
     python3 benchmarks/gpu/knob_ab.py --out /tmp/knob --device cpu --knob ... --values ...   # the path, on a CPU
 
 Random weights of the exact Qwen3-0.6B shape on the GPU; a tiny Qwen3 with torch ops on the CPU (the script's path,

@@ -229,19 +229,15 @@ def test_batch1_decode_prefetches_the_layers_next_weights(tiny_checkpoints, monk
 
 
 @pytest.mark.skipif(not os.environ.get("TRITON_INTERPRET"), reason="runs the Triton kernels under the interpreter")
-@pytest.mark.parametrize("fused_final_norm", [False, True])
-def test_logits_of_the_rows_that_sample_are_the_full_forwards(fused_final_norm, tiny_checkpoints, monkeypatch):
-    """``CausalLM.logits``: the final norm on the logits rows only (at one row inside the LM head's GEMV with
-    FUSED_FINAL_NORM), the LM head writing fp32 itself. Its logits are bit for bit those of the final norm over
-    every row, the projection and the fp32 cast (a prompt's last row; one decode row); greedy tokens unchanged, and
-    with the knob each batch-1 step launches one norm GEMV more and no norm kernel."""
+def test_logits_of_the_rows_that_sample_are_the_full_forwards(tiny_checkpoints):
+    """``CausalLM.logits``: the final norm on the logits rows only, the LM head writing fp32 itself. Its logits are
+    bit for bit those of the final norm over every row, the projection and the fp32 cast (a prompt's last row; one
+    decode row); greedy tokens unchanged, and each batch-1 step launches its norm GEMVs and one norm kernel."""
     from kernellab.kernels.compile_check import record_launches
     from kernellab.kernels.testing import patch_interpreter
-    from kernellab.runtime import model as model_mod
     from kernellab.runtime.request.sampling import SamplingParams
 
     patch_interpreter()
-    monkeypatch.setattr(model_mod, "FUSED_FINAL_NORM", fused_final_norm)
     eng = triton_qwen3(tiny_checkpoints, ())
     model = eng.runner.model
     inner, checked = model.logits, []
@@ -273,8 +269,6 @@ def test_logits_of_the_rows_that_sample_are_the_full_forwards(fused_final_norm, 
     tokens, launches = generate("t")
     norm_gemvs = sum(1 for x in launches if x["kernel"] == "_gemv_kernel" and x["constexprs"].get("NORM"))
     norms = sum(1 for x in launches if x["kernel"] == "_rms_norm_kernel")
-    # 5 decode steps: 4 norm GEMVs each, and the final norm: its kernel, or with the knob the LM head's GEMV
-    assert (norm_gemvs, norms) == ((25, 0) if fused_final_norm else (20, 5))
-    monkeypatch.setattr(model_mod, "FUSED_FINAL_NORM", not fused_final_norm)
-    other, _ = generate("u")
-    assert checked_tokens == tokens == other and len(tokens) == 6
+    # 5 decode steps: 4 norm GEMVs each (two layers' input and post-attention norms), and the final norm's kernel
+    assert (norm_gemvs, norms) == (20, 5)
+    assert checked_tokens == tokens and len(tokens) == 6

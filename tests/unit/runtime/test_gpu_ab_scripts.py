@@ -37,14 +37,19 @@ def test_the_knob_ab_builds_one_engine_per_value_and_restores_the_constant(tmp_p
     assert paged_attention.MIN_SLICE_TOKENS == 64  # this process's constant is untouched (the script's own restored)
 
 
-def test_the_knob_ab_takes_dicts_for_the_batch1_launch(tmp_path):
+def test_the_knob_ab_takes_dicts_for_launch_settings(tmp_path):
+    from kernellab.kernels import paged_attention
+
+    launch = dict(paged_attention.LAUNCH)
     data = run(
         "knob_ab.py",
         tmp_path,
-        *("--knob", "kernellab.kernels.paged_attention.B1_LAUNCH", "--sep", ";"),
-        *("--values", 'None; {"block_n": 32, "num_warps": 8, "min_slice": 128}', "--contexts", "64", "--rounds", "2"),
+        *("--knob", "kernellab.kernels.paged_attention.LAUNCH", "--sep", ";"),
+        *("--values", f'{launch}; {{"block_n": 32, "num_warps": 8, "num_stages": 2}}', "--contexts", "64"),
+        *("--rounds", "2"),
     )
-    assert data["same_tokens"] and data["values"] == ["None", "{'block_n': 32, 'num_warps': 8, 'min_slice': 128}"]
+    assert data["same_tokens"] and data["values"] == [str(launch), "{'block_n': 32, 'num_warps': 8, 'num_stages': 2}"]
+    assert paged_attention.LAUNCH == launch  # noqa: SIM300  (the module constant, restored)
 
 
 def test_the_knob_ab_refuses_a_knob_that_does_not_exist(tmp_path):
