@@ -51,8 +51,12 @@ Launch = dict[str, Any]  # {"module", "kernel", "signature", "constexprs", "opti
 
 
 def _arg_type(value: Any) -> str:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     if isinstance(value, torch.Tensor):
         return "*" + _DTYPES[value.dtype]
+    if isinstance(value, TensorDescriptor):  # a host-side tensor descriptor (TMA): its dtype and block shape
+        return f"tensordesc<{_DTYPES[value.base.dtype]}{list(value.block_shape)}>"
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):

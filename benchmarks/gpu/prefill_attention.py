@@ -6,7 +6,11 @@ length entry, with a paged ``block_table`` where the installed PyTorch has it), 
 ``ops`` paths (one prompt; packed prompts padded into one batch; a chunk continuing a cached context, gathered).
 Every candidate is checked against the fp32 reference before it is timed; one that raises is recorded as such.
 
-    python benchmarks/gpu/prefill_attention.py --out "$OUT/prefill_attention.json"
+    python benchmarks/gpu/prefill_attention.py --out "$OUT/prefill_attention.json" [--triton-sweep]
+
+``--triton-sweep`` adds the engine's Triton kernel (``kernels/attention.py``) at ~40 launch settings on the
+single-prompt cases, its Hopper form (tensor-descriptor tiles, a warp-specialised key loop, longest query tiles
+first) among them.
 """
 
 from __future__ import annotations
@@ -105,7 +109,29 @@ def paged_cache(k, v, lens, gen):
     return kc, vc, tables
 
 
-def case(name: str, q_lens: list[int], ctx_lens: list[int], gen) -> dict:
+def triton_configs(sweep: bool) -> list[dict]:
+    """Launch settings of ``kernels.attention.causal_attention`` to time on one prompt: its default (pointer loads),
+    and with ``--triton-sweep`` the Hopper form's settings (tensor-descriptor tiles, warp-specialised key loop,
+    longest query tiles first) next to the pointer form's."""
+    base = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
+    if not sweep:
+        return [base]
+    out = [{**base, "num_stages": st} for st in (2, 3, 4)] + [{**base, "block_n": 128, "num_stages": 2}]
+    for (bm, bn), st, ws, heavy in itertools.product(((128, 64), (128, 128)), (2, 3, 4), (False, True), (False, True)):
+        out.append({**base, "block_m": bm, "block_n": bn, "num_stages": st, "tma": True, "warp_specialize": ws,
+                    "heavy_first": heavy})  # fmt: skip
+    out += [{**base, "num_warps": 4, "block_n": bn, "tma": True, "heavy_first": True} for bn in (64, 128)]  # no WS at 4
+    return out
+
+
+def triton_label(cfg: dict) -> str:
+    flags = [f for f in ("tma", "warp_specialize", "heavy_first") if cfg.get(f)]
+    return f"triton m{cfg['block_m']} n{cfg['block_n']} w{cfg['num_warps']} s{cfg['num_stages']}" + "".join(
+        f" {f}" for f in flags
+    )
+
+
+def case(name: str, q_lens: list[int], ctx_lens: list[int], gen, configs: list[dict] | None = None) -> dict:
     kv_total = sum(ctx_lens)
     q = torch.randn(sum(q_lens), HQ, D, generator=gen).cuda().bfloat16()
     k = torch.randn(kv_total, HK, D, generator=gen).cuda().bfloat16()
@@ -126,6 +152,11 @@ def case(name: str, q_lens: list[int], ctx_lens: list[int], gen) -> dict:
             cands[f"sdpa-{label}-repeat"] = lambda b=backend: sdpa(q, k, v, b, gqa=False)
             cands[f"sdpa-{label}-gqa"] = lambda b=backend: sdpa(q, k, v, b, gqa=True)
         cands["ops.causal_attention"] = lambda: ops.causal_attention(q, k, v, SCALE, HQ // HK)
+        from kernellab.kernels.attention import causal_attention
+
+        out = torch.empty_like(q)  # one buffer, as a graph's step has it
+        for cfg in configs or []:
+            cands[triton_label(cfg)] = lambda c=cfg: causal_attention(q, k, v, SCALE, HQ // HK, out=out, **c)
     elif fresh:
         cands["ops.varlen_causal_attention (padded)"] = lambda: ops.varlen_causal_attention(q, k, v, cu["q"], SCALE)
     else:
@@ -189,7 +220,9 @@ def fa3_cases(gen) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--triton-sweep", action="store_true", help="time the Triton kernel's launch settings too")
     args = ap.parse_args()
+    configs = triton_configs(args.triton_sweep)
     gen = torch.Generator().manual_seed(0)
     mixed = torch.randint(100, 1025, (8,), generator=gen).tolist()
     cases = {
@@ -213,7 +246,7 @@ def main() -> None:
         "shape": {"Hq": HQ, "Hk": HK, "D": D, "block_size": BS, "dtype": "bfloat16"},
         "flash_attention_impls": impls,
         "cudnn_version": torch.backends.cudnn.version(),
-        "cases": {name: case(name, ql, cl, gen) for name, (ql, cl) in cases.items()},
+        "cases": {name: case(name, ql, cl, gen, configs) for name, (ql, cl) in cases.items()},
     }
     report["fa3"] = fa3_cases(gen)
     report["seconds"] = round(time.perf_counter() - t0, 1)

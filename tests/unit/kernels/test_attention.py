@@ -126,3 +126,35 @@ def test_paged_decode_attention_qk_norm_rope(lens, splits, min_slice, gen):
     assert_close(y[:-1], ref[:-1], 1e-5, 1e-5, "fused decode")
     assert_close(kc, kc_ref, 1e-5, 1e-5, "k cache")  # the written rows as rope.py writes them, others untouched
     assert torch.equal(vc, vc_ref)
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", ATTN_DTYPES)
+@pytest.mark.parametrize(
+    "Tq, Tk, Hq, Hk, D, block_m, block_n",
+    [(1, 1, 2, 1, 32, 16, 16), (37, 37, 4, 2, 32, 16, 16), (5, 40, 2, 2, 16, 16, 16), (70, 70, 4, 2, 64, 32, 16)],
+)
+@pytest.mark.parametrize("heavy_first, warp_specialize", [(False, False), (True, True)])
+def test_causal_attention_through_tensor_descriptors(
+    Tq, Tk, Hq, Hk, D, block_m, block_n, heavy_first, warp_specialize, dtype, atol, rtol, gen
+):
+    """The Hopper form (TMA tiles, query tiles longest first, the key loop warp-specialised) against the
+    reference, on q/k/v as the engine has them: strided views of one fused QKV row per token."""
+    qkv = torch.randn(Tk, (Hq + 2 * Hk) * D, generator=gen).to(dtype)
+    q, k, v = (x.view(Tk, -1, D) for x in qkv.split([Hq * D, Hk * D, Hk * D], dim=-1))
+    q = q[Tk - Tq :]  # the queries at the end of their keys
+    out = poisoned(q.shape, dtype, "cpu")
+    y = causal_attention(
+        q, k, v, D**-0.5, Hq // Hk, out=out, block_m=block_m, block_n=block_n, tma=True,
+        heavy_first=heavy_first, warp_specialize=warp_specialize,
+    )  # fmt: skip
+    ref = ops.causal_attention(q.float(), k.float(), v.float(), D**-0.5, Hq // Hk).to(dtype)
+    assert_close(y, ref, atol, rtol, "attention (descriptors)")
+
+
+def test_the_descriptor_form_refuses_what_tma_cannot_read(gen):
+    q, k = torch.randn(8, 2, 24, generator=gen), torch.randn(8, 1, 24, generator=gen)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        causal_attention(q, k, k, 0.2, 2, tma=True)
+    q, k = torch.randn(8, 2, 32, generator=gen), torch.randn(8, 1, 32, generator=gen)
+    with pytest.raises(ValueError, match="contiguous"):
+        causal_attention(q, k, k, 0.2, 2, tma=True, out=torch.empty(2, 8, 32).transpose(0, 1))
