@@ -34,6 +34,8 @@ def evidence(
     unsettled run keeps ``standing``, the op's status before this artifact, and a settled contrary one changes it
     only when ``standing_run``, the run before's own verdict, said the same (kernellab.bench.ablation.decide)."""
     e2e = {"throughput_gain_pct": row["e2e_gain_tok_per_s_pct"], "itl_gain_pct": row["e2e_gain_itl_pct"]}
+    if "e2e_gain_ttft_pct" in row:
+        e2e["ttft_gain_pct"] = row["e2e_gain_ttft_pct"]
     status = row["status"]
     if "effects" in row:
         e2e["interval_95_pct"] = {fig: [e["lo_pct"], e["hi_pct"]] for fig, e in row["effects"].items()}
@@ -87,6 +89,11 @@ def main(artifact: str) -> int:
                 "path": f"{judged_on} (not on {data['model']}'s: {OFF_PATH[data['model']][op]})",
             }
             continue
+        if op in OFF_PATH.get(data["model"], ()) and "path" in entry and not path_ablations:
+            # judged on another model's path by an earlier gate, and this artifact ran no path ablation (a run of
+            # the ablation section alone): that judgement stands
+            ops[op] = entry
+            continue
         if op in OFF_PATH.get(data["model"], ()):
             # Turning off an op the model never calls changes nothing: any "gain" measured is noise.
             ops[op] = {
@@ -112,8 +119,8 @@ def main(artifact: str) -> int:
             "gpu": data["provenance"].get("gpu"),
             "date": data["provenance"]["date"],
         },
-        "rule": "accepted = numerics pass at real shapes AND the complete workload (decode 64x128 throughput or "
-        "batch-1 ITL) is faster with the op by at least the rule's min_effect_pct at 95 % confidence (interleaved "
+        "rule": "accepted = numerics pass at real shapes AND the complete workload (decode 64x128 throughput, "
+        "batch-1 ITL or a 2,000-token prompt's TTFT) is faster with the op by at least the rule's min_effect_pct at 95 % confidence (interleaved "
         "rounds against the engine without it), and neither figure is that much slower with the same confidence; "
         "a run whose intervals still straddle the threshold keeps the standing decision, and a settled run changes it "
         "only when the run before it said the same (two consecutive runs)",

@@ -61,3 +61,19 @@ def test_a_decision_changes_on_two_consecutive_settled_runs_and_unmeasured_ops_k
     assert ops["rms_norm"]["status"] == "experimental" and "kept" not in ops["rms_norm"]["e2e"]
     ops = run("e", _row("accepted", (1.3, 1.1, 1.5)))  # one run above the threshold only contests that
     assert ops["rms_norm"]["status"] == "experimental" and ops["rms_norm"]["e2e"]["run_status"] == "accepted"
+
+
+def test_an_ablation_only_run_keeps_what_another_models_path_judged(tmp_path, monkeypatch):
+    """A run of the ablation section alone has no path ablation: ops Qwen3 never calls (judged on the Llama
+    family's path by the last full gate) keep that judgement instead of falling to "not on the path"."""
+    status = tmp_path / "kernel_status.json"
+    judged = {"status": "accepted", "path": "smollm2-135m (not on qwen3-0.6b's: ...)", "e2e": {"settled": True}}
+    status.write_text(json.dumps({"ops": {"store_kv": judged, "qk_norm_rope": {"status": "experimental"}}}))
+    monkeypatch.setattr(uks, "STATUS", status)
+    monkeypatch.setattr(uks, "ROOT", tmp_path)
+    assert uks.main(_gate(tmp_path, "a", {})) == 0
+    ops = json.loads(status.read_text())["ops"]
+    assert ops["store_kv"] == judged
+    assert (
+        ops["qk_norm_rope"]["status"] == "experimental" and "not on qwen3-0.6b's path" in ops["qk_norm_rope"]["reason"]
+    )
