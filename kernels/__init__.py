@@ -32,6 +32,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "paged_decode_attention_qk_norm_rope": ("paged_attention", "paged_decode_attention_qk_norm_rope"),
     "argmax": ("argmax", "argmax"),
     "l2_prefetch": ("prefetch", "l2_prefetch"),
+    "varlen_causal_attention": ("attention", "varlen_causal_attention"),
 }
 
 # Kernels outside the engine: the teaching chapters that tie or lose to torch on the H200 (add, add_silu,

@@ -24,7 +24,7 @@ from kernellab.runtime.op_names import REPLACEABLE  # the ops with a Triton kern
 log = logging.getLogger(__name__)
 
 STATUS_FILE = Path(__file__).with_name("kernel_status.json")
-_TORCH_ONLY = ("paged_prefill_attention", "varlen_causal_attention")  # the model's other ops: always the reference
+_TORCH_ONLY = ("paged_prefill_attention",)  # the model's other op: always the reference
 LEVELS = {"accepted": ("accepted",), "experimental": ("accepted", "experimental"), "none": ()}
 
 Op = Callable[..., torch.Tensor]
@@ -65,7 +65,17 @@ def ops_on_path(qk_norm: bool) -> tuple[str, ...]:
     # Qwen3's decode steps: the QK-norm + RoPE + KV write inside the decode attention (one launch fewer a layer)
     fused = ("paged_decode_attention_qk_norm_rope",) if qk_norm else ()
     # batch-1 decode: the layer's next weights fetched into L2 while the attention runs
-    return (*norms, *rope_kv, *mlp, "paged_decode_attention", *fused, "argmax", "l2_prefetch")
+    # steps that prefill fresh prompts: their causal attention
+    return (
+        *norms,
+        *rope_kv,
+        *mlp,
+        "paged_decode_attention",
+        *fused,
+        "argmax",
+        "l2_prefetch",
+        "varlen_causal_attention",
+    )
 
 
 def load_status(path: Path = STATUS_FILE) -> dict[str, dict]:

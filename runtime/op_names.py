@@ -20,4 +20,5 @@ REPLACEABLE = (
     "paged_decode_attention_qk_norm_rope",
     "argmax",
     "l2_prefetch",
+    "varlen_causal_attention",
 )

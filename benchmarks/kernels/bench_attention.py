@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from kernellab.kernels.attention import causal_attention
+from kernellab.kernels.attention import PREFILL_LAUNCH, causal_attention
 from kernellab.kernels.paged_attention import paged_decode_attention, paged_decode_attention_qk_norm_rope
 from kernellab.runtime import ops
 
@@ -163,7 +163,12 @@ def cases(device: str, real: bool) -> list[Case]:
                 Hq // Hk,
             )
 
-        fn = causal_attention if real else functools.partial(causal_attention, block_m=16, block_n=16)
+        # on the GPU the engine's launch (the Hopper form: descriptor tiles, longest query tiles first)
+        fn = (
+            functools.partial(causal_attention, **PREFILL_LAUNCH)
+            if real
+            else functools.partial(causal_attention, block_m=16, block_n=16)
+        )
         out.append(
             Case(
                 "causal_attention",

@@ -70,6 +70,10 @@ def make_inputs(op: str, seed: int, model: str | None = None) -> dict:
             "a": (positions, q, k, v, w1, w2, 1e-6, cos_sin, cache(), cache(), slots),
             "k": (positions, q, k, v, w1, w2, 1e-6, cos_sin, cache(), cache(), slots),
         }
+    if op == "varlen_causal_attention":  # fresh prompts as the QKV projection leaves them (strided views)
+        qkv = rnd(T, (HQ + 2 * HK) * D)
+        q, k, v = (x.view(T, -1, D) for x in qkv.split([HQ * D, HK * D, HK * D], dim=-1))
+        return {"a": (q, k, v, [0, 200, T], D**-0.5)}
     if op == "paged_decode_attention":
         tables = torch.randperm(num_blocks, generator=g, device="cuda")[: BATCH * CTX // BS].view(BATCH, -1).int()
         lens = torch.randint(1, CTX + 1, (BATCH,), generator=g, device="cuda").int()

@@ -461,7 +461,7 @@ def ablation(weights, report, model=MODEL, only=None):
     (``kernellab.bench.ablation``: the decision rule and its statistics)."""
     from kernellab import kernels as lib
     from kernellab.bench.ablation import decide, interleaved
-    from kernellab.bench.latency import engine_itl
+    from kernellab.bench.latency import engine_itl, engine_ttft
     from kernellab.bench.offline import run_engine
     from kernellab.runtime import ops as reference
     from kernellab.runtime.dispatch import REPLACEABLE, ops_on_path
@@ -476,7 +476,8 @@ def ablation(weights, report, model=MODEL, only=None):
     def measure(eng):
         thr = run_engine(eng, prompts, [128] * 64, "decode-64x128", "bfloat16")["output_tok_per_s"]
         itl = statistics.median(engine_itl(eng, 128, new_tokens=48)) * 1e3
-        return {"tok_per_s": round(thr, 1), "itl_ms": round(itl, 4)}
+        ttft = statistics.median(engine_ttft(eng, 2000, reps=6)) * 1e3  # steps that prefill: their ops' figure
+        return {"tok_per_s": round(thr, 1), "itl_ms": round(itl, 4), "ttft_ms": round(ttft, 4)}
 
     standing, standing_runs = standing_statuses()
     all_on_engine = build()
@@ -522,17 +523,22 @@ def ablation(weights, report, model=MODEL, only=None):
             "standing_status": standing.get(op),
             "e2e_gain_tok_per_s_pct": thr.mean_pct,
             "e2e_gain_itl_pct": itl.mean_pct,
+            **({"e2e_gain_ttft_pct": effects["ttft_ms"].mean_pct} if "ttft_ms" in effects else {}),
             **record,
         }
         log(
             f"ablation -{op}: {thr.mean_pct:+.1f}% tok/s [{thr.lo_pct:+.1f}, {thr.hi_pct:+.1f}], ITL {itl.mean_pct:+.1f}%"
-            f" [{itl.lo_pct:+.1f}, {itl.hi_pct:+.1f}] over {thr.rounds} rounds"
+            f" [{itl.lo_pct:+.1f}, {itl.hi_pct:+.1f}], TTFT {_effect_text(effects.get('ttft_ms'))} over {thr.rounds} rounds"
             f"{'' if record['settled'] else ' (unsettled)'}, rel err {num['rel_err_max']:.2e} → {status}"
             f"{f' (this run alone: {run_status}; kept)' if run_status != status else ''}"
         )
         Path(report["_path"]).write_text(json.dumps(report, indent=2, default=str))
     rows["__pdl__"] = pdl_ab(build, measure, all_on_engine, rule)
     return rows
+
+
+def _effect_text(e) -> str:
+    return "-" if e is None else f"{e.mean_pct:+.1f}% [{e.lo_pct:+.1f}, {e.hi_pct:+.1f}]"
 
 
 def standing_statuses() -> tuple[dict[str, str], dict[str, str | None]]:
