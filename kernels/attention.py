@@ -52,7 +52,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import cdiv, next_pow2, require
 
-__all__ = ["PREFILL_LAUNCH", "causal_attention", "varlen_causal_attention"]
+__all__ = ["PREFILL_LAUNCH", "causal_attention", "packed_causal_attention", "varlen_causal_attention"]
 
 _LOG2E = 1.4426950408889634
 # The engine's prefill launch (``varlen_causal_attention``): the H200 sweep's best at Qwen3-0.6B's 16 / 8 heads,
@@ -283,6 +283,107 @@ def _causal_attention_desc_kernel(
     o_desc.store([pid_m * BLOCK_M, h * D], (acc / l_i[:, None]).to(o_desc.dtype))
 
 
+@triton.jit
+def _packed_causal_attention_kernel(
+    q_desc,
+    k_desc,
+    v_desc,
+    o_ptr,
+    cu_ptr,
+    n_seqs,
+    qk_scale,
+    group,
+    stride_ot,
+    stride_oh,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    S_PAD: tl.constexpr,
+    IEEE: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    # grid (Hq, an upper bound of the query tiles of all prompts): program t of a head finds its prompt b and its
+    # tile from the device offsets (a CUDA graph's host offsets are only its bucket's), each prompt's tiles
+    # numbered from its last (the longest walk) to its first; programs past the last tile return
+    h = tl.program_id(0)
+    t = tl.program_id(1)
+    idx = tl.arange(0, S_PAD)
+    starts = tl.load(cu_ptr + idx, mask=idx < n_seqs, other=0)
+    ends = tl.load(cu_ptr + idx + 1, mask=idx < n_seqs, other=0)
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    cum = tl.cumsum(tiles, 0)
+    if t < tl.sum(tiles):
+        b = tl.sum((cum <= t).to(tl.int32))
+        mine = idx == b
+        start = tl.sum(tl.where(mine, starts, 0))
+        n = tl.sum(tl.where(mine, ends, 0)) - start
+        pid_m = tl.sum(tl.where(mine, cum, 0)) - 1 - t  # the prompt's tiles from its last
+        hk = h // group
+        q = q_desc.load([start + pid_m * BLOCK_M, h * D])
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # positions in the prompt
+        hi = tl.minimum(n, (pid_m + 1) * BLOCK_M)
+        lo = tl.minimum(((pid_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N, hi)
+        m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+        # keys past the prompt's end (the next prompt's rows) are masked like the future: only the diagonal loop
+        # reaches them, and no row of this prompt sees past its own position
+        acc, l_i, m_i = _attend_packed(
+            acc, l_i, m_i, q, k_desc, v_desc, start, hk * D, rows, 0, lo, qk_scale, BLOCK_N, False, IEEE, STAGES
+        )
+        acc, l_i, m_i = _attend_packed(
+            acc, l_i, m_i, q, k_desc, v_desc, start, hk * D, rows, lo, hi, qk_scale, BLOCK_N, True, IEEE, STAGES
+        )
+        d = tl.arange(0, D)
+        # a tile's rows past the prompt's end are the next prompt's: stored through a mask, not the descriptor
+        tl.store(
+            o_ptr + (start + rows).to(tl.int64)[:, None] * stride_ot + h * stride_oh + d[None, :],
+            (acc / l_i[:, None]).to(o_ptr.dtype.element_ty),
+            mask=(rows < n)[:, None],
+        )
+
+
+@triton.jit
+def _attend_packed(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_desc,
+    v_desc,
+    start,
+    col,
+    rows,
+    lo,
+    hi,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr,
+    IEEE: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    for s0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
+        k = k_desc.load([start + s0, col])
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+        if CAUSAL_MASK:
+            kp = s0 + tl.arange(0, BLOCK_N)
+            s = tl.where(kp[None, :] <= rows[:, None], s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = v_desc.load([start + s0, col])
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
 def _desc(t: torch.Tensor, rows: int, block_rows: int, D: int) -> TensorDescriptor:
     """(T, H, D) with unit-stride heads as the 2-D (T, H·D) matrix a tensor descriptor (TMA) reads in
     ``[block_rows, D]`` tiles."""
@@ -396,17 +497,79 @@ def _descriptor_ready(*tensors: torch.Tensor) -> bool:
     )
 
 
+def packed_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    max_tokens: int,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    block_m: int = 128,
+    block_n: int = 128,
+    num_warps: int = 8,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """Causal attention of packed fresh prompts in one launch: prompt b is rows ``cu[b]:cu[b+1]`` of
+    ``q: (T, Hq, D)`` and ``k, v: (T, Hk, D)``, ``cu`` a device int32 tensor (a CUDA graph's static offsets) and
+    ``max_tokens`` an upper bound of ``cu[-1]`` (the grid's size; rows past ``cu[-1]`` are left as they are).
+    Descriptor tiles as ``causal_attention(tma=True)``, each prompt's query tiles longest first."""
+    Tq, Hq, D = q.shape
+    Hk = k.shape[1]
+    group = Hq // Hk
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    require(_descriptor_ready(q, k, v), "the packed form needs the descriptor form's layout (see causal_attention)")
+    require(out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "bad out")
+    n_seqs = cu.numel() - 1
+    if n_seqs < 1 or Tq == 0:
+        return out
+    tiles = cdiv(max_tokens, block_m) + n_seqs  # Σ cdiv(n_b, block_m) ≤ cdiv(Σ n_b, block_m) + prompts
+    _packed_causal_attention_kernel[(Hq, tiles)](
+        _desc(q, Tq, block_m, D),
+        _desc(k, k.shape[0], block_n, D),
+        _desc(v, v.shape[0], block_n, D),
+        out,
+        cu,
+        n_seqs,
+        scale * _LOG2E,
+        group,
+        out.stride(0),
+        out.stride(1),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        D=D,
+        S_PAD=max(16, next_pow2(n_seqs)),
+        IEEE=q.dtype == torch.float32,
+        STAGES=num_stages,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
+
+
 def varlen_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int], scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: list[int],
+    scale: float,
+    cu_device: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed fresh prompts, prompt b being rows ``cu_seqlens[b]:cu_seqlens[b+1]`` of
     ``q: (T, Hq, D)`` and ``k, v: (T, Hk, D)`` (reference ``ops.varlen_causal_attention``; ``cu_seqlens`` a host
-    list). One launch a prompt at ``PREFILL_LAUNCH`` (a step's fresh prompts go to FlashAttention's packed varlen
-    call on a GPU when there are several: ``runtime/attention.py``); the pointer form where the descriptor form
-    cannot read the tensors."""
+    list). One prompt: one launch at ``PREFILL_LAUNCH``. Several with ``cu_device`` (the same offsets on the
+    device, all a CUDA graph can trust: its host list holds only the bucket's bounds, ``cu_seqlens[-1]`` the most
+    rows): one launch of ``packed_causal_attention``. The pointer form, a launch a prompt, where the descriptor
+    form cannot read the tensors."""
     group = q.shape[1] // k.shape[1]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    launch = PREFILL_LAUNCH if _descriptor_ready(q, k, v, out) else {}
+    ready = _descriptor_ready(q, k, v, out)
+    if ready and cu_device is not None and len(cu_seqlens) > 2:
+        launch = {key: PREFILL_LAUNCH[key] for key in ("block_m", "block_n", "num_warps", "num_stages")}
+        return packed_causal_attention(q, k, v, cu_device, cu_seqlens[-1], scale, out=out, **launch)
+    launch = PREFILL_LAUNCH if ready else {}
     for s, e in itertools.pairwise(cu_seqlens):
         if e > s:
             causal_attention(q[s:e], k[s:e], v[s:e], scale, group, out=out[s:e], **launch)

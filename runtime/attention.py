@@ -169,7 +169,12 @@ def paged_attention(
     parts = []
     if f:  # fresh prompts: attention over the step's own K/V
         fresh = (q[nd : nd + r], k[nd : nd + r], v[nd : nd + r])
-        if f > 1 and flash_for(q) is not None and meta.prefill_cu_seqlens_q is not None:
+        if f > 1 and "varlen_causal_attention" in ops.enabled and meta.prefill_cu_seqlens_q is not None:
+            # the Triton op reads the device offsets (a graph's host list is only its bucket's): one launch
+            parts.append(
+                ops.varlen_causal_attention(*fresh, cu[: f + 1], scale, cu_device=meta.prefill_cu_seqlens_q[: f + 1])
+            )
+        elif f > 1 and flash_for(q) is not None and meta.prefill_cu_seqlens_q is not None:
             cu_t = meta.prefill_cu_seqlens_q[: f + 1]
             parts.append(packed_causal_attention(*fresh, cu_t, cu_t, cu[: f + 1], cu[: f + 1], scale))
         else:  # one prompt (SDPA: cuDNN or FlashAttention), or the CPU's padded batch

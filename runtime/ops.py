@@ -415,11 +415,17 @@ def _padded_rows(cu_seqlens: list[int], device) -> tuple[torch.Tensor, int, int]
 
 
 def varlen_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int], scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: list[int],
+    scale: float,
+    cu_device: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed fresh prompts (no cached prefix): sequence b is rows
     ``cu_seqlens[b]:cu_seqlens[b+1]`` of ``q: (T, Hq, D)`` and ``k, v: (T, Hk, D)``. ``cu_seqlens`` is a host
-    list so no device sync is needed to slice.
+    list so no device sync is needed to slice. ``cu_device``: the same offsets on the device, which the Triton
+    op (``kernels/attention.py``) reads inside a CUDA graph; here the host list is taken as exact.
 
     Several prompts are scattered into one right-padded batch and attended in a single SDPA (FlashAttention)
     call: with the padding after each prompt, causal masking keeps it out of every real row, so each row equals

@@ -73,7 +73,8 @@ def make_inputs(op: str, seed: int, model: str | None = None) -> dict:
     if op == "varlen_causal_attention":  # fresh prompts as the QKV projection leaves them (strided views)
         qkv = rnd(T, (HQ + 2 * HK) * D)
         q, k, v = (x.view(T, -1, D) for x in qkv.split([HQ * D, HK * D, HK * D], dim=-1))
-        return {"a": (q, k, v, [0, 200, T], D**-0.5)}
+        cu = [0, 200, 201, T]  # three prompts in one launch (device offsets), one of them a single token
+        return {"a": (q, k, v, cu, D**-0.5, torch.tensor(cu, dtype=torch.int32, device="cuda"))}
     if op == "paged_decode_attention":
         tables = torch.randperm(num_blocks, generator=g, device="cuda")[: BATCH * CTX // BS].view(BATCH, -1).int()
         lens = torch.randint(1, CTX + 1, (BATCH,), generator=g, device="cuda").int()

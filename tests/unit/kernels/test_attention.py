@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -158,3 +160,31 @@ def test_the_descriptor_form_refuses_what_tma_cannot_read(gen):
     q, k = torch.randn(8, 2, 32, generator=gen), torch.randn(8, 1, 32, generator=gen)
     with pytest.raises(ValueError, match="contiguous"):
         causal_attention(q, k, k, 0.2, 2, tma=True, out=torch.empty(2, 8, 32).transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", ATTN_DTYPES)
+@pytest.mark.parametrize("lens", [[37, 5, 70], [16, 0, 33, 1], [1, 1], [50, 0, 0]])
+def test_packed_prompts_in_one_launch_from_device_offsets(lens, dtype, atol, rtol, gen):
+    """``packed_causal_attention``: several fresh prompts, their offsets on the device and only an upper bound of
+    the rows on the host (as a CUDA graph of a bucket has them: zero-length prompts pad the offsets, rows past the
+    last prompt belong to none and stay as they were), each prompt equal to its own causal attention."""
+    from kernellab.kernels.attention import packed_causal_attention, varlen_causal_attention
+
+    Hq, Hk, D = 4, 2, 32
+    n, bucket = sum(lens), sum(lens) + 9  # the bucket's rows: 9 past the last prompt
+    qkv = torch.randn(bucket, (Hq + 2 * Hk) * D, generator=gen).to(dtype)
+    q, k, v = (x.view(bucket, -1, D) for x in qkv.split([Hq * D, Hk * D, Hk * D], dim=-1))
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    out = torch.full((bucket, Hq, D), 7.0, dtype=dtype)
+    y = packed_causal_attention(
+        q, k, v, torch.tensor(cu, dtype=torch.int32), bucket, D**-0.5, out=out, block_m=16, block_n=16
+    )
+    for s, e in itertools.pairwise(cu):
+        if e > s:
+            ref = ops.causal_attention(q[s:e].float(), k[s:e].float(), v[s:e].float(), D**-0.5, Hq // Hk).to(dtype)
+            assert_close(y[s:e], ref, atol, rtol, f"prompt {s}:{e}")
+    assert torch.equal(y[n:], torch.full_like(y[n:], 7.0))  # the padding rows: untouched
+    # the op: the device offsets with a graph's host bounds ([0, bucket, bucket, …]) give the same rows
+    host = [0] + [bucket] * len(lens)
+    z = varlen_causal_attention(q, k, v, host, D**-0.5, cu_device=torch.tensor(cu, dtype=torch.int32))
+    assert_close(z[:n], y[:n], atol, rtol, "the op (its own tiles)")

@@ -116,6 +116,11 @@ def _exercise(gen: torch.Generator) -> None:
         )
         # the descriptor (TMA) form; its warp-specialised key loop compiles for sm_90 with 8 warps (4 fail in
         # Triton 3.6's warp-specialization pass)
+        for D in (64, 128):  # several fresh prompts in one launch, the offsets on the device (the engine's tiles)
+            attention.packed_causal_attention(
+                rnd(40, 4, D, dtype=dtype), rnd(40, 2, D, dtype=dtype), rnd(40, 2, D, dtype=dtype),
+                torch.tensor([0, 17, 17, 40], dtype=torch.int32), 40, 0.125,
+            )  # fmt: skip
         for D, block_m, block_n, warps, ws in ((64, 64, 32, 4, False), (128, 128, 64, 8, True)):
             attention.causal_attention(
                 rnd(40, 4, D, dtype=dtype), rnd(40, 2, D, dtype=dtype), rnd(40, 2, D, dtype=dtype), 0.125, 2,
@@ -173,6 +178,7 @@ def test_every_recorded_launch_compiles_for_sm90():
         "_topk_merge_kernel",
         "_causal_attention_kernel",
         "_causal_attention_desc_kernel",
+        "_packed_causal_attention_kernel",
         "_gemm_kernel",
     }, sorted(kernels)
     assert any(launch["constexprs"].get("GLU") for launch in launches)

@@ -4,8 +4,11 @@ what the all-from-cache reference gives."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from kernellab.kernels.compile_check import record_launches
 from kernellab.runtime import ops
 from kernellab.runtime.attention import AttentionMetadata, ContextGather, paged_attention
 from kernellab.runtime.dispatch import build_ops
@@ -82,6 +85,18 @@ def test_mixed_step_equals_the_all_from_cache_reference():
     fresh_rows = slice(2, 2 + 7 + 5)
     alone = ops.varlen_causal_attention(q[fresh_rows], k[fresh_rows], v[fresh_rows], [0, 7, 12], D**-0.5)
     torch.testing.assert_close(mixed[fresh_rows], alone)
+    if os.environ.get("TRITON_INTERPRET"):  # the Triton op: both fresh prompts in one launch, device offsets
+        from kernellab.kernels.testing import patch_interpreter
+
+        patch_interpreter()
+        triton_ops = build_ops(
+            "accepted", torch.device("cpu"), status={"varlen_causal_attention": {"status": "accepted"}}
+        )
+        assert triton_ops.enabled == ("varlen_causal_attention",)
+        with record_launches() as launches:
+            fused = paged_attention(triton_ops, q, k, v, k_cache, v_cache, meta(2, gather=True), D**-0.5)
+        assert [x["kernel"] for x in launches] == ["_packed_causal_attention_kernel"]
+        torch.testing.assert_close(fused, reference, atol=1e-5, rtol=1e-5)
 
 
 def test_context_gather_reads_an_fp8_cache_as_the_paged_reference_does():
