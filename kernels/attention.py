@@ -63,6 +63,35 @@ PREFILL_LAUNCH = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 
 
 
 @triton.jit
+def _scores(q, k, qk_scale, IEEE: tl.constexpr):
+    """``q·kᵀ`` scaled into the base-2 domain."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+    return s
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i):
+    """The online softmax over one key tile: its probabilities, the rescale of what came before, the new running
+    max and denominator."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _accumulate(acc, alpha, p, v, IEEE: tl.constexpr):
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc
+
+
+@triton.jit
 def _attend(
     acc,
     l_i,
@@ -87,23 +116,13 @@ def _attend(
         kp = s0 + tl.arange(0, BLOCK_N)
         kv_mask = (kp < n_keys)[:, None] & d_mask[None, :]
         k = tl.load(k_base + kp.to(tl.int64)[:, None] * stride_kt + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = _scores(q, k, qk_scale, IEEE)
         if CAUSAL_MASK:
             allowed = (kp[None, :] <= q_pos[:, None]) & (kp < n_keys)[None, :]
             s = tl.where(allowed, s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
         v = tl.load(v_base + kp.to(tl.int64)[:, None] * stride_vt + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        acc = _accumulate(acc, alpha, p, v, IEEE)
     return acc, l_i, m_i
 
 
@@ -206,6 +225,7 @@ def _attend_desc(
     q,
     k_desc,
     v_desc,
+    row0,
     col,
     q_pos,
     start,
@@ -217,26 +237,18 @@ def _attend_desc(
     STAGES: tl.constexpr,
     WS: tl.constexpr,
 ):
-    # keys past the end load as zeros (the descriptor's bounds) and only padded query rows may see them
+    # keys [start, end) of the sequence whose first row is row0 (the packed form's prompt; 0 for one sequence).
+    # Keys past the end load as zeros (the descriptor's bounds) or as the next prompt's rows, and only query rows
+    # that are not stored may see them
     for s0 in tl.range(start, end, BLOCK_N, num_stages=STAGES, warp_specialize=WS):
-        k = k_desc.load([s0, col])
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * qk_scale
+        k = k_desc.load([row0 + s0, col])
+        s = _scores(q, k, qk_scale, IEEE)
         if CAUSAL_MASK:
             kp = s0 + tl.arange(0, BLOCK_N)
             s = tl.where(kp[None, :] <= q_pos[:, None], s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = v_desc.load([s0, col])
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+        v = v_desc.load([row0 + s0, col])
+        acc = _accumulate(acc, alpha, p, v, IEEE)
     return acc, l_i, m_i
 
 
@@ -275,10 +287,10 @@ def _causal_attention_desc_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     acc, l_i, m_i = _attend_desc(
-        acc, l_i, m_i, q, k_desc, v_desc, hk * D, q_pos, 0, lo, qk_scale, BLOCK_N, False, IEEE, STAGES, WS
+        acc, l_i, m_i, q, k_desc, v_desc, 0, hk * D, q_pos, 0, lo, qk_scale, BLOCK_N, False, IEEE, STAGES, WS
     )
     acc, l_i, m_i = _attend_desc(
-        acc, l_i, m_i, q, k_desc, v_desc, hk * D, q_pos, lo, hi, qk_scale, BLOCK_N, True, IEEE, STAGES, False
+        acc, l_i, m_i, q, k_desc, v_desc, 0, hk * D, q_pos, lo, hi, qk_scale, BLOCK_N, True, IEEE, STAGES, False
     )
     o_desc.store([pid_m * BLOCK_M, h * D], (acc / l_i[:, None]).to(o_desc.dtype))
 
@@ -328,12 +340,14 @@ def _packed_causal_attention_kernel(
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
         # keys past the prompt's end (the next prompt's rows) are masked like the future: only the diagonal loop
         # reaches them, and no row of this prompt sees past its own position
-        acc, l_i, m_i = _attend_packed(
-            acc, l_i, m_i, q, k_desc, v_desc, start, hk * D, rows, 0, lo, qk_scale, BLOCK_N, False, IEEE, STAGES
-        )
-        acc, l_i, m_i = _attend_packed(
-            acc, l_i, m_i, q, k_desc, v_desc, start, hk * D, rows, lo, hi, qk_scale, BLOCK_N, True, IEEE, STAGES
-        )
+        acc, l_i, m_i = _attend_desc(
+            acc, l_i, m_i, q, k_desc, v_desc, start, hk * D, rows, 0, lo, qk_scale, BLOCK_N, False, IEEE, STAGES,
+            False,
+        )  # fmt: skip
+        acc, l_i, m_i = _attend_desc(
+            acc, l_i, m_i, q, k_desc, v_desc, start, hk * D, rows, lo, hi, qk_scale, BLOCK_N, True, IEEE, STAGES,
+            False,
+        )  # fmt: skip
         d = tl.arange(0, D)
         # a tile's rows past the prompt's end are the next prompt's: stored through a mask, not the descriptor
         tl.store(
@@ -341,47 +355,6 @@ def _packed_causal_attention_kernel(
             (acc / l_i[:, None]).to(o_ptr.dtype.element_ty),
             mask=(rows < n)[:, None],
         )
-
-
-@triton.jit
-def _attend_packed(
-    acc,
-    l_i,
-    m_i,
-    q,
-    k_desc,
-    v_desc,
-    start,
-    col,
-    rows,
-    lo,
-    hi,
-    qk_scale,
-    BLOCK_N: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr,
-    IEEE: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    for s0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
-        k = k_desc.load([start + s0, col])
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-        if CAUSAL_MASK:
-            kp = s0 + tl.arange(0, BLOCK_N)
-            s = tl.where(kp[None, :] <= rows[:, None], s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = v_desc.load([start + s0, col])
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    return acc, l_i, m_i
 
 
 def _desc(t: torch.Tensor, rows: int, block_rows: int, D: int) -> TensorDescriptor:
