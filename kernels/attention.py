@@ -52,14 +52,15 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import cdiv, next_pow2, require
 
-__all__ = ["PREFILL_LAUNCH", "causal_attention", "packed_causal_attention", "varlen_causal_attention"]
+__all__ = ["PREFILL_LAUNCH", "PREFILL_TILES", "causal_attention", "packed_causal_attention", "varlen_causal_attention"]
 
 _LOG2E = 1.4426950408889634
 # The engine's prefill launch (``varlen_causal_attention``): the H200 sweep's best at Qwen3-0.6B's 16 / 8 heads,
 # D = 128 (results/gpu/engine_h200_dev/prefill_attention_sweep_06f765e.json): 46.0 µs at 2,048 tokens against
 # cuDNN's 52.8 (373.6 against 325.7 TFLOP/s), 152.2 against 149.6 µs at 4,096. Longest query tiles first made
 # the difference (60.4 µs without); the warp-specialised key loop changed nothing.
-PREFILL_LAUNCH = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "tma": True, "heavy_first": True}
+PREFILL_TILES = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}  # the packed form's too
+PREFILL_LAUNCH = {**PREFILL_TILES, "tma": True, "heavy_first": True}
 
 
 @triton.jit
@@ -253,6 +254,41 @@ def _attend_desc(
 
 
 @triton.jit
+def _attend_tile(
+    q,
+    k_desc,
+    v_desc,
+    row0,
+    col,
+    first,
+    n_keys,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    IEEE: tl.constexpr,
+    STAGES: tl.constexpr,
+    WS: tl.constexpr,
+):
+    """A query tile whose first row sits at key position ``first`` of a sequence of ``n_keys`` keys starting at
+    descriptor row ``row0``: keys [0, lo) visible to every row (the unmasked loop, warp-specialised with WS),
+    [lo, hi) across the diagonal (masked); returns the normalised output tile (fp32)."""
+    q_pos = first + tl.arange(0, BLOCK_M)
+    hi = tl.minimum(n_keys, first + BLOCK_M)
+    lo = tl.maximum(tl.minimum(((first + 1) // BLOCK_N) * BLOCK_N, hi), 0)
+    m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    acc, l_i, m_i = _attend_desc(
+        acc, l_i, m_i, q, k_desc, v_desc, row0, col, q_pos, 0, lo, qk_scale, BLOCK_N, False, IEEE, STAGES, WS
+    )
+    acc, l_i, m_i = _attend_desc(
+        acc, l_i, m_i, q, k_desc, v_desc, row0, col, q_pos, lo, hi, qk_scale, BLOCK_N, True, IEEE, STAGES, False
+    )
+    return acc / l_i[:, None]
+
+
+@triton.jit
 def _causal_attention_desc_kernel(
     q_desc,
     k_desc,
@@ -276,23 +312,12 @@ def _causal_attention_desc_kernel(
     pid_m = tl.program_id(1)
     if HEAVY_FIRST:
         pid_m = tl.num_programs(1) - 1 - pid_m
-    hk = h // group
     q = q_desc.load([pid_m * BLOCK_M, h * D])
-    shift = n_keys - n_queries
-    q_pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M) + shift
-    hi = tl.minimum(n_keys, (pid_m + 1) * BLOCK_M + shift)
-    lo = tl.minimum(((pid_m * BLOCK_M + shift + 1) // BLOCK_N) * BLOCK_N, hi)
-    lo = tl.maximum(lo, 0)
-    m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    acc, l_i, m_i = _attend_desc(
-        acc, l_i, m_i, q, k_desc, v_desc, 0, hk * D, q_pos, 0, lo, qk_scale, BLOCK_N, False, IEEE, STAGES, WS
+    first = pid_m * BLOCK_M + n_keys - n_queries  # the queries sit at the end of the keys
+    o = _attend_tile(
+        q, k_desc, v_desc, 0, (h // group) * D, first, n_keys, qk_scale, BLOCK_M, BLOCK_N, D, IEEE, STAGES, WS
     )
-    acc, l_i, m_i = _attend_desc(
-        acc, l_i, m_i, q, k_desc, v_desc, 0, hk * D, q_pos, lo, hi, qk_scale, BLOCK_N, True, IEEE, STAGES, False
-    )
-    o_desc.store([pid_m * BLOCK_M, h * D], (acc / l_i[:, None]).to(o_desc.dtype))
+    o_desc.store([pid_m * BLOCK_M, h * D], o.to(o_desc.dtype))
 
 
 @triton.jit
@@ -330,29 +355,19 @@ def _packed_causal_attention_kernel(
         start = tl.sum(tl.where(mine, starts, 0))
         n = tl.sum(tl.where(mine, ends, 0)) - start
         pid_m = tl.sum(tl.where(mine, cum, 0)) - 1 - t  # the prompt's tiles from its last
-        hk = h // group
         q = q_desc.load([start + pid_m * BLOCK_M, h * D])
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # positions in the prompt
-        hi = tl.minimum(n, (pid_m + 1) * BLOCK_M)
-        lo = tl.minimum(((pid_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N, hi)
-        m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
         # keys past the prompt's end (the next prompt's rows) are masked like the future: only the diagonal loop
         # reaches them, and no row of this prompt sees past its own position
-        acc, l_i, m_i = _attend_desc(
-            acc, l_i, m_i, q, k_desc, v_desc, start, hk * D, rows, 0, lo, qk_scale, BLOCK_N, False, IEEE, STAGES,
-            False,
+        o = _attend_tile(
+            q, k_desc, v_desc, start, (h // group) * D, pid_m * BLOCK_M, n, qk_scale, BLOCK_M, BLOCK_N, D, IEEE,
+            STAGES, False,
         )  # fmt: skip
-        acc, l_i, m_i = _attend_desc(
-            acc, l_i, m_i, q, k_desc, v_desc, start, hk * D, rows, lo, hi, qk_scale, BLOCK_N, True, IEEE, STAGES,
-            False,
-        )  # fmt: skip
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # positions in the prompt
         d = tl.arange(0, D)
         # a tile's rows past the prompt's end are the next prompt's: stored through a mask, not the descriptor
         tl.store(
             o_ptr + (start + rows).to(tl.int64)[:, None] * stride_ot + h * stride_oh + d[None, :],
-            (acc / l_i[:, None]).to(o_ptr.dtype.element_ty),
+            o.to(o_ptr.dtype.element_ty),
             mask=(rows < n)[:, None],
         )
 
@@ -361,6 +376,28 @@ def _desc(t: torch.Tensor, rows: int, block_rows: int, D: int) -> TensorDescript
     """(T, H, D) with unit-stride heads as the 2-D (T, H·D) matrix a tensor descriptor (TMA) reads in
     ``[block_rows, D]`` tiles."""
     return TensorDescriptor(t, [rows, t.shape[1] * D], [t.stride(0), 1], [block_rows, D])
+
+
+_DESCRIPTOR_LAYOUT = (
+    "the descriptor form needs a power-of-two head_dim >= 16 and contiguous heads (stride D) on 16-byte-aligned rows"
+)
+
+
+def _descriptor_ready(*tensors: torch.Tensor) -> bool:
+    """Whether the descriptor form can read these (T, H, D) tensors: unit-stride heads of a power-of-two D ≥ 16,
+    16-byte-aligned rows."""
+    D = tensors[0].shape[2]
+    return (
+        D >= 16
+        and D & (D - 1) == 0
+        and all(
+            t.stride(2) == 1
+            and t.stride(1) == D
+            and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0
+            for t in tensors
+        )
+    )
 
 
 def causal_attention(
@@ -398,13 +435,9 @@ def causal_attention(
         return out
     require(tma or not (warp_specialize or heavy_first), "warp_specialize and heavy_first are the descriptor form's")
     if tma:
-        require(D >= 16 and D & (D - 1) == 0, "the descriptor form needs a power-of-two head_dim >= 16")
+        require(_descriptor_ready(q, k, v, out), _DESCRIPTOR_LAYOUT)
         # Triton 3.6's warp-specialization pass fails on sm_90 with 4 warps (tests/unit/kernels/test_hopper_compile)
         require(not warp_specialize or num_warps >= 8, "a warp-specialised key loop needs num_warps >= 8")
-        size = q.element_size()
-        for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-            require(t.stride(1) == D, f"{name}'s heads must be contiguous (stride D) for the descriptor form")
-            require(t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0, f"{name}'s rows must be 16-byte aligned")
         _causal_attention_desc_kernel[(Hq, cdiv(Tq, block_m))](
             _desc(q, Tq, block_m, D),
             _desc(k, Tk, block_n, D),
@@ -453,23 +486,6 @@ def causal_attention(
     return out
 
 
-def _descriptor_ready(*tensors: torch.Tensor) -> bool:
-    """Whether the descriptor form can read these (T, H, D) tensors: unit-stride heads of a power-of-two D ≥ 16,
-    16-byte-aligned rows."""
-    D = tensors[0].shape[2]
-    return (
-        D >= 16
-        and D & (D - 1) == 0
-        and all(
-            t.stride(2) == 1
-            and t.stride(1) == D
-            and t.data_ptr() % 16 == 0
-            and (t.stride(0) * t.element_size()) % 16 == 0
-            for t in tensors
-        )
-    )
-
-
 def packed_causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -493,7 +509,7 @@ def packed_causal_attention(
     group = Hq // Hk
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    require(_descriptor_ready(q, k, v), "the packed form needs the descriptor form's layout (see causal_attention)")
+    require(_descriptor_ready(q, k, v), _DESCRIPTOR_LAYOUT)  # the output goes through pointers
     require(out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "bad out")
     n_seqs = cu.numel() - 1
     if n_seqs < 1 or Tq == 0:
@@ -540,8 +556,7 @@ def varlen_causal_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     ready = _descriptor_ready(q, k, v, out)
     if ready and cu_device is not None and len(cu_seqlens) > 2:
-        launch = {key: PREFILL_LAUNCH[key] for key in ("block_m", "block_n", "num_warps", "num_stages")}
-        return packed_causal_attention(q, k, v, cu_device, cu_seqlens[-1], scale, out=out, **launch)
+        return packed_causal_attention(q, k, v, cu_device, cu_seqlens[-1], scale, out=out, **PREFILL_TILES)
     launch = PREFILL_LAUNCH if ready else {}
     for s, e in itertools.pairwise(cu_seqlens):
         if e > s:

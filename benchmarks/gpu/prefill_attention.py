@@ -159,9 +159,9 @@ def case(name: str, q_lens: list[int], ctx_lens: list[int], gen, configs: list[d
             cands[triton_label(cfg)] = lambda c=cfg: causal_attention(q, k, v, SCALE, HQ // HK, out=out, **c)
     elif fresh:
         cands["ops.varlen_causal_attention (padded)"] = lambda: ops.varlen_causal_attention(q, k, v, cu["q"], SCALE)
-        from kernellab.kernels.attention import PREFILL_LAUNCH, packed_causal_attention
+        from kernellab.kernels.attention import PREFILL_TILES, packed_causal_attention
 
-        tiles = {key: PREFILL_LAUNCH[key] for key in ("block_m", "block_n", "num_warps", "num_stages")}
+        tiles = PREFILL_TILES
         for bm, bn in ((tiles["block_m"], tiles["block_n"]), (128, 64), (64, 64)):  # the engine's tiles first
             cands[f"triton packed m{bm} n{bn}"] = lambda bm=bm, bn=bn: packed_causal_attention(
                 q, k, v, cu_q, cu["q"][-1], SCALE, **{**tiles, "block_m": bm, "block_n": bn}
