@@ -39,6 +39,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # kernellab.results from this checkout (provenance, schema check)
+from kernellab.services.processes import free_port  # noqa: E402  (ports below the ephemeral range)
+
 SCHEMA = "kernellab.deploy.compose_smoke/v1"
 BASE_IMAGE = "kernellab-smoke/bookworm:minbase"
 BASE_PYTHON = "python3.11"
@@ -103,12 +105,6 @@ def run(command: list[str], timeout: float, check: bool = True, env: dict | None
         raise SmokeFailure(f"{' '.join(map(str, command[:6]))}… exited {done.returncode}:\n"
                            f"{(done.stdout + done.stderr)[-3000:]}")  # fmt: skip
     return done
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 1.0):

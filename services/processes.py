@@ -18,9 +18,41 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands to outgoing connections and to ``bind(port 0)`` (Linux: ip_local_port_range)."""
+    with contextlib.suppress(OSError, ValueError):
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[:2]
+        return int(low), int(high)
+    return 32768, 60999
+
+
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on now (another process may still take it before we do)."""
-    with socket.socket() as s:
+    """A port on 127.0.0.1 that nothing listens on now, for a server started a moment later.
+
+    Picked at random below the kernel's ephemeral range, never twice in one process. A port from
+    ``bind(port 0)`` comes from that range, the one the kernel also gives every outgoing connection (each
+    Redis or HTTP client socket), so between our check and the server's bind a client of the stack itself
+    could take it: a server that then dies with "Address already in use". Below the range only another
+    server could take it, and the pick is random over thousands of ports."""
+    import random
+
+    low, high = _ephemeral_range()
+    span = (10_000, low - 1) if low > 12_000 else (high + 1, 65_535)
+    for _ in range(200 if span[1] - span[0] > 1_000 else 0):
+        port = random.randint(*span)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # a crowded machine: the kernel's own pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

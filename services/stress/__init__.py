@@ -12,7 +12,8 @@ faults and hostile clients, with a JSON artifact (schema ``kernellab.reliability
 
 Every attempt ends as exactly one of: ``completed``; ``cancelled`` (the client closed it on purpose);
 ``error`` (a clean error: an HTTP status with an OpenAI error object, or an SSE error event); ``refused``
-(no HTTP response at all: connection refused or closed before a status line, so nothing was accepted);
+(no HTTP response at all: connection refused, or closed or reset before a status line, so nothing was
+accepted);
 ``lost`` (anything else: a stream cut without an error event, a body that is not an OpenAI object, a hang).
 Fault scenarios retry ``error``/``refused`` attempts whose code is retryable, as an OpenAI client does;
 ``lost`` is never retried and must stay 0. Deterministic requests (greedy, or seeded) of the same input

@@ -198,8 +198,11 @@ async def send(
         a.outcome, a.detail = "lost", f"no outcome within {guard_s:.0f}s"
     except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
         a.outcome, a.code, a.detail = "refused", "refused", repr(exc)[:160]
-    except httpx.RemoteProtocolError as exc:
-        # Closed before a status line: the gateway never answered, so it never accepted the request.
+    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+        # Closed before a status line, with a FIN or (the request still unread in the server's socket) a RST:
+        # a draining uvicorn closes every connection it has not started a request on, and a listener closing
+        # resets the connections in its backlog; whatever it started it finishes. So no status line means the
+        # gateway never took the request: the connection was refused, and the client may send it again.
         a.outcome = "lost" if got_status else "refused"
         a.code, a.detail = (None if got_status else "refused"), repr(exc)[:160]
     except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
