@@ -25,6 +25,14 @@ Precision
     int8 cache (``torch.int8``) likewise with 127 for 448, the products rounded to nearest even: uniform steps
     of amax / 127 instead of 3 significant bits, the same bytes.
 
+V stored transposed within its blocks (the int8 cache's layout)
+    ``v_cache`` may be the ``(num_blocks, block_size, Hk, D)`` view of a ``(num_blocks, Hk, D, block_size)``
+    tensor: a block's tokens lie next to each other for every (head, dimension), so the decode attention loads V
+    as the ``P·V`` dot's operand with the tokens (the dot's reduction) contiguous, which an 8-bit tensor-core
+    dot needs (``paged_attention.py``). The writes here take V's strides as they are: a token's V row then
+    lands as D bytes ``block_size`` apart (a scatter, still one launch; the cache write is a small part of a
+    step). ``v_transposed`` tells the layouts apart.
+
 Trade-offs tried
     Copying through ``index_copy_``/advanced indexing in PyTorch launches a nonzero/gather for the mask and
     two scatters; one kernel does all of it without host syncs (``slots[valid]`` in the reference syncs).
@@ -49,6 +57,7 @@ __all__ = [
     "store_kv",
     "to_8bit",
     "to_fp8",
+    "v_transposed",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -105,6 +114,16 @@ def quantize_rows(x, mask, INT8: tl.constexpr = False):
 
 
 @triton.jit
+def _v_rows(slot, block_size, stride_cb, stride_co, stride_ch, stride_vcb, stride_vch, h, d, V_T: tl.constexpr):
+    """Offsets ``[H, D]`` of one token's V rows for heads ``h`` at ``slot``: K's layout, or V transposed within
+    its block (``V_T``: strides ``stride_vcb, stride_vch``, then ``block_size`` per dimension, 1 per token)."""
+    if V_T:
+        return (slot // block_size) * stride_vcb + h[:, None] * stride_vch + d[None, :] * block_size + slot % block_size
+    else:
+        return (slot // block_size) * stride_cb + (slot % block_size) * stride_co + h[:, None] * stride_ch + d[None, :]
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr,
     v_ptr,
@@ -123,6 +142,8 @@ def _store_kv_kernel(
     stride_cb,
     stride_co,
     stride_ch,
+    stride_vcb,
+    stride_vch,
     stride_sb,
     stride_so,
     H_PAD: tl.constexpr,
@@ -130,6 +151,7 @@ def _store_kv_kernel(
     FP8: tl.constexpr,
     INT8: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    V_T: tl.constexpr = False,
 ):
     if PDL:  # see _common.use_pdl
         gdc_launch_dependents()
@@ -143,6 +165,7 @@ def _store_kv_kernel(
         mask = h_mask[:, None] & (d < head_dim)[None, :]
         row = (slot // block_size) * stride_cb + (slot % block_size) * stride_co
         dst = row + h[:, None] * stride_ch + d[None, :]
+        v_dst = _v_rows(slot, block_size, stride_cb, stride_co, stride_ch, stride_vcb, stride_vch, h, d, V_T)
         k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0)
         v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
         if FP8:
@@ -150,12 +173,29 @@ def _store_kv_kernel(
             v8, vs = quantize_rows(v.to(tl.float32), mask, INT8)
             srow = (slot // block_size) * stride_sb + (slot % block_size) * stride_so + h
             tl.store(k_cache_ptr + dst, k8, mask=mask)
-            tl.store(v_cache_ptr + dst, v8, mask=mask)
+            tl.store(v_cache_ptr + v_dst, v8, mask=mask)
             tl.store(k_scale_ptr + srow, ks, mask=h_mask)
             tl.store(v_scale_ptr + srow, vs, mask=h_mask)
         else:
             tl.store(k_cache_ptr + dst, k, mask=mask)
-            tl.store(v_cache_ptr + dst, v, mask=mask)
+            tl.store(v_cache_ptr + v_dst, v, mask=mask)
+
+
+def v_transposed(v_cache: torch.Tensor) -> bool:
+    """Whether ``v_cache`` (``(num_blocks, block_size, Hk, D)``) is the view of a dense ``(num_blocks, Hk, D,
+    block_size)`` tensor: V transposed within its blocks (see the module docstring)."""
+    _, bs, hk, d = v_cache.shape
+    return bs > 1 and v_cache.stride() == (bs * hk * d, 1, d * bs, bs)
+
+
+def check_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Both caches ``(num_blocks, block_size, Hk, D)`` with a unit stride along D for K, and V laid out like K or
+    transposed within its blocks; returns whether V is transposed."""
+    require(k_cache.dim() == 4 and v_cache.shape == k_cache.shape, "caches must be (N, bs, Hk, D)")
+    require(k_cache.stride(3) == 1, "caches need a unit stride along head_dim")
+    transposed = v_transposed(v_cache)
+    require(transposed or v_cache.stride() == k_cache.stride(), "caches must share a dense layout (or V transposed)")
+    return transposed
 
 
 def check_cache(
@@ -200,7 +240,7 @@ def store_kv(
     require(v.shape == k.shape, "k and v must have the same shape")
     require(k.stride(2) == 1 and v.stride(2) == 1, "k and v need a unit stride along head_dim")
     require(k_cache.shape == v_cache.shape and k_cache.shape[2:] == (Hk, D), "caches must be (N, bs, Hk, D)")
-    require(k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "caches must share a dense layout")
+    v_t = check_layout(k_cache, v_cache)
     require(k.dtype == v.dtype, "k and v must share a dtype")
     require(slot_mapping.shape == (T,), "slot_mapping must be (T,)")
     scales = check_cache(k_cache, v_cache, k.dtype, k_scales, v_scales)
@@ -224,12 +264,15 @@ def store_kv(
         v.stride(0),
         v.stride(1),
         *k_cache.stride()[:3],
+        v_cache.stride(0),
+        v_cache.stride(2),
         *(ks.stride()[:2] if scales is not None else (0, 0)),
         H_PAD=next_pow2(Hk),
         D_PAD=next_pow2(D),
         FP8=scales is not None,
         INT8=k_cache.dtype == INT8_DTYPE,
         PDL=pdl,
+        V_T=v_t,
         num_warps=4,
         launch_pdl=pdl,
         enable_fp_fusion=k_cache.dtype != INT8_DTYPE,  # int8's rounding (to_8bit)

@@ -52,6 +52,20 @@ Precision
     each byte under the exponent of 1,024, subtract 1,152 from both halves of a register) instead of one I2F
     conversion per value, whose pipe runs at a quarter of the integer rate.
 
+    The int8 cache as the engine lays it out (V transposed within its blocks, ``kv_cache.py``) is not widened at
+    all (``_attend_tile_i8``, ``INT8_LAUNCH["mma"]``): both products are int8 tensor-core dots of the bytes as
+    stored, with int32 sums. q is held in 16-bit fixed point per head (``q16 = round(q · 32,512 / amax)``) as two
+    int8 halves, ``q16 = 256 · hi + lo``, so ``q16 · k = 256 · (hi · k) + lo · k`` exactly; the scores are that
+    sum times q's step, the softmax scale and the K scales. The probabilities times the V scales go into ``P·V``
+    the same way, in 16-bit fixed point per row of each tile (the step is the row's largest value over 32,512),
+    and ``acc`` takes the int32 result times that step. Both operands then carry 15 bits against their row's
+    largest value where the fp16 widening gave q and ``P`` 11 significant bits: the error against the reference
+    is no larger (CPU tests). The dots' reduction runs along the operands' contiguous dimension, which an 8-bit
+    dot needs: D for ``q·Kᵀ``, and for ``P·V`` the tokens, hence V's layout; a tile is whole blocks, each
+    block's ``block_size`` tokens of a dimension one run of bytes (``_load_tile_i8``). Compiled for sm_90 the
+    loop issues 7.7 instructions a token (985 per 128-token tile; the widened int8 form 13.1, the bf16 cache's
+    7.6) in 166 registers instead of 224, with no byte-wise shared-memory reads left.
+
 Trade-offs tried
     (H200 sweeps in ``benchmarks/kernels/bench_attention.py``, figures in docs/kernels.md.) At batch 64 × 1,024
     one slice per sequence (66.5 µs, 88.6 % of the read bandwidth) beat 2 and 4 slices (75, 77 µs): extra
@@ -80,7 +94,9 @@ Trade-offs tried
     shared-memory reads, the fp16 tiles staged for ldmatrix: no byte loads left, but 103 KB of shared memory;
     262 → 282 µs, offline −8 % against −4 %: dropped); 64-token tiles, 8 warps, 3-4 stages (all slower or equal).
     What would move it: V stored transposed within a block, so both operands load in wide rows without staging,
-    or a dot with 8-bit operands for P·V too.
+    or a dot with 8-bit operands for P·V too. Both are now the int8 cache's form (see "Precision"); its H200
+    timing is the next sweep's (``benchmarks/gpu/decode_attention_sweep.py`` times it against the widened form
+    and runs the offline workload on both layouts side by side).
 """
 
 from __future__ import annotations
@@ -91,7 +107,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import cached_empty, cached_zeros, cdiv, next_pow2, num_sms, require, use_pdl
-from .kv_cache import check_cache
+from .kv_cache import check_cache, check_layout, v_transposed
 from .rope import _norm_rope_heads
 
 __all__ = ["num_splits", "paged_decode_attention", "paged_decode_attention_qk_norm_rope"]
@@ -105,11 +121,15 @@ _LOG2E = 1.4426950408889634
 LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 2}
 # 2^9: P·V's fp16 operand is p·vs·2^9 (see "Precision"); acc gives it back after the walk
 _P_SCALE = tl.constexpr(512.0)
+# The largest 16-bit fixed-point value the int8 form's operands take: 127 · 256, so both int8 halves fit
+_I16_TOP = tl.constexpr(32512.0)
 FP8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16"}
 # The int8 cache's: as FP8's, and "i8_asm": on a GPU its tiles widen to fp16 by byte permutes and one fp16x2
 # subtraction per pair (_widen_8bit) instead of a conversion instruction per value (H200, 256 × 1,024: 305 → 262
-# µs, the same error; results/gpu/engine_h200_dev/decode_attention_sweep_e2b0cad.json).
-INT8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16", "i8_asm": True}
+# µs, the same error; results/gpu/engine_h200_dev/decode_attention_sweep_e2b0cad.json). "mma": with V transposed
+# within its blocks (the engine's int8 layout, kv_cache.py) the tiles skip widening altogether and go into int8
+# tensor-core dots as stored (``_attend_tile_i8``); "widen" and "i8_asm" then apply to the other layout only.
+INT8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16", "i8_asm": True, "mma": True}
 # Four int8 (one 32-bit register) → four fp16 (two), exactly: flip the sign bits (x + 128, offset binary), set
 # each byte as the low half of an fp16 whose high byte is 0x64 (the value 1024 + x + 128, as 1024's ulp is 1),
 # subtract 1152 from both halves. PRMT and LOP3 run on the integer pipes at 4× the rate of I2F.
@@ -135,9 +155,11 @@ ROPE_FP_FUSION = False
 
 @triton.jit
 def _load_tile(table, t0, end, k_cache_ptr, v_cache_ptr, block_size, stride_cb, stride_co, stride_ch, hk, d, d_mask,
-               BLOCK_N: tl.constexpr):  # fmt: skip
+               BLOCK_N: tl.constexpr, stride_vcb=0, stride_vch=0, V_T: tl.constexpr = False):  # fmt: skip
     """The K and V rows of context tokens ``t0 .. t0 + BLOCK_N - 1`` below ``end`` for KV head ``hk``, gathered
-    through the block table; also the tokens, their mask and their blocks (an FP8 cache's scales sit by block)."""
+    through the block table; also the tokens, their mask and their blocks (an FP8 cache's scales sit by block).
+    ``V_T``: V is transposed within its blocks (strides ``stride_vcb, stride_vch``; kv_cache.py), read here a
+    byte at a time (the int8 form that reads it whole is ``_load_tile_i8``)."""
     t = t0 + tl.arange(0, BLOCK_N)
     t_mask = t < end
     block = tl.load(table + t // block_size, mask=t_mask, other=0).to(tl.int64)
@@ -145,8 +167,70 @@ def _load_tile(table, t0, end, k_cache_ptr, v_cache_ptr, block_size, stride_cb, 
     kv_mask = t_mask[:, None] & d_mask[None, :]
     # K and V are both issued before any arithmetic: their latencies overlap instead of adding up
     k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if V_T:
+        v_row = block * stride_vcb + hk * stride_vch + t % block_size
+        v = tl.load(v_cache_ptr + v_row[:, None] + d[None, :] * block_size, mask=kv_mask, other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
     return t, t_mask, block, k, v
+
+
+@triton.jit
+def _load_tile_i8(table, t0, end, k_cache_ptr, v_cache_ptr, stride_cb, stride_co, stride_ch, stride_vcb, stride_vch,
+                  hk, d, d_mask, block_size: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr):  # fmt: skip
+    """``_load_tile`` for an int8 cache whose V is transposed within its blocks, a tile of whole blocks (``t0`` a
+    multiple of ``block_size``, which divides ``BLOCK_N``): K as ``[BLOCK_N, D]`` and V as ``[D, BLOCK_N]``, each
+    block's ``block_size`` tokens of one dimension one contiguous run. The block table is read once per block.
+    Rows of the last block past ``end`` are loaded too (whole runs load as wide vectors): whatever they hold,
+    the caller gives them no weight (their scores are masked, their scales read as 0)."""
+    NB: tl.constexpr = BLOCK_N // block_size
+    j = t0 // block_size + tl.arange(0, NB)
+    j_mask = j * block_size < end
+    blocks = tl.load(table + j, mask=j_mask, other=0).to(tl.int64)
+    block = tl.reshape(tl.broadcast_to(blocks[:, None], (NB, block_size)), (BLOCK_N,))
+    o = tl.arange(0, block_size)
+    t = t0 + tl.arange(0, BLOCK_N)
+    t_mask = t < end
+    row = block * stride_cb + (t % block_size) * stride_co + hk * stride_ch
+    k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0)
+    v_runs = blocks[:, None, None] * stride_vcb + hk * stride_vch + d[None, :, None] * block_size + o[None, None, :]
+    v3 = tl.load(v_cache_ptr + v_runs, mask=j_mask[:, None, None] & d_mask[None, :, None], other=0)
+    vt = tl.reshape(tl.permute(v3, (1, 0, 2)), (D_PAD, BLOCK_N))
+    return t, t_mask, block, k, vt
+
+
+@triton.jit
+def _split_i16(x, inv):
+    """``round(x · inv)`` (|x · inv| ≤ 32,512) as two int8 halves ``(hi, lo)`` with ``hi · 256 + lo`` equal to it:
+    16-bit fixed point for the int8 tensor-core dots, exact in their int32 sums."""
+    x16 = tl.floor(x * inv + 0.5)
+    hi = tl.floor((x16 + 128.0) * (1.0 / 256.0))
+    return hi.to(tl.int8), (x16 - hi * 256.0).to(tl.int8)
+
+
+@triton.jit
+def _dot_i16(a_hi, a_lo, b):
+    """``(a_hi · 256 + a_lo) @ b`` for int8 operands, as int32: two int8 tensor-core dots."""
+    return tl.dot(a_hi, b, out_dtype=tl.int32) * 256 + tl.dot(a_lo, b, out_dtype=tl.int32)
+
+
+@triton.jit
+def _attend_tile_i8(q_hi, q_lo, s_scale, k, vt, ks, vs, t_mask, m_i, l_i, acc):
+    """One tile of an int8 cache into the online softmax: scores as ``q16 · k`` (q in 16-bit fixed point per row,
+    ``s_scale`` = its step times the softmax scale) times the K scales; ``P·V`` as ``p16 · v`` with the
+    probabilities times the V scales in 16-bit fixed point per row of the tile. Both products are int8
+    tensor-core dots read straight from the cache's bytes (no widening)."""
+    s = _dot_i16(q_hi, q_lo, tl.trans(k)).to(tl.float32) * s_scale[:, None] * ks[None, :]
+    s = tl.where(t_mask[None, :], s, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    pv = p * vs[None, :]
+    step = tl.maximum(tl.max(pv, axis=1), 1e-30) * (1.0 / _I16_TOP)
+    p_hi, p_lo = _split_i16(pv, 1.0 / step[:, None])
+    acc = acc * alpha[:, None] + _dot_i16(p_hi, p_lo, tl.trans(vt)).to(tl.float32) * step[:, None]
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -227,6 +311,8 @@ def _paged_decode_kernel(
     stride_cb,
     stride_co,
     stride_ch,
+    stride_vcb,
+    stride_vch,
     stride_sb,
     stride_so,
     stride_bt,
@@ -245,6 +331,8 @@ def _paged_decode_kernel(
     HALF: tl.constexpr = 64,
     PDL: tl.constexpr = False,
     I8_ASM: tl.constexpr = False,
+    V_T: tl.constexpr = False,
+    I8_MMA: tl.constexpr = False,
 ):
     if PDL:  # see _common.use_pdl; every program waits, even a slice that exits at once (the chain's order)
         gdc_launch_dependents()
@@ -345,27 +433,43 @@ def _paged_decode_kernel(
             )
             if WIDEN_F16:  # FP8 tiles widen to fp16 (one conversion instruction per pair): q joins them there
                 q = q.to(tl.float16)
+            if I8_MMA:  # int8 tiles go into int8 dots as stored: q as 16-bit fixed point per head, in two halves
+                qf = q.to(tl.float32)
+                q_step = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) * (1.0 / _I16_TOP)
+                q_hi, q_lo = _split_i16(qf, 1.0 / q_step[:, None])
+                s_scale = q_step * qk_scale
 
         for t0 in range(loop_start, walk_end, BLOCK_N):
-            t, t_mask, block, k, v = _load_tile(
-                table, t0, walk_end, k_cache_ptr, v_cache_ptr, block_size, stride_cb, stride_co, stride_ch, hk, d,
-                d_mask, BLOCK_N,
-            )  # fmt: skip
-            ks = l_i  # unused without FP8
-            vs = l_i
-            if FP8:
-                # FP8 rows widen exactly to q's dtype; their per-token scales multiply the scores' columns (K) and
-                # the probabilities' columns (V) instead of a dequantized copy of the tile
+            if I8_MMA:
+                t, t_mask, block, k, vt = _load_tile_i8(
+                    table, t0, walk_end, k_cache_ptr, v_cache_ptr, stride_cb, stride_co, stride_ch, stride_vcb,
+                    stride_vch, hk, d, d_mask, block_size, BLOCK_N, D_PAD,
+                )  # fmt: skip
                 srow = block * stride_sb + (t % block_size) * stride_so + hk
                 ks = tl.load(k_scale_ptr + srow, mask=t_mask, other=0.0)
                 vs = tl.load(v_scale_ptr + srow, mask=t_mask, other=0.0)
-                if WIDEN_F16:
-                    # P·V's fp16 operand is p·vs·2^9 ≈ p·(the token's V amax), as vs = amax / 448: without the
-                    # factor, small p·vs fall below fp16's normal range. The power of two leaves acc exactly.
-                    vs = vs * _P_SCALE
-                k = _widen_8bit(k, q.dtype, I8_ASM)
-                v = _widen_8bit(v, q.dtype, I8_ASM)
-            m_i, l_i, acc = _attend_tile(q, k, v, ks, vs, t_mask, m_i, l_i, acc, qk_scale, IEEE, FP8)
+                m_i, l_i, acc = _attend_tile_i8(q_hi, q_lo, s_scale, k, vt, ks, vs, t_mask, m_i, l_i, acc)
+            else:
+                t, t_mask, block, k, v = _load_tile(
+                    table, t0, walk_end, k_cache_ptr, v_cache_ptr, block_size, stride_cb, stride_co, stride_ch, hk,
+                    d, d_mask, BLOCK_N, stride_vcb, stride_vch, V_T,
+                )  # fmt: skip
+                ks = l_i  # unused without FP8
+                vs = l_i
+                if FP8:
+                    # FP8 rows widen exactly to q's dtype; their per-token scales multiply the scores' columns (K)
+                    # and the probabilities' columns (V) instead of a dequantized copy of the tile
+                    srow = block * stride_sb + (t % block_size) * stride_so + hk
+                    ks = tl.load(k_scale_ptr + srow, mask=t_mask, other=0.0)
+                    vs = tl.load(v_scale_ptr + srow, mask=t_mask, other=0.0)
+                    if WIDEN_F16:
+                        # P·V's fp16 operand is p·vs·2^9 ≈ p·(the token's V amax), as vs = amax / 448: without
+                        # the factor, small p·vs fall below fp16's normal range. The power of two leaves acc
+                        # exactly.
+                        vs = vs * _P_SCALE
+                    k = _widen_8bit(k, q.dtype, I8_ASM)
+                    v = _widen_8bit(v, q.dtype, I8_ASM)
+                m_i, l_i, acc = _attend_tile(q, k, v, ks, vs, t_mask, m_i, l_i, acc, qk_scale, IEEE, FP8)
         if WIDEN_F16:
             acc = acc * (1.0 / _P_SCALE)
         if ROPE:  # noqa: SIM102 (a constexpr guard: the tensor test must not be compiled without ROPE)
@@ -450,6 +554,7 @@ def paged_decode_attention(
     v_scales: torch.Tensor | None = None,
     fp8_widen: str | None = None,
     i8_asm: bool | None = None,
+    i8_mma: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q: (B, Hq, D)`` over the paged caches; returns ``(B, Hq, D)`` in q's dtype.
 
@@ -459,7 +564,9 @@ def paged_decode_attention(
     cache (``float8_e4m3fn``) comes with ``k_scales, v_scales: (num_blocks, block_size, Hk)`` fp32. Launch
     settings left None come from ``LAUNCH`` (``FP8_LAUNCH`` / ``INT8_LAUNCH`` for an 8-bit cache); ``fp8_widen``:
     the dtype 8-bit tiles widen to for the dots of a bf16 q, ``"bf16"`` or ``"f16"``; ``i8_asm``: an int8
-    cache's tiles widen through byte permutes (CUDA only; see ``INT8_LAUNCH``).
+    cache's tiles widen through byte permutes (CUDA only; see ``INT8_LAUNCH``); ``i8_mma``: an int8 cache whose V
+    is transposed within its blocks (kv_cache.py) goes into int8 tensor-core dots as stored, without widening
+    (``INT8_LAUNCH["mma"]``; needs a power-of-two block size dividing ``block_n``).
     """
     eight_bit = k_scales is not None
     cfg = dict(LAUNCH if not eight_bit else INT8_LAUNCH if k_cache.dtype == torch.int8 else FP8_LAUNCH)
@@ -469,17 +576,28 @@ def paged_decode_attention(
         ("num_stages", num_stages),
         ("widen", fp8_widen),
         ("i8_asm", i8_asm),
+        ("mma", i8_mma),
     ):
         if value is not None:
             cfg[key] = value
     widen = cfg.get("widen", "bf16")
     require(widen in ("bf16", "f16"), "fp8_widen must be 'bf16' or 'f16'")
-    widen_f16 = widen == "f16" and eight_bit and q.dtype == torch.bfloat16
+    bs = k_cache.shape[1]
+    mma = (
+        bool(cfg.get("mma"))
+        and k_cache.dtype == torch.int8
+        and v_transposed(v_cache)
+        and bs & (bs - 1) == 0
+        and cfg["block_n"] % bs == 0
+        and q.dtype != torch.float32
+    )
+    widen_f16 = widen == "f16" and eight_bit and q.dtype == torch.bfloat16 and not mma
     f16_tiles = widen_f16 or (eight_bit and q.dtype == torch.float16)
     return _decode(
         q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, cfg["block_n"],
         min_slice, cfg["num_warps"], cfg["num_stages"], k_scales, v_scales, None, widen_f16=widen_f16,
-        i8_asm=bool(cfg.get("i8_asm")) and k_cache.dtype == torch.int8 and f16_tiles and q.is_cuda,
+        i8_asm=bool(cfg.get("i8_asm")) and k_cache.dtype == torch.int8 and f16_tiles and q.is_cuda and not mma,
+        i8_mma=mma,
     )  # fmt: skip
 
 
@@ -530,13 +648,14 @@ def paged_decode_attention_qk_norm_rope(
 
 def _decode(
     q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, block_n, min_slice,
-    num_warps, num_stages, k_scales, v_scales, rope, widen_f16=False, i8_asm=False,
+    num_warps, num_stages, k_scales, v_scales, rope, widen_f16=False, i8_asm=False, i8_mma=False,
 ):  # fmt: skip
     B, Hq, D = q.shape
     _, block_size, Hk, Dc = k_cache.shape
     require(Dc == D and v_cache.shape == k_cache.shape, "caches must be (num_blocks, block_size, Hk, D)")
     require(Hq % Hk == 0, "Hq must be a multiple of Hk")
-    require(k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "caches must share a dense layout")
+    v_t = check_layout(k_cache, v_cache)
+    require(not (v_t and rope is not None), "the fused QK-norm + RoPE form writes V in K's layout")
     require(q.stride(2) == 1, "q needs a unit stride along head_dim")
     scales = check_cache(k_cache, v_cache, q.dtype, k_scales, v_scales)
     require(block_tables.dim() == 2 and block_tables.shape[0] == B, "block_tables must be (B, max_blocks)")
@@ -585,6 +704,8 @@ def _decode(
         q.stride(0),
         q.stride(1),
         *k_cache.stride()[:3],
+        v_cache.stride(0),
+        v_cache.stride(2),
         *(scales[0].stride()[:2] if scales is not None else (0, 0)),
         block_tables.stride(0),
         out.stride(0),
@@ -602,6 +723,8 @@ def _decode(
         HALF=D // 2,
         PDL=pdl,
         I8_ASM=i8_asm,
+        V_T=v_t,
+        I8_MMA=i8_mma,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,

@@ -51,7 +51,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import next_pow2, require, use_pdl
-from .kv_cache import INT8_DTYPE, check_cache, row_scales_8bit, to_8bit
+from .kv_cache import INT8_DTYPE, _v_rows, check_cache, check_layout, row_scales_8bit, to_8bit
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_store_kv", "rotary_embedding"]
 
@@ -96,16 +96,16 @@ def _norm_rope_heads(
 
 
 @triton.jit
-def _store_8bit_halves(x1, x2, cache, scales, mask, h_mask, HALF: tl.constexpr, INT8: tl.constexpr):
+def _store_8bit_halves(x1, x2, cache, half, scales, mask, h_mask, INT8: tl.constexpr):
     """Quantize one token's heads held as two halves with one scale per head (the larger half's amax), as e4m3
-    or int8."""
+    or int8; ``cache`` points at the first halves' values, ``half`` elements before the second halves'."""
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
     a1 = tl.max(tl.where(mask, tl.abs(x1f), 0.0), axis=1)
     a2 = tl.max(tl.where(mask, tl.abs(x2f), 0.0), axis=1)
     inv, scale = row_scales_8bit(tl.maximum(a1, a2), INT8)
     tl.store(cache, to_8bit(x1f, inv, INT8), mask=mask)
-    tl.store(cache + HALF, to_8bit(x2f, inv, INT8), mask=mask)
+    tl.store(cache + half, to_8bit(x2f, inv, INT8), mask=mask)
     tl.store(scales, scale, mask=h_mask)
 
 
@@ -145,6 +145,8 @@ def _qk_rope_kernel(
     stride_cb,
     stride_co,
     stride_ch,
+    stride_vcb,
+    stride_vch,
     stride_sb,
     stride_so,
     stride_cs,
@@ -158,6 +160,7 @@ def _qk_rope_kernel(
     V_OUT: tl.constexpr = False,
     PDL: tl.constexpr = False,
     INT8: tl.constexpr = False,
+    V_T: tl.constexpr = False,
 ):
     if PDL:  # see _common.use_pdl
         gdc_launch_dependents()
@@ -198,18 +201,22 @@ def _qk_rope_kernel(
         if slot >= 0:
             row = (slot // block_size) * stride_cb + (slot % block_size) * stride_co
             kc = k_cache_ptr + row + hk[:, None] * stride_ch + d[None, :]
-            vc = v_cache_ptr + row + hk[:, None] * stride_ch + d[None, :]
+            vc = v_cache_ptr + _v_rows(slot, block_size, stride_cb, stride_co, stride_ch, stride_vcb, stride_vch, hk, d,
+                                       V_T)  # fmt: skip
+            v_half = HALF
+            if V_T:  # V transposed within its block: the dimensions lie block_size apart
+                v_half = HALF * block_size
             if FP8:
                 # one scale per (token, head) over both halves: the row's amax is the larger half's
                 srow = (slot // block_size) * stride_sb + (slot % block_size) * stride_so + hk
                 h_mask = hk < n_kv_heads
-                _store_8bit_halves(k1, k2, kc, k_scale_ptr + srow, kmask, h_mask, HALF, INT8)
-                _store_8bit_halves(v1, v2, vc, v_scale_ptr + srow, kmask, h_mask, HALF, INT8)
+                _store_8bit_halves(k1, k2, kc, HALF, k_scale_ptr + srow, kmask, h_mask, INT8)
+                _store_8bit_halves(v1, v2, vc, v_half, v_scale_ptr + srow, kmask, h_mask, INT8)
             else:
                 tl.store(kc, k1, mask=kmask)
                 tl.store(kc + HALF, k2, mask=kmask)
                 tl.store(vc, v1, mask=kmask)
-                tl.store(vc + HALF, v2, mask=kmask)
+                tl.store(vc + v_half, v2, mask=kmask)
 
 
 def _check_heads(name: str, t: torch.Tensor, T: int, D: int) -> None:
@@ -261,14 +268,14 @@ def _launch(
         require(v_out.shape == v.shape and v_out.dtype == v.dtype, "v_out must be like v")
     if store:
         require(k_cache.shape == v_cache.shape and k_cache.shape[2:] == (Hk, D), "caches must be (N, bs, Hk, D)")
-        require(k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "caches must share a dense layout")
+        v_t = check_layout(k_cache, v_cache)
         require(slot_mapping.shape == (T,), "slot_mapping must be (T,)")
         scales = check_cache(k_cache, v_cache, q.dtype, k_scales, v_scales)
-        cache_strides = k_cache.stride()[:3]
+        cache_strides = (*k_cache.stride()[:3], v_cache.stride(0), v_cache.stride(2))
         block_size = k_cache.shape[1]
     else:
         v, k_cache, v_cache, slot_mapping = k, k, k, positions  # unused (STORE=False)
-        cache_strides, block_size, scales = (0, 0, 0), 1, None
+        cache_strides, block_size, scales, v_t = (0, 0, 0, 0, 0), 1, None, False
     k_scales, v_scales = scales if scales is not None else (k, k)  # unused when FP8=False
     scale_strides = k_scales.stride()[:2] if scales is not None else (0, 0)
     if T == 0:
@@ -319,6 +326,7 @@ def _launch(
         INT8=scales is not None and k_cache.dtype == INT8_DTYPE,
         V_OUT=v_out is not None,
         PDL=pdl,
+        V_T=v_t,
         num_warps=4,
         enable_fp_fusion=False,  # keep every bf16 rounding of the reference (see Precision)
         launch_pdl=pdl,

@@ -136,8 +136,7 @@ def gather_context(
     cache: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
     """The cache rows at ``slots`` → ``(len(slots), Hk, D)`` in ``dtype`` (an 8-bit cache dequantized)."""
-    row_scales = scales.flatten(0, 1) if scales is not None else None
-    return reference.read_cache(cache.flatten(0, 1), slots, row_scales).to(dtype)
+    return reference.read_slots(cache, slots, scales).to(dtype)
 
 
 def paged_attention(

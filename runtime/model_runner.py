@@ -233,7 +233,7 @@ class ModelRunner:
         # scales start at 0, so a slot never written reads as zeros, as in the other dtypes
         return LayerKV(
             zeros(shape, self.kv_dtype),
-            zeros(shape, self.kv_dtype),
+            torch_ops.v_cache_zeros(shape, self.kv_dtype, self.device),
             zeros(shape[:3], torch.float32),
             zeros(shape[:3], torch.float32),
         )

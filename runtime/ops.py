@@ -189,6 +189,22 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype = FP8_DTYPE) -> tuple[torch.
     return y.clamp(-top, top).to(dtype), amax / top
 
 
+# Whether the engine lays out the int8 cache's V transposed within its blocks (``v_cache_zeros``); a switch for
+# side-by-side measurements (benchmarks/gpu/decode_attention_sweep.py), read when a runner allocates its cache.
+INT8_V_TRANSPOSED = True
+
+
+def v_cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed V cache of ``shape`` ``(num_blocks, block_size, Hk, D)``. The int8 cache's V is transposed within
+    its blocks: the view of a ``(num_blocks, Hk, D, block_size)`` tensor, so the decode attention reads each
+    dimension's tokens as one run, the layout its int8 tensor-core dots take (kernels/kv_cache.py,
+    kernels/paged_attention.py); every other cache is dense like K."""
+    if dtype != INT8_DTYPE or not INT8_V_TRANSPOSED:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nb, bs, hk, d = shape
+    return torch.zeros((nb, hk, d, bs), dtype=dtype, device=device).permute(0, 3, 1, 2)
+
+
 def dequantize_kv(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The fp32 values an 8-bit cache row stands for: ``value · scale``."""
     return q.float() * scales[..., None]
@@ -208,29 +224,40 @@ def store_kv(
 
     An 8-bit cache (FP8 or int8) quantizes each (token, head) row (``quantize_kv``) and writes its scale to
     ``k_scales`` / ``v_scales``."""
-    num_blocks, block_size = k_cache.shape[:2]
+    block_size = k_cache.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    rows = num_blocks * block_size
+    # (block, offset) pairs, not rows of a flat view: a V cache transposed within its blocks (the int8 cache's
+    # layout, kernels/kv_cache.py) has no such view
+    at = (slots // block_size, slots % block_size)
     for x, cache, scales in ((k, k_cache, k_scales), (v, v_cache, v_scales)):
         if cache.dtype in QUANTIZED_KV:
             assert scales is not None, "an 8-bit cache needs its scales"
             q, s = quantize_kv(x[valid], cache.dtype)
             # scattered as bytes: indexing kernels do not cover float8 on every device
-            cache.view(torch.uint8).view(rows, *cache.shape[2:])[slots] = q.view(torch.uint8)
-            scales.view(rows, scales.shape[2])[slots] = s
+            cache.view(torch.uint8)[at] = q.view(torch.uint8)
+            scales[at] = s
         else:
-            cache.view(rows, *cache.shape[2:])[slots] = x[valid]
+            cache[at] = x[valid]
 
 
 def read_cache(cache: torch.Tensor, index: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-    """``cache[index]`` along its first dim (blocks of ``(N, block_size, Hk, D)``, or token rows of its
-    ``(N · block_size, Hk, D)`` view with ``scales`` viewed alike), ``index`` int64 of any shape; an FP8 cache's
+    """``cache[index]``: blocks of ``(N, block_size, Hk, D)``, ``index`` int64 of any shape; an 8-bit cache's
     values dequantized to fp32 (gathered as bytes: indexing kernels do not cover float8 everywhere)."""
     if cache.dtype not in QUANTIZED_KV:
         return cache[index]
     assert scales is not None, "an 8-bit cache needs its scales"
     return dequantize_kv(cache.view(torch.uint8)[index].view(cache.dtype), scales[index])
+
+
+def read_slots(cache: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """The cache rows at token ``slots`` (int64, any shape) → ``(*slots.shape, Hk, D)``, an 8-bit cache's
+    dequantized to fp32; indexed by (block, offset), so V transposed within its blocks reads the same."""
+    at = (slots // cache.shape[1], slots % cache.shape[1])
+    if cache.dtype not in QUANTIZED_KV:
+        return cache[at]
+    assert scales is not None, "an 8-bit cache needs its scales"
+    return dequantize_kv(cache.view(torch.uint8)[at].view(cache.dtype), scales[at])
 
 
 def _gather_context(

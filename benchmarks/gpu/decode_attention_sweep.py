@@ -4,14 +4,16 @@ workload with the best of them against the current defaults.
 
 1. Kernel sweep at the gate's shapes (Qwen3-0.6B: 16 query / 8 KV heads, head_dim 128, blocks of 16), for the
    bf16 cache (``LAUNCH``), the FP8 cache (``FP8_LAUNCH``) and the int8 cache (``INT8_LAUNCH``): ``block_n`` ×
-   ``num_warps`` × ``num_stages`` × for int8 ``i8_asm`` (tiles widened by byte permutes), each
-   checked against the fp32 reference (``ops``; over the dequantized cache for 8-bit) and timed with
-   ``triton.testing.do_bench``; GB/s of the bytes each must read. (Batch 1 is timed too, but one call there is
-   bound by the host's launch, not the kernel.)
+   ``num_warps`` × ``num_stages`` × for int8 the form: V dense like K with its tiles widened to fp16 by a
+   conversion per value or by byte permutes (``i8_asm``), or V transposed within its blocks (the engine's int8
+   layout) into int8 tensor-core dots as stored (``mma``); each checked against the fp32 reference (``ops``;
+   over the dequantized cache for 8-bit) and timed with ``triton.testing.do_bench``; GB/s of the bytes each
+   must read. (Batch 1 is timed too, but one call there is bound by the host's launch, not the kernel.)
 2. Offline nano-vllm workload (256 prompts, greedy, ``ignore_eos``) on engines kept side by side: the bf16 cache
-   at ``LAUNCH`` as it stands, the bf16 cache at the sweep's best (when it differs) and the int8 cache at its
-   best, in interleaved rounds; the launch dicts are set before each engine is built (its CUDA graphs keep them)
-   and before each of its runs (eager steps read them at call time).
+   at ``LAUNCH`` as it stands, the bf16 cache at the sweep's best (when it differs), the int8 cache at its best,
+   and the int8 cache as it was before the transposed layout (V dense, widened by byte permutes), in interleaved
+   rounds; the launch dicts (and ``ops.INT8_V_TRANSPOSED``) are set before each engine is built (its CUDA graphs
+   and its cache keep them) and the launch dicts before each of its runs (eager steps read them at call time).
 
     export ROOT=$PWD KERNELLAB_COMMIT=<sha>; source benchmarks/gpu/env.sh
     python3 $ROOT/benchmarks/gpu/decode_attention_sweep.py --out "$OUT"          # on the device machine
@@ -35,7 +37,7 @@ import torch
 READ_BW_GBS = 3630.0  # the H200's measured read bandwidth (tests/gpu/run_fp8.py)
 SHAPE = {"Hq": 16, "Hk": 8, "D": 128, "block_size": 16}
 CACHES = ("bf16", "fp8", "int8")
-KEYS = ("block_n", "num_warps", "num_stages", "widen", "i8_asm")
+KEYS = ("block_n", "num_warps", "num_stages", "widen", "i8_asm", "mma")
 
 
 def _launch_dicts():
@@ -61,6 +63,9 @@ def _case(batch: int, ctx: int, device: str) -> dict:
         (k8, ks), (v8, vs) = ops.quantize_kv(k, dtype), ops.quantize_kv(v, dtype)
         sc = {"k_scales": ks, "v_scales": vs}
         c["caches"][name] = (k8, v8, sc, ops.paged_decode_attention(q, k8, v8, tables, lens, D**-0.5, **sc).float())
+    # the engine's int8 layout: the same values, V transposed within its blocks (ops.v_cache_zeros)
+    v8 = c["caches"]["int8"][1]
+    c["int8_v_t"] = ops.v_cache_zeros(v8.shape, v8.dtype, v8.device).copy_(v8)
     return c
 
 
@@ -94,7 +99,8 @@ def sweep(cases: list[tuple[int, int]], device: str, configs: dict[str, list[dic
                 if name != "bf16":
                     kw["fp8_widen"] = cfg["widen"]
                 if name == "int8":
-                    kw["i8_asm"] = cfg["i8_asm"]
+                    kw["i8_asm"], kw["i8_mma"] = cfg["i8_asm"], cfg["mma"]
+                    v = c["int8_v_t"] if cfg["mma"] else c["caches"]["int8"][1]
 
                 def run(c=c, k=k, v=v, sc=sc, kw=kw):
                     return paged_decode_attention(c["q"], k, v, c["tables"], c["lens"], D**-0.5, **sc, **kw)
@@ -154,8 +160,10 @@ def pick(result: dict, name: str, current: dict, batched: set[tuple[int, int]]) 
 
 
 def offline_ab(variants: dict[str, tuple[str, dict]], device: str, rounds: int) -> dict:
-    """``variants``: name → (cache dtype, its launch dict)."""
+    """``variants``: name → (cache dtype, its launch dict); an int8 variant whose launch has ``mma`` off gets V
+    dense like K, as before the transposed layout."""
     from kernellab.bench.offline import gate_offline_setup, run_engine
+    from kernellab.runtime import ops
     from kernellab.runtime.config import EngineConfig
     from kernellab.runtime.engine import LLMEngine
 
@@ -175,7 +183,9 @@ def offline_ab(variants: dict[str, tuple[str, dict]], device: str, rounds: int) 
             device, kv_cache_dtype="auto" if cache == "bf16" else cache, num_kv_blocks=blocks
         )
         apply(cache, launch)
-        engines[name] = LLMEngine(EngineConfig(**cfg))  # graphs captured with this setting
+        ops.INT8_V_TRANSPOSED = bool(launch.get("mma", True))
+        engines[name] = LLMEngine(EngineConfig(**cfg))  # graphs captured with this setting, the cache laid out
+        ops.INT8_V_TRANSPOSED = True
         cfgs[name] = cfg
     runs = []
     names = list(variants)
@@ -229,16 +239,17 @@ def main() -> int:
     swept = [c for c in CACHES if c == "bf16" or c in args.caches.split(",")]
     configs: dict[str, list[dict]] = {}
     for name in swept:
-        forms = (True, False) if name == "int8" else (None,)
+        # int8: (i8_asm, mma); with mma (V transposed) the tiles are not widened, so i8_asm stays as it is
+        forms = ((True, False), (False, False), (True, True)) if name == "int8" else ((None, None),)
         configs[name] = [
             {
                 **current[name],
                 "block_n": bn,
                 "num_warps": w,
                 "num_stages": st,
-                **({"i8_asm": asm} if name == "int8" else {}),
+                **({"i8_asm": asm, "mma": mma} if name == "int8" else {}),
             }
-            for bn, w, st, asm in itertools.product(tiles, warps, stages, forms)
+            for bn, w, st, (asm, mma) in itertools.product(tiles, warps, stages, forms)
         ]
         if current[name] not in configs[name]:
             configs[name].append(dict(current[name]))
@@ -262,6 +273,8 @@ def main() -> int:
         variants["bf16-best"] = ("bf16", best["bf16"])
     if best.get("int8"):
         variants["int8-best"] = ("int8", best["int8"])
+    if "int8" in swept:  # the int8 cache before V was transposed: dense V widened by byte permutes
+        variants["int8-dense"] = ("int8", {**current["int8"], "mma": False, "i8_asm": True})
     result["offline"] = offline_ab(variants, args.device, args.rounds)
     path.write_text(json.dumps(result, indent=1))
     print(f"offline medians: {result['offline']['median_tok_s']}")

@@ -48,6 +48,7 @@ def _decode_case(batch: int, ctx: int, Hq: int, Hk: int, D: int, bs: int) -> dic
     for name, dtype in (("fp8", ops.FP8_DTYPE), ("int8", ops.INT8_DTYPE)):
         k8, ks = ops.quantize_kv(k, dtype)
         v8, vs = ops.quantize_kv(v, dtype)
+        v8 = ops.v_cache_zeros(v8.shape, dtype, v8.device).copy_(v8)  # the engine's layout (int8: V transposed)
         sc = {"k_scales": ks, "v_scales": vs}
         ref = ops.paged_decode_attention(q, k8, v8, tables, lens, scale, **sc)
         out = paged_decode_attention(q, k8, v8, tables, lens, scale, **sc)

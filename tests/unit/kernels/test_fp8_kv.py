@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernellab.kernels.kv_cache import store_kv
+from kernellab.kernels.kv_cache import store_kv, v_transposed
 from kernellab.kernels.paged_attention import paged_decode_attention
 from kernellab.kernels.rope import qk_norm_rope_store_kv
 from kernellab.runtime import ops
@@ -135,8 +135,17 @@ def test_paged_decode_attention_fp8(Hq, Hk, D, block_size, splits, dtype, widen,
     y = paged_decode_attention(
         q, k8, v8, tables, ctx, D**-0.5, out=out, splits=splits, block_n=16, k_scales=ks, v_scales=vs, fp8_widen=widen
     )
-    ref = ops.paged_decode_attention(q, k8, v8, tables, ctx, D**-0.5, k_scales=ks, v_scales=vs)
+    ref = _reference(q, kc, vc, tables, ctx, cache)
+    assert not torch.isnan(ref).any()
     assert_close(y, ref, atol, rtol, "fp8 paged decode")
+
+
+def _reference(q, kc, vc, tables, ctx, cache):
+    """The reference attention over the same 8-bit rows, with the poisoned slots zeroed: it reads whole blocks and
+    masks afterwards, so a NaN past a context would make every row of that sequence NaN (and unchecked)."""
+    k8, ks = ops.quantize_kv(kc.nan_to_num(0.0) * 3, cache)  # one scale per row: the same bits where written
+    v8, vs = ops.quantize_kv(vc.nan_to_num(0.0), cache)
+    return ops.paged_decode_attention(q, k8, v8, tables, ctx, q.shape[-1] ** -0.5, k_scales=ks, v_scales=vs)
 
 
 def test_fp8_widening_to_fp16_keeps_small_probabilities(gen):
@@ -181,3 +190,106 @@ def test_fp8_cache_scales_are_checked():
             k_scales=bad,
             v_scales=bad,
         )
+
+
+# ---------------------------------------------------------------- the int8 cache's V, transposed within its blocks
+def _transposed(cache: torch.Tensor) -> torch.Tensor:
+    """The same (N, bs, Hk, D) values laid out as the engine lays out the int8 cache's V (ops.v_cache_zeros)."""
+    out = ops.v_cache_zeros(cache.shape, cache.dtype, cache.device).view(torch.uint8).copy_(cache.view(torch.uint8))
+    out = out.view(cache.dtype)
+    assert v_transposed(out) and torch.equal(_bits(out), _bits(cache))
+    return out
+
+
+def test_the_engine_allocates_the_int8_v_cache_transposed():
+    assert v_transposed(ops.v_cache_zeros((3, 16, 2, 32), INT8, "cpu"))
+    for dtype in (FP8, torch.bfloat16):
+        assert not v_transposed(ops.v_cache_zeros((3, 16, 2, 32), dtype, "cpu"))
+
+
+@pytest.mark.parametrize("block_size, Hk, D", [(16, 2, 32), (3, 3, 24)])
+def test_store_kv_writes_a_transposed_v_like_the_reference(block_size, Hk, D, gen):
+    T, num_blocks = 9, 5
+    k = (torch.randn(T, Hk, D, generator=gen) * 4).to(torch.bfloat16)
+    v = torch.randn(T, Hk, D, generator=gen).to(torch.bfloat16)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:T]
+    slots[3] = -1
+    (kc, vc), (ks, vs) = _fp8_caches(num_blocks, block_size, Hk, D, INT8)
+    vc = _transposed(vc)
+    (kr, vr), (ksr, vsr) = _fp8_caches(num_blocks, block_size, Hk, D, INT8)
+    store_kv(k, v, kc, vc, slots.to(torch.int32), k_scales=ks, v_scales=vs)
+    ops.store_kv(k, v, kr, vr, slots, k_scales=ksr, v_scales=vsr)  # the dense layout, as before
+    assert v_transposed(vc) and torch.equal(_bits(kc), _bits(kr)) and torch.equal(_bits(vc), _bits(vr))
+    assert torch.equal(vs.nan_to_num(7.0), vsr.nan_to_num(7.0))
+    vt = _transposed(_fp8_caches(num_blocks, block_size, Hk, D, INT8)[0][1])
+    vts = poisoned((num_blocks, block_size, Hk), torch.float32, "cpu")
+    ops.store_kv(k, v, kr.clone(), vt, slots, k_scales=ksr.clone(), v_scales=vts)  # the reference, transposed
+    assert torch.equal(_bits(vt), _bits(vr))
+
+
+def test_qk_norm_rope_store_kv_writes_a_transposed_v(gen):
+    T, Hq, Hk, D, num_blocks, block_size = 9, 4, 2, 64, 4, 16
+    qkv = (torch.randn(T, (Hq + 2 * Hk) * D, generator=gen) * 2).to(torch.bfloat16)
+    q, k, v = (t.view(T, -1, D) for t in qkv.split([Hq * D, Hk * D, Hk * D], -1))
+    pos = torch.randint(0, 64, (T,), generator=gen)
+    cos_sin = ops.rope_cos_sin_cache(D, 64, 1e6)
+    qw = (1 + 0.2 * torch.randn(D, generator=gen)).to(torch.bfloat16)
+    kw = (1 + 0.2 * torch.randn(D, generator=gen)).to(torch.bfloat16)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:T]
+    slots[2] = -1
+    caches = {}
+    for layout in ("dense", "transposed"):
+        (kc, vc), (ks, vs) = _fp8_caches(num_blocks, block_size, Hk, D, INT8)
+        vc = _transposed(vc) if layout == "transposed" else vc
+        qk_norm_rope_store_kv(pos, q, k, v, qw, kw, 1e-6, cos_sin, kc, vc, slots, k_scales=ks, v_scales=vs)
+        caches[layout] = (kc, vc, ks, vs)
+    for a, b in zip(caches["dense"], caches["transposed"], strict=True):
+        assert torch.equal(
+            _bits(a) if a.dtype == INT8 else a.nan_to_num(7.0), _bits(b) if b.dtype == INT8 else b.nan_to_num(7.0)
+        )
+
+
+@pytest.mark.parametrize("block_size, mma", [(16, True), (16, False), (8, True), (5, True)])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("Hq, Hk, D", [(4, 2, 32), (16, 8, 128)])
+def test_paged_decode_attention_int8_transposed_v(Hq, Hk, D, block_size, mma, splits, gen):
+    """With V transposed the int8 tiles go into int8 tensor-core dots as stored (q and the probabilities in 16-bit
+    fixed point): closer to the reference than the fp16 widening of the dense layout. A block size that does not
+    divide the tile (5) or ``i8_mma=False`` reads the transposed V the slow way, with the same result."""
+    lens = [1, 17, 50, 200]
+    q, kc, vc, tables, ctx = _paged_case(lens, Hq, Hk, D, block_size, torch.float32, gen)
+    k8, ks = ops.quantize_kv(kc * 3, INT8)
+    v8, vs = ops.quantize_kv(vc, INT8)
+    ks[torch.isnan(kc).all(-1)] = float("nan")  # unused slots stay poisoned: weighing one poisons the output
+    vs[torch.isnan(vc).all(-1)] = float("nan")
+    q = q.to(torch.bfloat16)
+    ref = _reference(q, kc, vc, tables, ctx, INT8)
+    assert not torch.isnan(ref).any()
+    kw = {"k_scales": ks, "v_scales": vs, "splits": splits, "block_n": 16}
+    y = paged_decode_attention(q, k8, _transposed(v8), tables, ctx, D**-0.5, i8_mma=mma, **kw)
+    assert_close(y, ref, 8e-3, 8e-3, "int8 paged decode, V transposed")
+    dense = paged_decode_attention(q, k8, v8, tables, ctx, D**-0.5, fp8_widen="f16", **kw)
+    err = float((y.float() - ref.float()).norm() / ref.float().norm())
+    dense_err = float((dense.float() - ref.float()).norm() / ref.float().norm())
+    assert err <= dense_err * 1.05, (err, dense_err)
+
+
+def test_int8_dots_keep_long_flat_contexts_and_small_values(gen):
+    """Many nearly equal scores over a small-valued V (p ≈ 1e-3, vs ≈ 1e-5): the probabilities' fixed point is
+    per row of each tile, so none of them rounds away."""
+    Hq, Hk, D, bs = 2, 1, 32, 16
+    q, kc, vc, tables, ctx = _paged_case([1000], Hq, Hk, D, bs, torch.float32, gen)
+    k8, ks = ops.quantize_kv(kc * 0.01, INT8)
+    v8, vs = ops.quantize_kv(vc * 1e-3, INT8)
+    ks[torch.isnan(kc).all(-1)] = float("nan")
+    vs[torch.isnan(vc).all(-1)] = float("nan")
+    q = q.to(torch.bfloat16)
+    # in fp32 (q's bf16 values): the kernels' outputs are rounded to bf16 after
+    ref = ops.paged_decode_attention(q.float(), k8, v8, tables, ctx, D**-0.5, k_scales=ks, v_scales=vs)
+    assert not torch.isnan(ref).any()  # 1,000 tokens fill their blocks: no poisoned slot is read
+    errs = {}
+    for name, v_cache in (("int8 dots", _transposed(v8)), ("fp16 widening", v8)):
+        y = paged_decode_attention(q, k8, v_cache, tables, ctx, D**-0.5, block_n=64, k_scales=ks, v_scales=vs)
+        errs[name] = float((y.float() - ref).norm() / ref.norm())
+    rounding = float((ref.bfloat16().float() - ref).norm() / ref.norm())  # the output's own bf16 rounding
+    assert errs["int8 dots"] <= max(errs["fp16 widening"], rounding) * 1.05, (errs, rounding)

@@ -34,15 +34,18 @@ BS = 16
 
 
 def _paged(gen, B, ctx, Hq, Hk, D, dtype, fp8):
-    """``fp8``: False, or the 8-bit cache's dtype (True: FP8)."""
+    """``fp8``: False, or the 8-bit cache's dtype (True: FP8; "int8-vt": int8 with V transposed within its
+    blocks, the engine's int8 layout)."""
     blocks = B * -(-ctx // BS)
     cache = lambda: torch.randn(blocks, BS, Hk, D, generator=gen).to(dtype)  # noqa: E731
     k_cache, v_cache = cache(), cache()
     scales = {}
     if fp8:
-        q8 = ops.FP8_DTYPE if fp8 is True else fp8
+        q8 = ops.FP8_DTYPE if fp8 is True else torch.int8 if fp8 == "int8-vt" else fp8
         (k_cache, ks), (v_cache, vs) = ops.quantize_kv(k_cache.float(), q8), ops.quantize_kv(v_cache.float(), q8)
         scales = {"k_scales": ks, "v_scales": vs}
+        if fp8 == "int8-vt":
+            v_cache = v_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
     tables = torch.randperm(blocks, generator=gen).to(torch.int32).view(B, -1)
     lens = torch.full((B,), ctx, dtype=torch.int32)
     q = torch.randn(B, Hq, D, generator=gen).to(dtype)
@@ -84,7 +87,7 @@ def _exercise(gen: torch.Generator) -> None:
             rope.rotary_embedding(pos, q, k, cos_sin)
             nw = rnd(D, dtype=dtype)
             rope.qk_norm_rope(pos, q, k, nw, nw, 1e-6, cos_sin)
-            for fp8 in (False, True, torch.int8):  # the cache: as the activations, FP8, int8
+            for fp8 in (False, True, torch.int8, "int8-vt"):  # the cache: as the activations, FP8, int8 (2 layouts)
                 if fp8 is not False and dtype == torch.float32:
                     continue
                 _, kc, vc, _, _, scales = _paged(gen, 2, 32, Hq, Hk, D, dtype, fp8)
@@ -202,8 +205,12 @@ def test_every_recorded_launch_compiles_for_sm90():
     assert splits == {(False, False), (True, False), (False, True), (True, True)}
     decode = [launch["constexprs"] for launch in launches if launch["kernel"] == "_paged_decode_kernel"]
     assert {c["I8_ASM"] for c in decode} == {False, True}
+    # the int8 cache with V transposed within its blocks: int8 tensor-core dots, split and unsplit
+    assert {c["SPLIT"] for c in decode if c["I8_MMA"]} == {False, True}
     stores = {launch["constexprs"].get("INT8") for launch in launches if launch["kernel"] == "_store_kv_kernel"}
     assert stores == {False, True}  # FP8 and int8 writes both compiled
+    for kernel in ("_store_kv_kernel", "_qk_rope_kernel"):  # and the int8 writes of a transposed V
+        assert any(launch["constexprs"].get("V_T") for launch in launches if launch["kernel"] == kernel), kernel
     failures = compile_check.compile_records(launches)
     assert not failures, "\n\n".join(
         f"{f['launch']['kernel']} {f['launch']['constexprs']}:\n{f['error']}" for f in failures
