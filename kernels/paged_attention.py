@@ -64,7 +64,8 @@ Precision
     dot needs: D for ``q·Kᵀ``, and for ``P·V`` the tokens, hence V's layout; a tile is whole blocks, each
     block's ``block_size`` tokens of a dimension one run of bytes (``_load_tile_i8``). Compiled for sm_90 the
     loop issues 7.7 instructions a token (985 per 128-token tile; the widened int8 form 13.1, the bf16 cache's
-    7.6) in 166 registers instead of 224, with no byte-wise shared-memory reads left.
+    7.6) in 166 registers instead of 224, with no byte-wise shared-memory reads left
+    (``benchmarks/kernels/sass_loop.py``, results/kernels/sass_decode_attention.json).
 
 Trade-offs tried
     (H200 sweeps in ``benchmarks/kernels/bench_attention.py``, figures in docs/kernels.md.) At batch 64 × 1,024

@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""Instructions per token of the paged decode attention's inner loop, from its sm_90 SASS, on a machine without a
+GPU: what a kernel form costs in issue slots before the H200 times it.
+
+Each form is launched once under Triton's interpreter at the gate's shape (Qwen3-0.6B: 16 query / 8 KV heads,
+head_dim 128, blocks of 16, one slice per sequence), its specialization recorded as the GPU's JIT would make it
+(``compile_check.describe``, plus the 16-divisibility of every pointer and of every integer argument that has it,
+which is what lets the compiler vectorize loads), then compiled for ``sm_90`` in a child process with the ptxas
+Triton carries, disassembled with its ``cuobjdump`` and the longest backward branch taken as the tile loop.
+Prints and writes (``--out``) per form: registers, shared memory, the loop's instructions and their count per
+context token, and its ten most frequent opcodes.
+
+    python benchmarks/kernels/sass_loop.py --out results/kernels/sass_decode_attention.json
+
+Forms: the bf16 cache; the int8 cache with V laid out like K, its tiles widened to fp16 by byte permutes (the form
+before the transposed layout); the int8 cache with V transposed within its blocks (int8 tensor-core dots); the
+FP8 cache (widened to fp16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SHAPE = {"batch": 2, "context": 256, "Hq": 16, "Hk": 8, "D": 128, "block_size": 16}
+
+
+def record() -> dict:
+    """Each form's launch (``compile_check`` form) with ``aligned``: the arguments divisible by 16."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from kernellab.kernels import compile_check
+    from kernellab.kernels.paged_attention import paged_decode_attention
+    from kernellab.kernels.testing import patch_interpreter
+    from kernellab.runtime import ops
+
+    patch_interpreter()
+    B, ctx, Hq, Hk, D, bs = (SHAPE[k] for k in ("batch", "context", "Hq", "Hk", "D", "block_size"))
+    gen = torch.Generator().manual_seed(0)
+    blocks = B * ctx // bs
+    k = torch.randn(blocks, bs, Hk, D, generator=gen).bfloat16()
+    v = torch.randn(blocks, bs, Hk, D, generator=gen).bfloat16()
+    q = torch.randn(B, Hq, D, generator=gen).bfloat16()
+    tables = torch.arange(blocks, dtype=torch.int32).view(B, -1)
+    lens = torch.full((B,), ctx, dtype=torch.int32)
+    forms = {"bf16": (k, v, {}, {})}
+    for name, dtype in (("int8_dense_widened", ops.INT8_DTYPE), ("fp8_widened", ops.FP8_DTYPE)):
+        (k8, ks), (v8, vs) = ops.quantize_kv(k, dtype), ops.quantize_kv(v, dtype)
+        forms[name] = (k8, v8, {"k_scales": ks, "v_scales": vs}, {"i8_mma": False} if dtype == torch.int8 else {})
+        if dtype == torch.int8:
+            v_t = ops.v_cache_zeros(v8.shape, dtype, v8.device).copy_(v8)  # the engine's int8 layout
+            forms["int8_transposed_v_dots"] = (k8, v_t, forms[name][2], {"i8_mma": True})
+    out = {}
+    original = InterpretedFunction.run
+    for name, (kc, vc, scales, kw) in forms.items():
+        seen: list = []
+
+        def run(self, *args, grid, warmup, seen=seen, **kwargs):
+            launch = compile_check.describe(self.fn, args, kwargs)
+            names = list(launch["signature"])
+            launch["aligned"] = [
+                n
+                for n, a in zip(names, args, strict=False)
+                if (isinstance(a, torch.Tensor) and a.data_ptr() % 16 == 0)
+                or (isinstance(a, int) and not isinstance(a, bool) and a % 16 == 0)
+            ]
+            seen.append(launch)
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+        InterpretedFunction.run = run
+        try:
+            paged_decode_attention(q, kc, vc, tables, lens, D**-0.5, splits=1, **scales, **kw)
+        finally:
+            InterpretedFunction.run = original
+        (launch,) = seen
+        c = launch["constexprs"]
+        if c.get("WIDEN_F16") and kc.dtype == torch.int8:
+            c["I8_ASM"] = True  # the GPU's form (byte permutes are inline PTX: the CPU launch turns them off)
+        c["PDL"], launch["options"]["launch_pdl"] = True, True  # as the H200 launches it
+        out[name] = launch
+    return out
+
+
+def _loop(sass: str) -> list[str]:
+    """The longest backward branch's body: the tile loop."""
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2).strip()))
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    best: list[str] = []
+    for i, (a, text) in enumerate(ins):
+        m = re.search(r"BRA .*?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
+            body = [t for _, t in ins[at[int(m.group(1), 16)] : i + 1]]
+            best = body if len(body) > len(best) else best
+    return best
+
+
+def compile_forms(launches: dict) -> dict:
+    """In this process, without the interpreter: each launch compiled for sm_90 and its loop counted."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    rows = {}
+    for name, launch in launches.items():
+        fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
+        names = fn.arg_names
+        constexprs = {(names.index(k),): v for k, v in launch["constexprs"].items()}
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in launch["aligned"]}
+        kernel = triton.compile(
+            ASTSource(fn, launch["signature"], constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+            options=launch["options"],
+        )  # fmt: skip
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([tools / "cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
+            res = subprocess.run([tools / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
+        loop = _loop(sass)
+        block_n = launch["constexprs"]["BLOCK_N"]
+        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in loop)
+        regs = re.search(r"REG:(\d+)", res)
+        rows[name] = {
+            "registers": int(regs.group(1)) if regs else None,
+            "shared_bytes": kernel.metadata.shared,
+            "block_n": block_n,
+            "loop_instructions": len(loop),
+            "per_token": round(len(loop) / block_n, 2),
+            "top_opcodes": dict(ops.most_common(10)),
+            "constexprs": launch["constexprs"],
+        }
+        print(f"{name:24s} {rows[name]['registers']} regs, loop {len(loop)} / {block_n} tokens = "
+              f"{rows[name]['per_token']:.1f} a token", flush=True)  # fmt: skip
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", help="write the JSON artifact here")
+    ap.add_argument("--compile", help=argparse.SUPPRESS)  # the child: a JSON file of launches
+    args = ap.parse_args()
+    if args.compile:
+        print(json.dumps(compile_forms(json.loads(Path(args.compile).read_text()))))
+        return 0
+    launches = record()
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(launches, f, default=str)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, __file__, "--compile", f.name], env=env, capture_output=True, text=True)
+    os.unlink(f.name)
+    if proc.returncode != 0:
+        raise SystemExit(proc.stderr[-3000:])
+    lines = proc.stdout.strip().splitlines()
+    print("\n".join(lines[:-1]))
+    rows = json.loads(lines[-1])
+    if args.out:
+        from kernellab.results import provenance, write
+
+        write(
+            Path(args.out),
+            {
+                "schema": "kernellab.bench.sass_loop/v1",
+                "provenance": provenance("cpu"),
+                "what": "paged decode attention tile loop, sm_90 SASS (compiled and disassembled on the CPU)",
+                "shape": SHAPE,
+                "forms": rows,
+            },
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
