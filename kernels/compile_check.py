@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Launch", "compile_records", "record_launches"]
+__all__ = ["Launch", "compile_launch", "compile_records", "record_launches"]
 
 _DTYPES = {
     torch.bfloat16: "bf16",
@@ -71,8 +71,10 @@ def _is_constexpr(param: inspect.Parameter) -> bool:
     return ann is not inspect.Parameter.empty and "constexpr" in (ann if isinstance(ann, str) else repr(ann))
 
 
-def describe(fn, args: tuple, kwargs: dict) -> Launch:
-    """The specialization of one launch of the Python kernel function ``fn`` (what the GPU would compile)."""
+def describe(fn, args: tuple, kwargs: dict, aligned: bool = False) -> Launch:
+    """The specialization of one launch of the Python kernel function ``fn`` (what the GPU would compile).
+    ``aligned``: also list (``"aligned"``) the arguments the GPU's JIT specializes as divisible by 16 (pointers so
+    aligned, integers so divisible), which lets the compiler vectorize loads as it does on the device."""
     params = list(inspect.signature(fn).parameters.values())
     bound = dict(zip([p.name for p in params], args, strict=False))
     bound.update({k: v for k, v in kwargs.items() if k not in _OPTIONS})
@@ -85,25 +87,37 @@ def describe(fn, args: tuple, kwargs: dict) -> Launch:
         else:
             signature[p.name] = _arg_type(value)
     options = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
-    return {
+    launch: Launch = {
         "module": fn.__module__,
         "kernel": fn.__name__,
         "signature": signature,
         "constexprs": constexprs,
         "options": options,
     }
+    if aligned:
+        launch["aligned"] = [
+            name
+            for name, value in bound.items()
+            if signature.get(name, "constexpr") != "constexpr"
+            and (
+                (isinstance(value, torch.Tensor) and value.data_ptr() % 16 == 0)
+                or (isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0)
+            )
+        ]
+    return launch
 
 
 @contextlib.contextmanager
-def record_launches() -> Iterator[list[Launch]]:
-    """Record every interpreted kernel launch inside the block (they still run); yields the growing list."""
+def record_launches(aligned: bool = False) -> Iterator[list[Launch]]:
+    """Record every interpreted kernel launch inside the block (they still run); yields the growing list.
+    ``aligned``: see ``describe``."""
     from triton.runtime.interpreter import InterpretedFunction
 
     launches: list[Launch] = []
     original = InterpretedFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
-        launches.append(describe(self.fn, args, kwargs))
+        launches.append(describe(self.fn, args, kwargs, aligned))
         return original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = run
@@ -123,7 +137,9 @@ def unique(launches: list[Launch]) -> list[Launch]:
     return out
 
 
-def _compile_one(launch: Launch, arch: int) -> str | None:
+def compile_launch(launch: Launch, arch: int = 90):
+    """``triton.compile`` of one recorded launch for ``sm_{arch}`` (without the interpreter): the compiled kernel,
+    its ``asm["cubin"]`` included."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -131,9 +147,14 @@ def _compile_one(launch: Launch, arch: int) -> str | None:
     fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
     names = fn.arg_names
     constexprs = {(names.index(k),): v for k, v in launch["constexprs"].items()}
-    src = ASTSource(fn, launch["signature"], constexprs)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in launch.get("aligned", ())}
+    src = ASTSource(fn, launch["signature"], constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=launch["options"])
+
+
+def _compile_one(launch: Launch, arch: int) -> str | None:
     try:
-        triton.compile(src, target=GPUTarget("cuda", arch, 32), options=launch["options"])
+        compile_launch(launch, arch)
     except Exception as e:  # the compiler's own message is the finding
         return f"{type(e).__name__}: {e}"[-2000:]
     return None

@@ -241,9 +241,12 @@ def store_kv(
             cache[at] = x[valid]
 
 
-def read_cache(cache: torch.Tensor, index: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-    """``cache[index]``: blocks of ``(N, block_size, Hk, D)``, ``index`` int64 of any shape; an 8-bit cache's
-    values dequantized to fp32 (gathered as bytes: indexing kernels do not cover float8 everywhere)."""
+def read_cache(
+    cache: torch.Tensor, index: torch.Tensor | tuple[torch.Tensor, ...], scales: torch.Tensor | None
+) -> torch.Tensor:
+    """``cache[index]``: blocks of ``(N, block_size, Hk, D)`` (``index`` int64 of any shape), or a tuple of block
+    and offset indices; an 8-bit cache's values dequantized to fp32 (gathered as bytes: indexing kernels do not
+    cover float8 everywhere)."""
     if cache.dtype not in QUANTIZED_KV:
         return cache[index]
     assert scales is not None, "an 8-bit cache needs its scales"
@@ -253,11 +256,7 @@ def read_cache(cache: torch.Tensor, index: torch.Tensor, scales: torch.Tensor | 
 def read_slots(cache: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
     """The cache rows at token ``slots`` (int64, any shape) → ``(*slots.shape, Hk, D)``, an 8-bit cache's
     dequantized to fp32; indexed by (block, offset), so V transposed within its blocks reads the same."""
-    at = (slots // cache.shape[1], slots % cache.shape[1])
-    if cache.dtype not in QUANTIZED_KV:
-        return cache[at]
-    assert scales is not None, "an 8-bit cache needs its scales"
-    return dequantize_kv(cache.view(torch.uint8)[at].view(cache.dtype), scales[at])
+    return read_cache(cache, (slots // cache.shape[1], slots % cache.shape[1]), scales)
 
 
 def _gather_context(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -37,8 +38,6 @@ def free_port() -> int:
     Redis or HTTP client socket), so between our check and the server's bind a client of the stack itself
     could take it: a server that then dies with "Address already in use". Below the range only another
     server could take it, and the pick is random over thousands of ports."""
-    import random
-
     low, high = _ephemeral_range()
     span = (10_000, low - 1) if low > 12_000 else (high + 1, 65_535)
     for _ in range(200 if span[1] - span[0] > 1_000 else 0):

@@ -36,7 +36,6 @@ def record() -> dict:
     """Each form's launch (``compile_check`` form) with ``aligned``: the arguments divisible by 16."""
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    from triton.runtime.interpreter import InterpretedFunction
 
     from kernellab.kernels import compile_check
     from kernellab.kernels.paged_attention import paged_decode_attention
@@ -60,27 +59,9 @@ def record() -> dict:
             v_t = ops.v_cache_zeros(v8.shape, dtype, v8.device).copy_(v8)  # the engine's int8 layout
             forms["int8_transposed_v_dots"] = (k8, v_t, forms[name][2], {"i8_mma": True})
     out = {}
-    original = InterpretedFunction.run
     for name, (kc, vc, scales, kw) in forms.items():
-        seen: list = []
-
-        def run(self, *args, grid, warmup, seen=seen, **kwargs):
-            launch = compile_check.describe(self.fn, args, kwargs)
-            names = list(launch["signature"])
-            launch["aligned"] = [
-                n
-                for n, a in zip(names, args, strict=False)
-                if (isinstance(a, torch.Tensor) and a.data_ptr() % 16 == 0)
-                or (isinstance(a, int) and not isinstance(a, bool) and a % 16 == 0)
-            ]
-            seen.append(launch)
-            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-        InterpretedFunction.run = run
-        try:
+        with compile_check.record_launches(aligned=True) as seen:
             paged_decode_attention(q, kc, vc, tables, lens, D**-0.5, splits=1, **scales, **kw)
-        finally:
-            InterpretedFunction.run = original
         (launch,) = seen
         c = launch["constexprs"]
         if c.get("WIDEN_F16") and kc.dtype == torch.int8:
@@ -109,23 +90,14 @@ def _loop(sass: str) -> list[str]:
 
 def compile_forms(launches: dict) -> dict:
     """In this process, without the interpreter: each launch compiled for sm_90 and its loop counted."""
-    import importlib
-
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+
+    from kernellab.kernels.compile_check import compile_launch
 
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     rows = {}
     for name, launch in launches.items():
-        fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
-        names = fn.arg_names
-        constexprs = {(names.index(k),): v for k, v in launch["constexprs"].items()}
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in launch["aligned"]}
-        kernel = triton.compile(
-            ASTSource(fn, launch["signature"], constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-            options=launch["options"],
-        )  # fmt: skip
+        kernel = compile_launch(launch)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(kernel.asm["cubin"])
             f.flush()
