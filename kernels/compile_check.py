@@ -8,9 +8,9 @@ a cubin with the ``ptxas`` its wheel carries, for any target named. So the CPU t
 
 1. ``record_launches()``: run the launchers under the interpreter, recording each launch's specialization (the
    argument types, the constexpr values, the launch options ``num_warps``/``num_stages``/``launch_pdl``);
-2. ``compile_records()``: in a child process without the interpreter (the kernels' modules must be imported
-   with ``triton.jit`` producing compilable functions), compile each recorded specialization for Hopper
-   (``sm_90``, the H200) and report the ones that fail, with the compiler's message.
+2. ``compile_records()``: in child processes without the interpreter (the kernels' modules must be imported
+   with ``triton.jit`` producing compilable functions), one per CPU, compile each recorded specialization for
+   Hopper (``sm_90``, the H200) and report the ones that fail, with the compiler's message.
 
     python -m kernellab.kernels.compile_check records.json   # the child: prints a JSON list of failures
 """
@@ -160,27 +160,40 @@ def _compile_one(launch: Launch, arch: int) -> str | None:
     return None
 
 
-def compile_records(launches: list[Launch], arch: int = 90, timeout: float = 900) -> list[dict]:
-    """Compile each distinct launch for ``sm_{arch}`` in a child process without the interpreter; returns the
-    failures as ``{"launch": …, "error": …}`` (empty: everything compiles)."""
+def compile_records(
+    launches: list[Launch], arch: int = 90, timeout: float = 900, workers: int | None = None
+) -> list[dict]:
+    """Compile each distinct launch for ``sm_{arch}`` in child processes without the interpreter; returns the
+    failures as ``{"launch": …, "error": …}`` (empty: everything compiles).
+
+    Each compile is one thread of LLVM and ``ptxas``: the launches are dealt round-robin to ``workers`` children
+    (default: the CPUs this process may run on), so a two-core CI machine compiles two at a time."""
     import tempfile
 
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"arch": arch, "launches": unique(launches)}, f, default=str)
+    todo = unique(launches)
+    n = max(1, min(len(todo), workers or len(os.sched_getaffinity(0))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    jobs = []
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "kernellab.kernels.compile_check", f.name],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        for i in range(n):
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                json.dump({"arch": arch, "launches": todo[i::n]}, f, default=str)
+            cmd = [sys.executable, "-m", "kernellab.kernels.compile_check", f.name]
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            jobs.append((f.name, proc))
+        failures = []
+        for _, proc in jobs:
+            out, err = proc.communicate(timeout=timeout)
+            if proc.returncode != 0:
+                raise RuntimeError(f"compile check crashed (rc {proc.returncode}):\n{err[-4000:]}")
+            failures += json.loads(out.strip().splitlines()[-1])
+        return failures
     finally:
-        os.unlink(f.name)
-    if proc.returncode != 0:
-        raise RuntimeError(f"compile check crashed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        for name, proc in jobs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            os.unlink(name)
 
 
 def main(path: str) -> int:
