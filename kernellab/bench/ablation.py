@@ -10,11 +10,17 @@ threshold or the round budget is spent.
 Figures: ``tok_per_s`` (higher is better), ``itl_ms`` and ``ttft_ms`` (lower is better; the last since the prefill
 attention became an op); an effect is the kernel's gain in percent, positive when the workload is faster with it.
 
-Decision (``decide``): *accepted* when numerics pass, the kernel's gain on one figure is at least
-``min_effect_pct`` with the interval's confidence (its lower bound above it), and neither figure is that much
-slower with the same confidence (no upper bound below ``-min_effect_pct``); *rejected* when numerics fail;
-*experimental* otherwise. Where the interval still straddles a threshold after the last round, the decision is
-flagged ``settled: False`` in the artifact.
+Decision (``decide``): *accepted* when numerics pass, the kernel's gain on one figure is at least that figure's
+threshold with the interval's confidence (its lower bound above it), and no figure is slower by its threshold
+with the same confidence (no upper bound below minus it); *rejected* when numerics fail; *experimental*
+otherwise. Where an interval still straddles its threshold after the last round, the decision is flagged
+``settled: False`` in the artifact.
+
+Thresholds (``min_effect_pct``): one number for every figure, or one per figure. The gate gives each figure its
+own (``aa_thresholds``): the larger of ``MIN_EFFECT_PCT`` and how far two builds of one engine differ on that
+figure (the A/A interval's extent). One threshold for all let the noisiest figure set the bar for the steady ones:
+at ce2e67b a 2,000-token prompt's TTFT moved ±19 % between two builds while throughput moved 0.6 %, and under a
+19.3 % bar for everything silu_and_mul's +6.3 % [6.0, 6.5] throughput counted as no gain.
 
 Decisions that hold still (``previous``): an op whose true effect lies near ``min_effect_pct`` straddles it in
 some runs and clears it in others, so a rule applied to each run alone flips it between accepted and
@@ -33,7 +39,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
 # two-sided 95 % Student-t quantiles, by degrees of freedom (1…30); beyond, the normal's 1.96
@@ -43,6 +49,9 @@ _T975 += (2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 
 # +1: higher is better. ttft_ms (a 2,000-token prompt's first token) judges the ops of steps that prefill, which
 # the decode workload and batch-1 ITL barely run; a measurement without it is judged on the other two.
 FIGURES = {"tok_per_s": +1, "itl_ms": -1, "ttft_ms": -1}
+# No kernel counts as helping by less than this on any figure, however quiet the machine.
+MIN_EFFECT_PCT = 1.0
+Threshold = float | Mapping[str, float]  # percent: one for every figure, or per figure
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,19 @@ class Effect:
 
     def straddles(self, threshold_pct: float) -> bool:
         return self.lo_pct < threshold_pct < self.hi_pct
+
+
+def threshold_of(min_effect_pct: Threshold, figure: str) -> float:
+    """A figure's threshold; a per-figure mapping without it gives its largest (the strictest bar)."""
+    if isinstance(min_effect_pct, Mapping):
+        return float(min_effect_pct.get(figure, max(min_effect_pct.values())))
+    return float(min_effect_pct)
+
+
+def aa_thresholds(aa: Mapping[str, Effect], floor_pct: float = MIN_EFFECT_PCT) -> dict[str, float]:
+    """Per figure: the larger of ``floor_pct`` and the extent of the A/A interval (two builds of the same engine
+    measured against each other), rounded to 0.01 %."""
+    return {fig: round(max(floor_pct, abs(e.lo_pct), abs(e.hi_pct)), 2) for fig, e in aa.items()}
 
 
 def paired_effect(ratios: list[float]) -> Effect:
@@ -79,7 +101,7 @@ def paired_effect(ratios: list[float]) -> Effect:
 def decide(
     effects: dict[str, Effect],
     numerics_pass: bool,
-    min_effect_pct: float,
+    min_effect_pct: Threshold,
     previous: str | None = None,
     previous_run: str | None = None,
 ) -> str:
@@ -88,8 +110,8 @@ def decide(
     to change it (see "Decisions that hold still")."""
     if not numerics_pass:
         return "rejected"
-    helps = any(e.lo_pct > min_effect_pct for e in effects.values())
-    hurts = any(e.hi_pct < -min_effect_pct for e in effects.values())
+    helps = any(e.lo_pct > threshold_of(min_effect_pct, f) for f, e in effects.items())
+    hurts = any(e.hi_pct < -threshold_of(min_effect_pct, f) for f, e in effects.items())
     status = "accepted" if helps and not hurts else "experimental"
     if previous in ("accepted", "experimental"):
         if not settled(effects, min_effect_pct):
@@ -99,7 +121,7 @@ def decide(
     return status
 
 
-def verdict(effects: dict[str, Effect], numerics_pass: bool, min_effect_pct: float) -> str | None:
+def verdict(effects: dict[str, Effect], numerics_pass: bool, min_effect_pct: Threshold) -> str | None:
     """This run's own settled verdict (what the next run's ``previous_run`` is), or None where it is unsettled."""
     if numerics_pass and not settled(effects, min_effect_pct):
         return None
@@ -115,16 +137,19 @@ def standing_run(entry: dict) -> str | None:
     return entry.get("status") if e2e.get("settled") and "kept" not in e2e else None
 
 
-def settled(effects: dict[str, Effect], min_effect_pct: float) -> bool:
-    """More rounds could not change the decision's inputs: no interval straddles ±min_effect_pct."""
-    return not any(e.straddles(min_effect_pct) or e.straddles(-min_effect_pct) for e in effects.values())
+def settled(effects: dict[str, Effect], min_effect_pct: Threshold) -> bool:
+    """More rounds could not change the decision's inputs: no interval straddles ± its figure's threshold."""
+    return not any(
+        e.straddles(threshold_of(min_effect_pct, f)) or e.straddles(-threshold_of(min_effect_pct, f))
+        for f, e in effects.items()
+    )
 
 
 def interleaved(
     with_kernel: Callable[[], dict],
     without_kernel: Callable[[], dict],
     *,
-    min_effect_pct: float = 1.0,
+    min_effect_pct: Threshold = MIN_EFFECT_PCT,
     min_rounds: int = 3,
     max_rounds: int = 8,
 ) -> tuple[dict[str, Effect], dict]:

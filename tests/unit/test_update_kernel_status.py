@@ -4,6 +4,7 @@ two consecutive settled runs, an unsettled run keeps it, and an op the artifact 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import benchmarks.update_kernel_status as uks
 
@@ -77,3 +78,30 @@ def test_an_ablation_only_run_keeps_what_another_models_path_judged(tmp_path, mo
     assert (
         ops["qk_norm_rope"]["status"] == "experimental" and "not on qwen3-0.6b's path" in ops["qk_norm_rope"]["reason"]
     )
+
+
+def test_a_single_threshold_artifact_is_read_with_per_figure_thresholds_from_its_aa_record(tmp_path, monkeypatch):
+    """ce2e67b's gate recorded one threshold, 19.3 %, set by the A/A's TTFT interval: its silu_and_mul row
+    (+6.3 % [6.0, 6.5] throughput) is judged against throughput's own 1 %."""
+    status = tmp_path / "kernel_status.json"
+    status.write_text(json.dumps({"ops": {"silu_and_mul": {"status": "accepted", "e2e": {"run_status": "accepted"}}}}))
+    monkeypatch.setattr(uks, "STATUS", status)
+    monkeypatch.setattr(uks, "ROOT", tmp_path)
+    aa = {
+        "tok_per_s": {"mean_pct": -0.35, "lo_pct": -0.64, "hi_pct": -0.07, "rounds": 8},
+        "itl_ms": {"mean_pct": -0.18, "lo_pct": -0.38, "hi_pct": 0.02, "rounds": 8},
+        "ttft_ms": {"mean_pct": -2.13, "lo_pct": -19.26, "hi_pct": 18.63, "rounds": 8},
+    }
+    row = _row("experimental", (0.0, -0.3, 0.4))
+    row["effects"]["tok_per_s"] = {"mean_pct": 6.3, "lo_pct": 6.0, "hi_pct": 6.5, "rounds": 3}
+    row["effects"]["ttft_ms"] = {"mean_pct": -2.9, "lo_pct": -14.8, "hi_pct": 10.6, "rounds": 3}
+    path = _gate(tmp_path, "ce2e67b", {"silu_and_mul": row})
+    data = json.loads(Path(path).read_text())
+    data["ablation"]["__rule__"]["min_effect_pct"] = 19.26
+    data["ablation"]["__aa__"] = {"effects": aa, "settled": False, "rounds": []}
+    Path(path).write_text(json.dumps(data))
+    assert uks.main(path) == 0
+    e = json.loads(status.read_text())["ops"]["silu_and_mul"]
+    assert e["status"] == "accepted" and "kept" not in e["e2e"]
+    assert e["e2e"]["run_status"] == "accepted" and e["e2e"]["settled"] is True
+    assert e["e2e"]["rule"]["min_effect_pct"] == {"tok_per_s": 1.0, "itl_ms": 1.0, "ttft_ms": 19.26}

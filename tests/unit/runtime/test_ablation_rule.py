@@ -8,7 +8,17 @@ import random
 
 import pytest
 
-from kernellab.bench.ablation import Effect, decide, interleaved, paired_effect, settled, standing_run, verdict
+from kernellab.bench.ablation import (
+    Effect,
+    aa_thresholds,
+    decide,
+    interleaved,
+    paired_effect,
+    settled,
+    standing_run,
+    threshold_of,
+    verdict,
+)
 
 
 def test_paired_effect_mean_and_student_interval():
@@ -126,3 +136,33 @@ def test_standing_run_reads_the_recorded_verdict_or_infers_it_from_older_entries
     assert standing_run({"status": "accepted", "e2e": {"settled": True}}) == "accepted"
     assert standing_run({"status": "accepted", "e2e": {"settled": False, "kept": "..."}}) is None
     assert standing_run({"status": "experimental", "reason": "not on the path"}) is None
+
+
+def test_each_figure_is_judged_against_its_own_threshold():
+    """ce2e67b's gate: two builds of one engine differed by ±19 % on a prompt's TTFT and by 0.6 % on throughput.
+    One threshold for all (19.3 %) made silu_and_mul's +6.3 % [6.0, 6.5] throughput no gain; per figure it is."""
+    aa = {
+        "tok_per_s": Effect(-0.35, -0.64, -0.07, 8),
+        "itl_ms": Effect(-0.18, -0.38, 0.02, 8),
+        "ttft_ms": Effect(-2.13, -19.26, 18.63, 8),
+    }
+    per_figure = aa_thresholds(aa)
+    assert per_figure == {"tok_per_s": 1.0, "itl_ms": 1.0, "ttft_ms": 19.26}
+    silu = {
+        "tok_per_s": Effect(6.3, 6.0, 6.5, 3),
+        "itl_ms": Effect(0.0, -0.3, 0.4, 3),
+        "ttft_ms": Effect(-2.9, -14.8, 10.6, 3),
+    }
+    assert decide(silu, True, 19.26) == "experimental"  # the old single bar
+    assert decide(silu, True, per_figure) == "accepted" and settled(silu, per_figure)
+    # a TTFT loss inside that figure's own noise does not block, one beyond it does
+    slower_ttft = {**silu, "ttft_ms": Effect(-25.0, -30.0, -20.0, 3)}
+    assert decide(slower_ttft, True, per_figure) == "experimental"
+    # a figure a mapping lacks gets its strictest bar
+    assert threshold_of({"tok_per_s": 1.0, "ttft_ms": 19.26}, "itl_ms") == 19.26
+    assert threshold_of(2.5, "ttft_ms") == 2.5
+    # interleaving stops on the per-figure rule too
+    with_k, without_k, _ = _machine(3, speedup=1.5, spread=0.01)
+    effects, record = interleaved(with_k, without_k, min_effect_pct={"tok_per_s": 1.0, "itl_ms": 30.0})
+    assert record["settled"] and len(record["rounds"]) == 3
+    assert decide(effects, True, {"tok_per_s": 1.0, "itl_ms": 30.0}) == "accepted"
