@@ -3,6 +3,8 @@ through the engine's own step loop (scheduling, input preparation and sampling i
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import statistics
 import time
 
@@ -16,6 +18,22 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+@contextlib.contextmanager
+def _no_collection():
+    """A timed request without Python's cycle collector: collect first, then keep it off until the request is
+    done. A benchmark process holding several engines (the gate's ablation) has a large heap, and a full
+    collection landing inside a ~6 ms request made its TTFT bimodal on the H200 (6.1 or 8-10 ms medians of one
+    engine, 5-12 ms for SmolLM2's); the serving worker freezes its heap at startup for the same reason."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _random_prompt(n: int, vocab: int, gen: torch.Generator) -> list[int]:
     return torch.randint(0, min(vocab, 10000), (n,), generator=gen).tolist()
 
@@ -23,7 +41,8 @@ def _random_prompt(n: int, vocab: int, gen: torch.Generator) -> list[int]:
 def engine_ttft(engine, prompt_len: int, reps: int = 10, seed: int = 0, prefix: list[int] | None = None) -> list[float]:
     """Seconds from add_request to the first token, fresh random prompts (no prefix-cache hits). ``prefix``:
     every prompt starts with these tokens (a shared system prompt), then ``prompt_len`` fresh ones; the warm-ups
-    put the prefix in the engine's prefix cache, so the timed requests compute only their own tokens."""
+    put the prefix in the engine's prefix cache, so the timed requests compute only their own tokens. Each
+    request runs with the cycle collector off (``_no_collection``)."""
     from kernellab.runtime.request.sampling import SamplingParams
 
     gen = torch.Generator().manual_seed(seed)
@@ -33,11 +52,12 @@ def engine_ttft(engine, prompt_len: int, reps: int = 10, seed: int = 0, prefix: 
     for i in range(reps + 2):
         prompt = (prefix or []) + _random_prompt(prompt_len, vocab, gen)
         _sync(engine.runner.device)
-        t0 = time.perf_counter()
-        engine.add_request(f"ttft{i}", prompt, params)
-        while engine.has_unfinished_requests():
-            engine.step()
-        elapsed = time.perf_counter() - t0
+        with _no_collection():
+            t0 = time.perf_counter()
+            engine.add_request(f"ttft{i}", prompt, params)
+            while engine.has_unfinished_requests():
+                engine.step()
+            elapsed = time.perf_counter() - t0
         if i >= 2:  # two warm-ups
             times.append(elapsed)
     return times
