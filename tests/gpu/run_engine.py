@@ -417,7 +417,29 @@ def prefill_steps(weights, report):
     eng.runner.use_piecewise = pw is not None
     eng.runner.use_graphs = eng.runner.graphs is not None
     section["profile_" + name] = prof_rows
+    varlen_on = "varlen_causal_attention" in eng.runner.model.ops.enabled
     del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    if varlen_on:
+        # The same mixes on an engine without the packed prefill attention (an experimental op this engine runs):
+        # its Python launch (three tensor descriptors and a Triton launch a layer) against its device time, in the
+        # mixed steps whose attention runs eagerly between the piecewise graphs and in the whole-step graphs.
+        off = engine(
+            weights,
+            max_num_seqs=256,
+            max_model_len=4096,
+            num_kv_blocks=16384,
+            disabled_kernels=("varlen_causal_attention",),
+        )
+        section["steps_varlen_causal_attention_off"] = step_times(off, MIXES_H200, reps=6)
+        del off
+        for a, b in zip(section["steps"], section["steps_varlen_causal_attention_off"], strict=True):
+            log(
+                f"step {a['mix']:18s} varlen_causal_attention on / off: graph {a.get('graph_ms')} / "
+                f"{b.get('graph_ms')} ms  piecewise {a.get('piecewise_ms')} / {b.get('piecewise_ms')} ms  eager "
+                f"{a['eager_ms']} / {b['eager_ms']} ms"
+            )
 
 
 def kernel_numerics(op, kernel, reference, model=None) -> dict:
