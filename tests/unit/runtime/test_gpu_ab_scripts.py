@@ -68,3 +68,15 @@ def test_the_l2_prefetch_ab_runs_its_path(tmp_path):
     data = run("l2_prefetch_ab.py", tmp_path, "--rounds", "1")
     assert validate(data) == "kernellab.bench.l2_prefetch_ab/v1"
     assert data["same_tokens"] and {r["variant"] for r in data["runs"]} == set(data["variants"])
+
+
+def test_the_kv_dtype_profile_times_and_profiles_each_cache(tmp_path):
+    data = run("kv_dtype_profile.py", tmp_path, "--caches", "bf16,int8", "--decode-calls", "3", "--top", "5")
+    assert validate(data) == "kernellab.bench.kv_dtype_profile/v1"
+    assert list(data["caches"]) == ["bf16", "int8"]
+    for cache in data["caches"].values():
+        calls = cache["run"]["calls"]
+        assert calls["prefill"]["n"] >= 1 and calls["decode"]["n"] >= 1 and cache["run"]["output_tok_per_s"] > 0
+        first, decode = cache["profile"]["first_step"], cache["profile"]["decode"]
+        assert decode["calls"] == 3 and decode["running"] > 0  # the full batch, every prompt in
+        assert 0 < len(first["top"]) <= 5 and first["total_ms"] >= first["top"][0]["ms"] > 0
