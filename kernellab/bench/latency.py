@@ -20,12 +20,13 @@ def _sync(device) -> None:
 
 @contextlib.contextmanager
 def _no_collection():
-    """A timed request without Python's cycle collector: collect first, then keep it off until the request is
-    done. A benchmark process holding several engines (the gate's ablation) has a large heap, and a full
-    collection landing inside a ~6 ms request made its TTFT bimodal on the H200 (6.1 or 8-10 ms medians of one
-    engine, 5-12 ms for SmolLM2's); the serving worker freezes its heap at startup for the same reason."""
+    """A timed request without Python's cycle collector: off until the request is done, so a collection the
+    request's allocations would trigger runs after it instead (no collection first: in a process holding several
+    engines one takes long, and the gate calls this hundreds of times). Such a process (the gate's ablation) has
+    a large heap, and a full collection landing inside a ~6 ms request may be what made its TTFT bimodal on the
+    H200 (6.1 or 8-10 ms medians of one engine, 5-12 ms for SmolLM2's); the serving worker freezes its heap at
+    startup for the same reason."""
     enabled = gc.isenabled()
-    gc.collect()
     gc.disable()
     try:
         yield
