@@ -2,7 +2,8 @@
 """The paged decode attention on the H200, per KV-cache dtype: launch settings and kernel forms, then the offline
 workload with the best of them against the current defaults.
 
-1. Kernel sweep at the gate's shapes (Qwen3-0.6B: 16 query / 8 KV heads, head_dim 128, blocks of 16), for the
+1. Kernel sweep at the gate's shapes (Qwen3-0.6B: 16 query / 8 KV heads, head_dim 128, blocks of 16; batches of
+   64-256 at contexts of 384-2,048 and batch 1 at 4,096), for the
    bf16 cache (``LAUNCH``), the FP8 cache (``FP8_LAUNCH``) and the int8 cache (``INT8_LAUNCH``): ``block_n`` ×
    ``num_warps`` × ``num_stages`` × for int8 the form: V dense like K with its tiles widened to fp16 by a
    conversion per value or by byte permutes (``i8_asm``), or V transposed within its blocks (the engine's int8
@@ -231,7 +232,9 @@ def main() -> int:
 
     current = {name: dict(d) for name, d in _launch_dicts().items()}
     if gpu:
-        cases = [(64, 1024), (256, 1024), (1, 4096)]
+        # the offline workload's contexts run from ~100 to ~2,000 tokens (mean ~840): a short and a long batched
+        # case beside 1,024, since a form's tile size and per-tile overhead weigh differently at each
+        cases = [(64, 1024), (256, 1024), (256, 384), (128, 2048), (1, 4096)]
         tiles, warps = (64, 128), (4, 8)
     else:  # the interpreter: the script's path, a handful of settings
         cases = [(2, 64), (4, 64)]
