@@ -35,15 +35,6 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _warm(eng, prompts) -> None:
-    from kernellab.runtime.request.sampling import SamplingParams
-
-    for i, p in enumerate(prompts[:8]):
-        eng.add_request(f"warm{i}", p, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-    while eng.has_unfinished_requests():
-        eng.step()
-
-
 def _add_all(eng, prompts, outs, tag: str) -> None:
     from kernellab.runtime.request.sampling import SamplingParams
 
@@ -54,9 +45,11 @@ def _add_all(eng, prompts, outs, tag: str) -> None:
 def _kernels(prof, device: str, top: int) -> dict:
     """Per kernel (CUDA) or per op (CPU, self time): milliseconds and calls, the largest ``top`` and the total."""
     if device == "cuda":
-        rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0]
-        rows = [r for r in rows if not r[0].startswith(("aten::", "cuda", "Memcpy", "Memset"))] + [
-            r for r in rows if r[0].startswith(("Memcpy", "Memset"))
+        # device work only: kernels, copies and memsets, not the host ops (aten::, cuda*) that launched them
+        rows = [
+            (e.key, e.device_time_total, e.count)
+            for e in prof.key_averages()
+            if e.device_time_total > 0 and not e.key.startswith(("aten::", "cuda"))
         ]
     else:
         rows = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages() if e.self_cpu_time_total > 0]
@@ -143,7 +136,7 @@ def main() -> int:
         from kernellab.kernels.testing import patch_interpreter
 
         patch_interpreter()
-    from kernellab.bench.offline import gate_offline_setup
+    from kernellab.bench.offline import gate_offline_setup, warm_up
     from kernellab.results import provenance
     from kernellab.runtime.config import EngineConfig
     from kernellab.runtime.engine import LLMEngine
@@ -161,7 +154,7 @@ def main() -> int:
             args.device, kv_cache_dtype="auto" if cache == "bf16" else cache, num_kv_blocks=20480 if gpu else 512
         )
         eng = LLMEngine(EngineConfig(**cfg))
-        _warm(eng, prompts)
+        warm_up(eng, prompts)
         run = timed_run(eng, prompts, outs, args.device)
         if not eng.reset_prefix_cache():
             raise RuntimeError("the engine is not idle between runs")

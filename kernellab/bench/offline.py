@@ -26,16 +26,22 @@ def _peak_gib(device: str) -> float | None:
     return round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.startswith("cuda") else None
 
 
-def run_engine(engine, prompts, max_tokens: list[int], label: str, dtype: str) -> dict:
+def warm_up(engine, prompts) -> None:
+    """Allocations, kernel compilation for the prefill shapes and first-call costs, kept out of a timing: a few
+    real prompts through a mixed prefill + decode step."""
     from kernellab.runtime.request.sampling import SamplingParams
 
-    device = str(engine.runner.device)
-    # Warm-up (allocations, kernel compilation for the prefill shapes, first-call costs) stays out of the timing:
-    # a few real prompts through a mixed prefill + decode step.
     for i, p in enumerate(prompts[:8]):
         engine.add_request(f"warmup{i}", p, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def run_engine(engine, prompts, max_tokens: list[int], label: str, dtype: str) -> dict:
+    from kernellab.runtime.request.sampling import SamplingParams
+
+    device = str(engine.runner.device)
+    warm_up(engine, prompts)
     _sync(device)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()

@@ -363,7 +363,8 @@ def prefill_steps(weights, report):
     )
 
     t = time.perf_counter()
-    eng = engine(weights, max_num_seqs=256, max_model_len=4096, num_kv_blocks=16384)
+    sized = dict(max_num_seqs=256, max_model_len=4096, num_kv_blocks=16384)
+    eng = engine(weights, **sized)
     pw = eng.runner.piecewise
     section = {
         "engine_build_s": round(time.perf_counter() - t, 2),
@@ -425,13 +426,7 @@ def prefill_steps(weights, report):
         # The same mixes on an engine without the packed prefill attention (an experimental op this engine runs):
         # its Python launch (three tensor descriptors and a Triton launch a layer) against its device time, in the
         # mixed steps whose attention runs eagerly between the piecewise graphs and in the whole-step graphs.
-        off = engine(
-            weights,
-            max_num_seqs=256,
-            max_model_len=4096,
-            num_kv_blocks=16384,
-            disabled_kernels=("varlen_causal_attention",),
-        )
+        off = engine(weights, **sized, disabled_kernels=("varlen_causal_attention",))
         section["steps_varlen_causal_attention_off"] = step_times(off, MIXES_H200, reps=6)
         del off
         for a, b in zip(section["steps"], section["steps_varlen_causal_attention_off"], strict=True):
