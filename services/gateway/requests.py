@@ -34,6 +34,8 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 # /v1/completions with "prompt": null: the API's documented default prompt, a document boundary (a special token
 # in Qwen3's and SmolLM2's vocabularies, plain text in others)
 COMPLETION_DEFAULT_PROMPT = "<|endoftext|>"
+# OpenAI's documented upper bound for temperature (both endpoints)
+MAX_TEMPERATURE = 2.0
 
 
 class _Common(BaseModel):
@@ -211,6 +213,11 @@ def _params(
         value = getattr(body, name)
         if value is not None:
             kwargs[name] = value
+    t = body.temperature
+    if isinstance(t, int | float) and not isinstance(t, bool) and t > MAX_TEMPERATURE:
+        # the API's documented range; the engine itself takes any t >= 0 (offline use), but over HTTP a value past
+        # 2 is a client error, and without max_tokens it samples near-uniform noise to the end of the context
+        raise InvalidRequestError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {t}", param="temperature")
     if body.stop is not None:
         kwargs["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
     if body.stop_token_ids:

@@ -201,6 +201,7 @@ def test_bad_input_is_4xx_never_5xx(stack, client):
         ({"content": b'{"model": "' + b"x" * (2 << 20) + b'"}'}, 413),
         ({"json": {**good, "n": 0}}, 400),
         ({"json": {**good, "temperature": -1}}, 400),
+        ({"json": {**good, "temperature": 3}}, 400),
         ({"json": {**good, "top_p": 1.5}}, 400),
     ]
     for kwargs, status in cases:

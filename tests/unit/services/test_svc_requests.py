@@ -104,6 +104,7 @@ def test_completion_prompts(tokenizer):
         ({"max_tokens": True}, "max_tokens"),
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": "hot"}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_p": -0.1}, "top_p"),
         ({"top_k": -2}, "top_k"),
