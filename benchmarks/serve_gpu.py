@@ -157,6 +157,22 @@ def split_cores(all_cpus: set[int]) -> tuple[str, str]:
     return fmt(worker), fmt(rest)
 
 
+# The share of one GPU's memory each KV pool may take: the engine child and the stack's worker share GPU 0, each
+# with its own pool, beside two copies of the weights, their CUDA graphs and activations. The h200 profile's
+# 20,480 blocks of Qwen3-0.6B (37.6 GB each) fit an H200 twice over; on an 80 GB card two such pools left the
+# worker too little, so the pools shrink to fit and the artifact records both numbers.
+KV_POOL_SHARE = 0.36
+
+
+def fit_kv_blocks(requested: int, model_config: dict, total_bytes: int, block_size: int = 16) -> int:
+    """The KV blocks (bf16, ``block_size`` tokens) of one pool: ``requested``, or fewer where the card's memory
+    (``total_bytes``) cannot hold two pools of it beside the rest (``KV_POOL_SHARE``)."""
+    c = model_config
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    per_block = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * block_size * 2
+    return max(1, min(requested, int(KV_POOL_SHARE * total_bytes) // per_block))
+
+
 TARGETS = {"throughput_ratio_min": 0.90, "interactive_added_ttft_p50_ms_max": 5.0, "two_gpu_scaling_min": 1.85}
 
 
@@ -421,6 +437,25 @@ class StackProcs:
         self.processes.stop_all(("gateway", "worker", "redis"), 30)
         self.gateway = None
 
+    def down(self) -> str | None:
+        """Which of the stack's current processes (Redis, the workers, the gateway tier's parent) has exited, with
+        its exit code; None while every one runs. Asked while the clients run (``run_clients``'s ``server_down``)."""
+        names = {id(p): n for n, p in self.processes.procs.items()}
+        for p in (self.redis, *self.workers, self.gateway):
+            if p is not None and p.poll() is not None:
+                name = names.get(id(p), "?")
+                return f"{name} exited with code {p.returncode} (its log: {self.workdir / (name + '.log')})"
+        return None
+
+
+def log_tails(workdir: Path, lines: int) -> str:
+    """The last ``lines`` lines of every process log in ``workdir`` (the stack's, and Redis's)."""
+    parts = []
+    for f in sorted(workdir.glob("*.log")):
+        tail = f.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"==> {f.name} (last {len(tail)} lines) <==\n" + "\n".join(tail))
+    return "\n\n".join(parts)
+
 
 class CpuMeter:
     """CPU seconds each component used during a run, in cores (CPU seconds / wall seconds)."""
@@ -527,7 +562,7 @@ def stack_run(stack: StackProcs, model: str, requests, processes: int, timeout_s
     texts = scrape(stack)
     before, jit_before = ttft_sums(texts), worker_jit(texts)
     with CpuMeter(stack.pids()) as cpu:
-        out = run_clients(stack.host, stack.port, raws, processes, timeout_s)
+        out = run_clients(stack.host, stack.port, raws, processes, timeout_s, server_down=stack.down)
     texts = scrape(stack)
     after, jit_after = ttft_sums(texts), worker_jit(texts)
     layers = {
@@ -619,6 +654,17 @@ def main() -> int:
         t = time.perf_counter()
         write_checkpoint(model_dir, profile["shape"], device="cuda" if profile["device"] == "cuda" else "cpu")
         log(f"wrote the {profile['shape']} checkpoint to {model_dir} in {time.perf_counter() - t:.1f}s")
+    if profile["device"] == "cuda" and profile["num_kv_blocks"]:
+        import torch
+
+        total = torch.cuda.get_device_properties(0).total_memory
+        fitted = fit_kv_blocks(profile["num_kv_blocks"], json.loads((model_dir / "config.json").read_text()), total)
+        if fitted < profile["num_kv_blocks"]:
+            log(
+                f"{total / 2**30:.1f} GiB on GPU 0 holds two KV pools of {fitted} blocks, not "
+                f"{profile['num_kv_blocks']}: both the engine and the worker run with {fitted}"
+            )
+            profile["num_kv_blocks_requested"], profile["num_kv_blocks"] = profile["num_kv_blocks"], fitted
     engine_cfg = {
         "model": str(model_dir),
         "device": profile["device"],
@@ -736,6 +782,16 @@ def main() -> int:
                         repeat=rep,
                     )
             stack.stop_gateway()
+    except BaseException as exc:
+        # what each process said before the stack goes down: into the output folder, so that a run on a lent
+        # machine brings back the cause (the workdir goes with the machine), and the last lines to the console
+        failure = Path(args.output).with_name(Path(args.output).stem + "_failure_logs.txt")
+        failure.parent.mkdir(parents=True, exist_ok=True)
+        failure.write_text(f"{type(exc).__name__}: {exc}\n\n{log_tails(workdir, 300)}\n")
+        print(log_tails(workdir, 25), flush=True)
+        write_artifact(args, profile, prov, runs, started, jit_log_lines(workdir), error=f"{type(exc).__name__}: {exc}")
+        log(f"failed: {exc}; the logs' tails are in {failure}, the logs in {workdir}")
+        raise
     finally:
         stack.stop()
         engine.stop()
@@ -750,7 +806,13 @@ def main() -> int:
 
 
 def write_artifact(
-    args, profile: dict, prov: dict, runs: list[dict], started: float, jit_lines: list[str] | None = None
+    args,
+    profile: dict,
+    prov: dict,
+    runs: list[dict],
+    started: float,
+    jit_lines: list[str] | None = None,
+    error: str | None = None,
 ) -> dict:
     from importlib import metadata
 
@@ -792,6 +854,8 @@ def write_artifact(
     }
     if jit_lines is not None:
         artifact["jit_while_serving"] = jit_lines
+    if error is not None:  # the run stopped here: its runs so far, and why (the logs' tails beside the artifact)
+        artifact["error"] = error
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(artifact, indent=1) + "\n")
     return artifact

@@ -182,11 +182,14 @@ def run_clients(
     processes: int,
     timeout_s: float = 600.0,
     on_start: Callable[[], object] | None = None,
+    server_down: Callable[[], str | None] | None = None,
 ) -> dict:
     """Send every request at once from ``processes`` client processes; returns ``{"t0", "records" (in request
     order), "clients": [{"cpu_s", "wall_s", "cpu_util"}], "max_client_cpu_util", "clients_saturated"}``.
     ``on_start``: called once every connection is open and warmed, just before the shared start instant (a
-    server-side meter that must leave the warm-up out starts there)."""
+    server-side meter that must leave the warm-up out starts there). ``server_down``: asked about once a second
+    while the clients run; a message (a server process exited) ends the run at once with it, instead of after
+    ``timeout_s`` of clients waiting on streams nobody will finish."""
     ctx = mp.get_context("spawn")
     processes = max(1, min(processes, len(requests)))
     shares = [[(i, raw) for i, raw in enumerate(requests) if i % processes == k] for k in range(processes)]
@@ -211,9 +214,14 @@ def run_clients(
             pipe.send(t0)
         records: dict[int, RequestRecord] = {}
         clients = []
+        deadline = time.monotonic() + timeout_s
         for pipe in pipes:
-            if not pipe.poll(timeout_s):
-                raise RuntimeError(f"a client process did not finish in {timeout_s:.0f}s")
+            while not pipe.poll(max(0.0, min(1.0, deadline - time.monotonic()))):
+                down = server_down() if server_down is not None else None
+                if down:
+                    raise RuntimeError(f"the server went down while the clients ran: {down}")
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"a client process did not finish in {timeout_s:.0f}s")
             out = pipe.recv()
             if "fatal" in out:
                 raise RuntimeError(f"client process failed: {out['fatal']}")

@@ -32,3 +32,19 @@ def test_the_committed_serving_artifact_holds_the_figures_its_runs_give(tmp_path
         committed["figures"]["interactive_added_ttft_p50_ms"]
         == (committed["figures"]["stack_by_phase"][phase]["interactive_added_ttft_p50_ms"])
     )
+
+
+QWEN3_0_6B = {"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+              "num_hidden_layers": 28}  # fmt: skip
+
+
+def test_the_kv_pools_shrink_only_where_two_do_not_fit_the_card():
+    from benchmarks.serve_gpu import KV_POOL_SHARE, fit_kv_blocks
+
+    per_block = 28 * 2 * 8 * 128 * 16 * 2  # bytes of one 16-token bf16 block over every layer, K and V
+    h200, h100 = int(139.8 * 2**30), int(79.6 * 2**30)
+    assert fit_kv_blocks(20480, QWEN3_0_6B, h200) == 20480  # the profile's pools, as measured on the H200
+    fitted = fit_kv_blocks(20480, QWEN3_0_6B, h100)
+    assert fitted == int(KV_POOL_SHARE * h100) // per_block < 20480
+    assert 2 * fitted * per_block <= 0.75 * h100  # two pools leave a quarter of the card to everything else
+    assert fit_kv_blocks(64, QWEN3_0_6B, h100) == 64
