@@ -71,9 +71,10 @@ def test_the_l2_prefetch_ab_runs_its_path(tmp_path):
 
 
 def test_the_kv_dtype_profile_times_and_profiles_each_cache(tmp_path):
-    data = run("kv_dtype_profile.py", tmp_path, "--caches", "bf16,int8", "--decode-calls", "3", "--top", "5")
+    data = run("kv_dtype_profile.py", tmp_path, "--caches", "bf16,int8@300", "--decode-calls", "3", "--top", "5")
     assert validate(data) == "kernellab.bench.kv_dtype_profile/v1"
-    assert list(data["caches"]) == ["bf16", "int8"]
+    assert list(data["caches"]) == ["bf16", "int8@300"]
+    assert [c["run"]["kv_blocks"] for c in data["caches"].values()] == [512, 300]  # a pool named, or the default
     for cache in data["caches"].values():
         calls = cache["run"]["calls"]
         assert calls["prefill"]["n"] >= 1 and calls["decode"]["n"] >= 1 and cache["run"]["output_tok_per_s"] > 0
