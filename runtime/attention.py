@@ -233,3 +233,58 @@ def warm_decode_launches(
             q[:rows], kv.k, kv.v, tables[:rows], lens[:rows], scale, k_scales=kv.k_scales, v_scales=kv.v_scales
         )
     return max_rows
+
+
+def fresh_prompt_counts(max_prompts: int) -> list[int]:
+    """Prompt counts that cover every compile of the packed prefill attention for steps of 2 to ``max_prompts``
+    fresh prompts: the kernel is compiled per power-of-two bound of the offsets it loads (``S_PAD``, 16 at least)
+    and per whether the count divides by 16 (Triton specializes integer arguments on it), so for each bound the
+    smallest count it serves and its largest multiple of 16."""
+    counts: list[int] = []
+    bound = 16
+    while True:
+        low = 2 if bound == 16 else bound // 2 + 1
+        if low > max_prompts:
+            return counts
+        counts.append(low)
+        top = min(bound, max_prompts) // 16 * 16
+        if top >= low and top != low:
+            counts.append(top)
+        bound *= 2
+
+
+@torch.inference_mode()
+def warm_prefill_launches(
+    ops, num_heads: int, num_kv_heads: int, head_dim: int, max_prompts: int, scale: float, dtype, device
+) -> int:
+    """Run the Triton prefill attention (``varlen_causal_attention``, when enabled) once for each launch form a
+    step's fresh prompts can give it outside a graph, so its compiles happen at startup, not on a serving step.
+
+    A step's fresh prompts reach it eagerly between the piecewise graphs: one prompt as the single-prompt kernel
+    (compiled per whether its length divides by 16), several as one launch of the packed kernel (per offsets bound
+    and count class, ``fresh_prompt_counts``). The fresh-prompt graphs compile only their buckets' forms, the
+    eight-prompt warm-up of a benchmark only its own; at 407f0fb an H100's first offline step met 2.8 s of these
+    compiles. The tensors are laid out as the model's step hands them: q and k dense from the QK-norm + RoPE
+    kernel, v the strided view of the QKV projection's row. Returns the calls made (0 when the op is off)."""
+    if "varlen_causal_attention" not in ops.enabled:
+        return 0
+    calls = 0
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+
+    def launch(lens: list[int]) -> None:
+        t = sum(lens)
+        qkv = torch.zeros((t, width), dtype=dtype, device=device)
+        v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(t, num_kv_heads, head_dim)
+        q = torch.zeros((t, num_heads, head_dim), dtype=dtype, device=device)
+        k = torch.zeros((t, num_kv_heads, head_dim), dtype=dtype, device=device)
+        cu = [0, *itertools.accumulate(lens)]
+        cu_device = torch.tensor(cu, dtype=torch.int32, device=device) if len(lens) > 1 else None
+        ops.varlen_causal_attention(q, k, v, cu, scale, cu_device=cu_device)
+
+    for n in (16, 17):  # one prompt: its length a multiple of 16, or not
+        launch([n])
+        calls += 1
+    for count in fresh_prompt_counts(max_prompts):
+        launch([2] * count)
+        calls += 1
+    return calls

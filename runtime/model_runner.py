@@ -12,7 +12,13 @@ import numpy as np
 import torch
 
 from kernellab.runtime import ops as torch_ops
-from kernellab.runtime.attention import AttentionMetadata, ContextGather, LayerKV, warm_decode_launches
+from kernellab.runtime.attention import (
+    AttentionMetadata,
+    ContextGather,
+    LayerKV,
+    warm_decode_launches,
+    warm_prefill_launches,
+)
 from kernellab.runtime.config import EngineConfig, ModelConfig
 from kernellab.runtime.dispatch import Ops, build_ops, describe_fast_path, fast_path, graph_safe
 from kernellab.runtime.graphs import FRESH_TOKEN_BUCKETS, DecodeWindow, GraphRunner, PiecewiseGraphs
@@ -174,6 +180,16 @@ class ModelRunner:
             )  # fmt: skip
             torch.cuda.synchronize(device)
             log.info("eager decode attention warmed for 1-%d rows in %.1fs", n, time.perf_counter() - t)
+        if device.type == "cuda":  # the Triton prefill attention of steps whose fresh prompts run eagerly
+            t = time.perf_counter()
+            max_prompts = min(cfg.max_num_seqs, cfg.max_num_batched_tokens // 2)  # a fresh prompt has 2+ tokens
+            n = warm_prefill_launches(
+                ops, model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, max_prompts, self.model.scale,
+                dtype, device,
+            )  # fmt: skip
+            if n:
+                torch.cuda.synchronize(device)
+                log.info("prefill attention warmed for up to %d prompts in %.1fs", max_prompts, time.perf_counter() - t)
         # The widest decode window: num_scheduler_steps replays on captured graphs, else single steps. Auto (0): 4
         # with asynchronous scheduling, whose look-ahead hides the host's turn-around at any width, so a shorter
         # window only shortens what an arrival waits for (H200: the same throughput and batch-1 ITL as windows of
