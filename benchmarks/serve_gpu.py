@@ -164,12 +164,13 @@ def split_cores(all_cpus: set[int]) -> tuple[str, str]:
 KV_POOL_SHARE = 0.36
 
 
-def fit_kv_blocks(requested: int, model_config: dict, total_bytes: int, block_size: int = 16) -> int:
-    """The KV blocks (bf16, ``block_size`` tokens) of one pool: ``requested``, or fewer where the card's memory
-    (``total_bytes``) cannot hold two pools of it beside the rest (``KV_POOL_SHARE``)."""
-    c = model_config
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    per_block = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * block_size * 2
+def fit_kv_blocks(requested: int, hf_config: dict, total_bytes: int, block_size: int = 16) -> int:
+    """The KV blocks (bf16, ``block_size`` tokens) of one pool for the checkpoint's ``config.json``: ``requested``,
+    or fewer where the card's memory (``total_bytes``) cannot hold two pools of it beside the rest
+    (``KV_POOL_SHARE``)."""
+    from kernellab.runtime.config import ModelConfig
+
+    per_block = block_size * ModelConfig.from_hf(hf_config).kv_bytes_per_token(2)
     return max(1, min(requested, int(KV_POOL_SHARE * total_bytes) // per_block))
 
 

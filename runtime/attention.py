@@ -268,7 +268,6 @@ def warm_prefill_launches(
     kernel, v the strided view of the QKV projection's row. Returns the calls made (0 when the op is off)."""
     if "varlen_causal_attention" not in ops.enabled:
         return 0
-    calls = 0
     width = (num_heads + 2 * num_kv_heads) * head_dim
 
     def launch(lens: list[int]) -> None:
@@ -281,10 +280,8 @@ def warm_prefill_launches(
         cu_device = torch.tensor(cu, dtype=torch.int32, device=device) if len(lens) > 1 else None
         ops.varlen_causal_attention(q, k, v, cu, scale, cu_device=cu_device)
 
-    for n in (16, 17):  # one prompt: its length a multiple of 16, or not
-        launch([n])
-        calls += 1
-    for count in fresh_prompt_counts(max_prompts):
-        launch([2] * count)
-        calls += 1
-    return calls
+    # one prompt, its length a multiple of 16 or not; then several prompts of 2 tokens, each count class
+    forms = [[16], [17], *([2] * count for count in fresh_prompt_counts(max_prompts))]
+    for lens in forms:
+        launch(lens)
+    return len(forms)

@@ -69,6 +69,12 @@ def _kernels(prof, device: str, top: int) -> dict:
     }
 
 
+def _fresh_cache(eng) -> None:
+    """Empty the prefix cache, so the next run computes every prompt (no hits from the run before)."""
+    if not eng.reset_prefix_cache():
+        raise RuntimeError("the engine is not idle between runs")
+
+
 def timed_run(eng, prompts, outs, device: str) -> dict:
     """The whole workload, each step() call timed on the host and sorted into prefill and decode calls."""
     _add_all(eng, prompts, outs, "run")
@@ -171,12 +177,10 @@ def main() -> int:
         eng = LLMEngine(EngineConfig(**cfg))
         warm_up(eng, prompts)
         timed_run(eng, prompts, outs, args.device)  # untimed: every specialization the workload meets, compiled
-        if not eng.reset_prefix_cache():
-            raise RuntimeError("the engine is not idle between runs")
+        _fresh_cache(eng)
         run = timed_run(eng, prompts, outs, args.device)
         run["kv_blocks"] = eng.runner.num_blocks
-        if not eng.reset_prefix_cache():
-            raise RuntimeError("the engine is not idle between runs")
+        _fresh_cache(eng)
         windows = profiled_run(eng, prompts, outs, args.device, args.decode_calls, args.top)
         result["engine"] = {k: v for k, v in cfg.items() if k not in ("model", "kv_cache_dtype", "num_kv_blocks")}
         result["caches"][cache] = {"fast_path": eng.fast_path, "run": run, "profile": windows}

@@ -213,8 +213,8 @@ def _params(
         value = getattr(body, name)
         if value is not None:
             kwargs[name] = value
-    t = body.temperature
-    if isinstance(t, int | float) and not isinstance(t, bool) and t > MAX_TEMPERATURE:
+    t = body.temperature  # a float or None: the body model validated it
+    if t is not None and t > MAX_TEMPERATURE:
         # the API's documented range; the engine itself takes any t >= 0 (offline use), but over HTTP a value past
         # 2 is a client error, and without max_tokens it samples near-uniform noise to the end of the context
         raise InvalidRequestError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {t}", param="temperature")

@@ -34,12 +34,11 @@ def test_the_committed_serving_artifact_holds_the_figures_its_runs_give(tmp_path
     )
 
 
-QWEN3_0_6B = {"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-              "num_hidden_layers": 28}  # fmt: skip
-
-
 def test_the_kv_pools_shrink_only_where_two_do_not_fit_the_card():
     from benchmarks.serve_gpu import KV_POOL_SHARE, fit_kv_blocks
+    from kernellab.runtime.request.registry import resolve_model
+
+    QWEN3_0_6B = resolve_model("qwen3-0.6b").hf_config
 
     per_block = 28 * 2 * 8 * 128 * 16 * 2  # bytes of one 16-token bf16 block over every layer, K and V
     h200, h100 = int(139.8 * 2**30), int(79.6 * 2**30)
