@@ -130,7 +130,17 @@ FP8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16"}
 # µs, the same error; results/gpu/engine_h200_dev/decode_attention_sweep_e2b0cad.json). "mma": with V transposed
 # within its blocks (the engine's int8 layout, kv_cache.py) the tiles skip widening altogether and go into int8
 # tensor-core dots as stored (``_attend_tile_i8``); "widen" and "i8_asm" then apply to the other layout only.
-INT8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16", "i8_asm": True, "mma": True}
+# "v_flat": with "mma", V loads as one [D, BLOCK_N] tile instead of per-block runs permuted in registers
+# (``_load_tile_i8``).
+INT8_LAUNCH = {
+    "block_n": 128,
+    "num_warps": 4,
+    "num_stages": 2,
+    "widen": "f16",
+    "i8_asm": True,
+    "mma": True,
+    "v_flat": False,
+}
 # Four int8 (one 32-bit register) → four fp16 (two), exactly: flip the sign bits (x + 128, offset binary), set
 # each byte as the low half of an fp16 whose high byte is 0x64 (the value 1024 + x + 128, as 1024's ulp is 1),
 # subtract 1152 from both halves. PRMT and LOP3 run on the integer pipes at 4× the rate of I2F.
@@ -178,25 +188,44 @@ def _load_tile(table, t0, end, k_cache_ptr, v_cache_ptr, block_size, stride_cb, 
 
 @triton.jit
 def _load_tile_i8(table, t0, end, k_cache_ptr, v_cache_ptr, stride_cb, stride_co, stride_ch, stride_vcb, stride_vch,
-                  hk, d, d_mask, block_size: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr):  # fmt: skip
+                  hk, d, d_mask, block_size: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
+                  V_FLAT: tl.constexpr = False):  # fmt: skip
     """``_load_tile`` for an int8 cache whose V is transposed within its blocks, a tile of whole blocks (``t0`` a
     multiple of ``block_size``, which divides ``BLOCK_N``): K as ``[BLOCK_N, D]`` and V as ``[D, BLOCK_N]``, each
-    block's ``block_size`` tokens of one dimension one contiguous run. The block table is read once per block.
-    Rows of the last block past ``end`` are loaded too (whole runs load as wide vectors): whatever they hold,
-    the caller gives them no weight (their scores are masked, their scales read as 0)."""
-    NB: tl.constexpr = BLOCK_N // block_size
-    j = t0 // block_size + tl.arange(0, NB)
-    j_mask = j * block_size < end
-    blocks = tl.load(table + j, mask=j_mask, other=0).to(tl.int64)
-    block = tl.reshape(tl.broadcast_to(blocks[:, None], (NB, block_size)), (BLOCK_N,))
-    o = tl.arange(0, block_size)
+    block's ``block_size`` tokens of one dimension one contiguous run. Rows of the last block past ``end`` are
+    loaded too (whole runs load as wide vectors): whatever they hold, the caller gives them no weight (their
+    scores are masked, their scales read as 0).
+
+    Two forms of the V load. Without ``V_FLAT`` the block table is read once per block and V is gathered as
+    ``[blocks, D, block_size]`` runs (the run length is visible to the compiler in the last dimension), then
+    permuted to ``[D, BLOCK_N]``: a register shuffle the compiler routes through shared memory. With
+    ``V_FLAT`` V is loaded as ``[D, BLOCK_N]`` directly, its runs declared to the compiler (``max_contiguous``,
+    ``multiple_of``: true because ``t0`` is a whole number of blocks and the caches' strides are multiples of
+    16), and the block table is read per token, as the K rows need it anyway."""
     t = t0 + tl.arange(0, BLOCK_N)
     t_mask = t < end
-    row = block * stride_cb + (t % block_size) * stride_co + hk * stride_ch
-    k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0)
-    v_runs = blocks[:, None, None] * stride_vcb + hk * stride_vch + d[None, :, None] * block_size + o[None, None, :]
-    v3 = tl.load(v_cache_ptr + v_runs, mask=j_mask[:, None, None] & d_mask[None, :, None], other=0)
-    vt = tl.reshape(tl.permute(v3, (1, 0, 2)), (D_PAD, BLOCK_N))
+    if V_FLAT:
+        tt = tl.arange(0, BLOCK_N)
+        run_mask = t0 + (tt // block_size) * block_size < end  # whole blocks: constant along each run
+        block = tl.load(table + t0 // block_size + tt // block_size, mask=run_mask, other=0).to(tl.int64)
+        o = tt % block_size
+        row = block * stride_cb + o * stride_co + hk * stride_ch
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0)
+        v_off = block[None, :] * stride_vcb + hk * stride_vch + d[:, None] * block_size + o[None, :]
+        v_off = tl.max_contiguous(tl.multiple_of(v_off, [block_size, block_size]), [1, block_size])
+        vt = tl.load(v_cache_ptr + v_off, mask=d_mask[:, None] & run_mask[None, :], other=0)
+    else:
+        NB: tl.constexpr = BLOCK_N // block_size
+        j = t0 // block_size + tl.arange(0, NB)
+        j_mask = j * block_size < end
+        blocks = tl.load(table + j, mask=j_mask, other=0).to(tl.int64)
+        block = tl.reshape(tl.broadcast_to(blocks[:, None], (NB, block_size)), (BLOCK_N,))
+        o = tl.arange(0, block_size)
+        row = block * stride_cb + (t % block_size) * stride_co + hk * stride_ch
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0)
+        v_runs = blocks[:, None, None] * stride_vcb + hk * stride_vch + d[None, :, None] * block_size + o[None, None, :]
+        v3 = tl.load(v_cache_ptr + v_runs, mask=j_mask[:, None, None] & d_mask[None, :, None], other=0)
+        vt = tl.reshape(tl.permute(v3, (1, 0, 2)), (D_PAD, BLOCK_N))
     return t, t_mask, block, k, vt
 
 
@@ -334,6 +363,7 @@ def _paged_decode_kernel(
     I8_ASM: tl.constexpr = False,
     V_T: tl.constexpr = False,
     I8_MMA: tl.constexpr = False,
+    V_FLAT: tl.constexpr = False,
 ):
     if PDL:  # see _common.use_pdl; every program waits, even a slice that exits at once (the chain's order)
         gdc_launch_dependents()
@@ -444,7 +474,7 @@ def _paged_decode_kernel(
             if I8_MMA:
                 t, t_mask, block, k, vt = _load_tile_i8(
                     table, t0, walk_end, k_cache_ptr, v_cache_ptr, stride_cb, stride_co, stride_ch, stride_vcb,
-                    stride_vch, hk, d, d_mask, block_size, BLOCK_N, D_PAD,
+                    stride_vch, hk, d, d_mask, block_size, BLOCK_N, D_PAD, V_FLAT,
                 )  # fmt: skip
                 srow = block * stride_sb + (t % block_size) * stride_so + hk
                 ks = tl.load(k_scale_ptr + srow, mask=t_mask, other=0.0)
@@ -556,6 +586,7 @@ def paged_decode_attention(
     fp8_widen: str | None = None,
     i8_asm: bool | None = None,
     i8_mma: bool | None = None,
+    i8_v_flat: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q: (B, Hq, D)`` over the paged caches; returns ``(B, Hq, D)`` in q's dtype.
 
@@ -578,6 +609,7 @@ def paged_decode_attention(
         ("widen", fp8_widen),
         ("i8_asm", i8_asm),
         ("mma", i8_mma),
+        ("v_flat", i8_v_flat),
     ):
         if value is not None:
             cfg[key] = value
@@ -598,7 +630,7 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, cfg["block_n"],
         min_slice, cfg["num_warps"], cfg["num_stages"], k_scales, v_scales, None, widen_f16=widen_f16,
         i8_asm=bool(cfg.get("i8_asm")) and k_cache.dtype == torch.int8 and f16_tiles and q.is_cuda and not mma,
-        i8_mma=mma,
+        i8_mma=mma, v_flat=mma and bool(cfg.get("v_flat")),
     )  # fmt: skip
 
 
@@ -649,7 +681,7 @@ def paged_decode_attention_qk_norm_rope(
 
 def _decode(
     q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, block_n, min_slice,
-    num_warps, num_stages, k_scales, v_scales, rope, widen_f16=False, i8_asm=False, i8_mma=False,
+    num_warps, num_stages, k_scales, v_scales, rope, widen_f16=False, i8_asm=False, i8_mma=False, v_flat=False,
 ):  # fmt: skip
     B, Hq, D = q.shape
     _, block_size, Hk, Dc = k_cache.shape
@@ -726,6 +758,7 @@ def _decode(
         I8_ASM=i8_asm,
         V_T=v_t,
         I8_MMA=i8_mma,
+        V_FLAT=v_flat,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,

@@ -38,7 +38,14 @@ import torch
 READ_BW_GBS = 3630.0  # the H200's measured read bandwidth (tests/gpu/run_fp8.py)
 SHAPE = {"Hq": 16, "Hk": 8, "D": 128, "block_size": 16}
 CACHES = ("bf16", "fp8", "int8")
-KEYS = ("block_n", "num_warps", "num_stages", "widen", "i8_asm", "mma")
+KEYS = ("block_n", "num_warps", "num_stages", "widen", "i8_asm", "mma", "v_flat")
+# the int8 forms: (i8_asm, mma, v_flat); with mma (V transposed) the tiles are not widened, so i8_asm stays as is
+INT8_FORMS = {
+    "asm": (True, False, False),  # V dense like K, widened to fp16 by byte permutes
+    "conv": (False, False, False),  # the same, one conversion per value
+    "mma": (True, True, False),  # V transposed, int8 dots, V gathered by per-block runs
+    "flat": (True, True, True),  # the same, V loaded as one [D, BLOCK_N] tile
+}
 
 
 def _launch_dicts():
@@ -70,7 +77,7 @@ def _case(batch: int, ctx: int, device: str) -> dict:
     return c
 
 
-def sweep(cases: list[tuple[int, int]], device: str, configs: dict[str, list[dict]]) -> dict:
+def sweep(cases: list[tuple[int, int]], device: str, configs: dict[str, list[dict]], launch_only: bool = False) -> dict:
     from kernellab.kernels.paged_attention import paged_decode_attention
 
     gpu = device == "cuda"
@@ -100,12 +107,15 @@ def sweep(cases: list[tuple[int, int]], device: str, configs: dict[str, list[dic
                 if name != "bf16":
                     kw["fp8_widen"] = cfg["widen"]
                 if name == "int8":
-                    kw["i8_asm"], kw["i8_mma"] = cfg["i8_asm"], cfg["mma"]
+                    kw["i8_asm"], kw["i8_mma"], kw["i8_v_flat"] = cfg["i8_asm"], cfg["mma"], cfg.get("v_flat", False)
                     v = c["int8_v_t"] if cfg["mma"] else c["caches"]["int8"][1]
 
                 def run(c=c, k=k, v=v, sc=sc, kw=kw):
                     return paged_decode_attention(c["q"], k, v, c["tables"], c["lens"], D**-0.5, **sc, **kw)
 
+                if launch_only:  # one launch each, for a profiler (ncu) to catch
+                    run()
+                    continue
                 try:
                     err = float((run().float() - ref).norm() / ref.norm())
                     us = bench(run)
@@ -221,6 +231,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="offline rounds per variant")
     ap.add_argument("--caches", default=",".join(CACHES), help="the cache dtypes to sweep (bf16 is always timed)")
     ap.add_argument("--stages", default="2", help="num_stages values to sweep, comma-separated")
+    ap.add_argument("--tiles", help="block_n values, comma-separated (default 64,128 on the GPU)")
+    ap.add_argument("--warps", help="num_warps values, comma-separated (default 4,8 on the GPU)")
+    ap.add_argument("--int8-forms", default=",".join(INT8_FORMS), help=f"int8 forms to sweep, of {list(INT8_FORMS)}")
+    ap.add_argument("--cases", help="BATCHxCONTEXT cases, comma-separated (default: the gate's five)")
+    ap.add_argument("--launch-only", action="store_true", help="launch each setting once, untimed (for ncu)")
     args = ap.parse_args()
     gpu = args.device == "cuda"
     if not gpu:  # Triton's interpreter, read when a kernel is decorated, with the fixes the CPU tests use
@@ -240,20 +255,26 @@ def main() -> int:
         cases = [(2, 64), (4, 64)]
         tiles, warps = (16, 32), (4,)
     stages = [int(x) for x in args.stages.split(",")]
+    if args.tiles:
+        tiles = tuple(int(x) for x in args.tiles.split(","))
+    if args.warps:
+        warps = tuple(int(x) for x in args.warps.split(","))
+    if args.cases:
+        cases = [(int(b), int(c)) for b, c in (x.split("x") for x in args.cases.split(","))]
+    int8_forms = [INT8_FORMS[f] for f in args.int8_forms.split(",")]
     swept = [c for c in CACHES if c == "bf16" or c in args.caches.split(",")]
     configs: dict[str, list[dict]] = {}
     for name in swept:
-        # int8: (i8_asm, mma); with mma (V transposed) the tiles are not widened, so i8_asm stays as it is
-        forms = ((True, False), (False, False), (True, True)) if name == "int8" else ((None, None),)
+        forms = int8_forms if name == "int8" else [(None, None, None)]
         configs[name] = [
             {
                 **current[name],
                 "block_n": bn,
                 "num_warps": w,
                 "num_stages": st,
-                **({"i8_asm": asm, "mma": mma} if name == "int8" else {}),
+                **({"i8_asm": asm, "mma": mma, "v_flat": flat} if name == "int8" else {}),
             }
-            for bn, w, st, (asm, mma) in itertools.product(tiles, warps, stages, forms)
+            for bn, w, st, (asm, mma, flat) in itertools.product(tiles, warps, stages, forms)
         ]
         if current[name] not in configs[name]:
             configs[name].append(dict(current[name]))
@@ -263,8 +284,10 @@ def main() -> int:
         "schema": "kernellab.bench.decode_attention_sweep/v1",
         "provenance": provenance(args.device),
         "current_launch": current,
-        "kernel": sweep(cases, args.device, configs),
+        "kernel": sweep(cases, args.device, configs, args.launch_only),
     }
+    if args.launch_only:
+        return 0
     path = out / "decode_attention_sweep.json"
     path.write_text(json.dumps(result, indent=1))
     batched = {c for c in cases if c[0] > 1}
@@ -275,10 +298,14 @@ def main() -> int:
     variants = {"bf16": ("bf16", current["bf16"])}
     if best["bf16"] != current["bf16"]:
         variants["bf16-best"] = ("bf16", best["bf16"])
-    if best.get("int8"):
+    if "int8" in swept:
+        variants["int8"] = ("int8", current["int8"])
+    if best.get("int8") and best["int8"] != current["int8"]:
         variants["int8-best"] = ("int8", best["int8"])
-    if "int8" in swept:  # the int8 cache before V was transposed: dense V widened by byte permutes
+    if "int8" in swept and "asm" in args.int8_forms.split(","):  # before V was transposed: dense V, byte permutes
         variants["int8-dense"] = ("int8", {**current["int8"], "mma": False, "i8_asm": True})
+    if args.rounds < 1:
+        return 0
     result["offline"] = offline_ab(variants, args.device, args.rounds)
     path.write_text(json.dumps(result, indent=1))
     print(f"offline medians: {result['offline']['median_tok_s']}")
