@@ -171,7 +171,7 @@ def pick(result: dict, name: str, current: dict, batched: set[tuple[int, int]]) 
     return min(totals.values(), key=lambda t: t[0])[1] if totals else None
 
 
-def offline_ab(variants: dict[str, tuple[str, dict]], device: str, rounds: int) -> dict:
+def offline_ab(variants: dict[str, tuple[str, dict]], device: str, rounds: int, blocks: int | None = None) -> dict:
     """``variants``: name → (cache dtype, its launch dict); an int8 variant whose launch has ``mma`` off gets V
     dense like K, as before the transposed layout."""
     from kernellab.bench.offline import gate_offline_setup, run_engine
@@ -187,7 +187,7 @@ def offline_ab(variants: dict[str, tuple[str, dict]], device: str, rounds: int) 
         dicts[cache].update(launch)
 
     # engines side by side: 20,480 blocks cover the workload's 256 sequences at once (~18,000 blocks at the end)
-    blocks = 20480 if device == "cuda" else 512
+    blocks = blocks or (20480 if device == "cuda" else 512)
     engines, cfgs = {}, {}
     prompts = outs = None
     for name, (cache, launch) in variants.items():
@@ -236,6 +236,9 @@ def main() -> int:
     ap.add_argument("--int8-forms", default=",".join(INT8_FORMS), help=f"int8 forms to sweep, of {list(INT8_FORMS)}")
     ap.add_argument("--cases", help="BATCHxCONTEXT cases, comma-separated (default: the gate's five)")
     ap.add_argument("--launch-only", action="store_true", help="launch each setting once, untimed (for ncu)")
+    ap.add_argument(
+        "--offline-blocks", type=int, help="KV blocks of each offline engine (default 20,480: three fit an H200)"
+    )
     args = ap.parse_args()
     gpu = args.device == "cuda"
     if not gpu:  # Triton's interpreter, read when a kernel is decorated, with the fixes the CPU tests use
@@ -306,7 +309,7 @@ def main() -> int:
         variants["int8-dense"] = ("int8", {**current["int8"], "mma": False, "i8_asm": True})
     if args.rounds < 1:
         return 0
-    result["offline"] = offline_ab(variants, args.device, args.rounds)
+    result["offline"] = offline_ab(variants, args.device, args.rounds, args.offline_blocks)
     path.write_text(json.dumps(result, indent=1))
     print(f"offline medians: {result['offline']['median_tok_s']}")
     return 0
