@@ -65,7 +65,9 @@ Precision
     block's ``block_size`` tokens of a dimension one run of bytes (``_load_tile_i8``). Compiled for sm_90 the
     loop issues 7.7 instructions a token (985 per 128-token tile; the widened int8 form 13.1, the bf16 cache's
     7.6) in 166 registers instead of 224, with no byte-wise shared-memory reads left
-    (``benchmarks/kernels/sass_loop.py``, results/kernels/sass_decode_attention.json).
+    (``benchmarks/kernels/sass_loop.py``). At the 64-token tiles ``INT8_LAUNCH`` now takes (see "Occupancy of the
+    int8 dots"), 12.0 a token in 128 registers (results/kernels/sass_decode_attention.json): more issue slots a
+    token, more CTAs an SM to hide the copies' latency.
 
 Trade-offs tried
     (H200 sweeps in ``benchmarks/kernels/bench_attention.py``, figures in docs/kernels.md.) At batch 64 × 1,024
@@ -98,6 +100,17 @@ Trade-offs tried
     or a dot with 8-bit operands for P·V too. Both are now the int8 cache's form (see "Precision"); its H200
     timing is the next sweep's (``benchmarks/gpu/decode_attention_sweep.py`` times it against the widened form
     and runs the offline workload on both layouts side by side).
+
+    Occupancy of the int8 dots (H100, ``ncu`` at 256 × 1,024; results/gpu/engine_h200_dev/
+    decode_attention_ncu_h100_f78f42e.txt). At 128-token tiles in 2 stages the form reached 67 % of DRAM
+    bandwidth against the bf16 cache's 89 %: 168 registers and 41 KB of shared memory left three CTAs an SM
+    (18.75 % occupancy), and Triton gives the gathered K/V tile one shared buffer at 2-4 stages alike (the
+    sm_90 TTGIR), so a CTA issues its next tile's copies only after its current tile's dots. 64-token tiles in
+    3 stages (128 registers, 23 KB: four CTAs an SM; the third stage reads the block table a tile ahead of the
+    copies) took 264 → 242 µs and the offline workload +7.3 % (``INT8_LAUNCH``). Loading V as one ``[D,
+    BLOCK_N]`` tile, its 16-byte runs declared to the compiler (``tl.max_contiguous``), instead of per-block runs
+    permuted in registers cut the loop from 986 to 861 instructions but ran slower (295 against 279 µs under
+    ncu, with 35 % of its reads hitting L2 against 6 %): dropped.
 """
 
 from __future__ import annotations
@@ -125,22 +138,17 @@ _P_SCALE = tl.constexpr(512.0)
 # The largest 16-bit fixed-point value the int8 form's operands take: 127 · 256, so both int8 halves fit
 _I16_TOP = tl.constexpr(32512.0)
 FP8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16"}
-# The int8 cache's: as FP8's, and "i8_asm": on a GPU its tiles widen to fp16 by byte permutes and one fp16x2
-# subtraction per pair (_widen_8bit) instead of a conversion instruction per value (H200, 256 × 1,024: 305 → 262
-# µs, the same error; results/gpu/engine_h200_dev/decode_attention_sweep_e2b0cad.json). "mma": with V transposed
-# within its blocks (the engine's int8 layout, kv_cache.py) the tiles skip widening altogether and go into int8
-# tensor-core dots as stored (``_attend_tile_i8``); "widen" and "i8_asm" then apply to the other layout only.
-# "v_flat": with "mma", V loads as one [D, BLOCK_N] tile instead of per-block runs permuted in registers
-# (``_load_tile_i8``).
-INT8_LAUNCH = {
-    "block_n": 128,
-    "num_warps": 4,
-    "num_stages": 2,
-    "widen": "f16",
-    "i8_asm": True,
-    "mma": True,
-    "v_flat": False,
-}
+# The int8 cache's. "mma": with V transposed within its blocks (the engine's int8 layout, kv_cache.py) the tiles
+# skip widening altogether and go into int8 tensor-core dots as stored (``_attend_tile_i8``); "widen" and "i8_asm"
+# apply to the other layout only ("i8_asm": on a GPU its tiles widen to fp16 by byte permutes and one fp16x2
+# subtraction per pair (_widen_8bit) instead of a conversion instruction per value: H200, 256 × 1,024, 305 → 262
+# µs, the same error; results/gpu/engine_h200_dev/decode_attention_sweep_e2b0cad.json). 64-token tiles in 3
+# stages: the loop is latency-bound (ncu on the H100: 67 % of DRAM bandwidth, 18.75 % occupancy at 128-token
+# tiles in 2 stages, 168 registers, three CTAs an SM); 64-token tiles take 128 registers (four CTAs an SM) and the
+# third stage loads the block table a tile ahead of the K/V copies: 256 × 1,024 264 → 242 µs and the offline
+# workload +7.3 % (18,411 → 19,753 tok/s, interleaved, H100; results/gpu/engine_h200_dev/
+# decode_attention_sweep_h100_587dfab_run3.json).
+INT8_LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 3, "widen": "f16", "i8_asm": True, "mma": True}
 # Four int8 (one 32-bit register) → four fp16 (two), exactly: flip the sign bits (x + 128, offset binary), set
 # each byte as the low half of an fp16 whose high byte is 0x64 (the value 1024 + x + 128, as 1024's ulp is 1),
 # subtract 1152 from both halves. PRMT and LOP3 run on the integer pipes at 4× the rate of I2F.
@@ -188,44 +196,25 @@ def _load_tile(table, t0, end, k_cache_ptr, v_cache_ptr, block_size, stride_cb, 
 
 @triton.jit
 def _load_tile_i8(table, t0, end, k_cache_ptr, v_cache_ptr, stride_cb, stride_co, stride_ch, stride_vcb, stride_vch,
-                  hk, d, d_mask, block_size: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
-                  V_FLAT: tl.constexpr = False):  # fmt: skip
+                  hk, d, d_mask, block_size: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr):  # fmt: skip
     """``_load_tile`` for an int8 cache whose V is transposed within its blocks, a tile of whole blocks (``t0`` a
     multiple of ``block_size``, which divides ``BLOCK_N``): K as ``[BLOCK_N, D]`` and V as ``[D, BLOCK_N]``, each
-    block's ``block_size`` tokens of one dimension one contiguous run. Rows of the last block past ``end`` are
-    loaded too (whole runs load as wide vectors): whatever they hold, the caller gives them no weight (their
-    scores are masked, their scales read as 0).
-
-    Two forms of the V load. Without ``V_FLAT`` the block table is read once per block and V is gathered as
-    ``[blocks, D, block_size]`` runs (the run length is visible to the compiler in the last dimension), then
-    permuted to ``[D, BLOCK_N]``: a register shuffle the compiler routes through shared memory. With
-    ``V_FLAT`` V is loaded as ``[D, BLOCK_N]`` directly, its runs declared to the compiler (``max_contiguous``,
-    ``multiple_of``: true because ``t0`` is a whole number of blocks and the caches' strides are multiples of
-    16), and the block table is read per token, as the K rows need it anyway."""
+    block's ``block_size`` tokens of one dimension one contiguous run. The block table is read once per block.
+    Rows of the last block past ``end`` are loaded too (whole runs load as wide vectors): whatever they hold,
+    the caller gives them no weight (their scores are masked, their scales read as 0)."""
+    NB: tl.constexpr = BLOCK_N // block_size
+    j = t0 // block_size + tl.arange(0, NB)
+    j_mask = j * block_size < end
+    blocks = tl.load(table + j, mask=j_mask, other=0).to(tl.int64)
+    block = tl.reshape(tl.broadcast_to(blocks[:, None], (NB, block_size)), (BLOCK_N,))
+    o = tl.arange(0, block_size)
     t = t0 + tl.arange(0, BLOCK_N)
     t_mask = t < end
-    if V_FLAT:
-        tt = tl.arange(0, BLOCK_N)
-        run_mask = t0 + (tt // block_size) * block_size < end  # whole blocks: constant along each run
-        block = tl.load(table + t0 // block_size + tt // block_size, mask=run_mask, other=0).to(tl.int64)
-        o = tt % block_size
-        row = block * stride_cb + o * stride_co + hk * stride_ch
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0)
-        v_off = block[None, :] * stride_vcb + hk * stride_vch + d[:, None] * block_size + o[None, :]
-        v_off = tl.max_contiguous(tl.multiple_of(v_off, [block_size, block_size]), [1, block_size])
-        vt = tl.load(v_cache_ptr + v_off, mask=d_mask[:, None] & run_mask[None, :], other=0)
-    else:
-        NB: tl.constexpr = BLOCK_N // block_size
-        j = t0 // block_size + tl.arange(0, NB)
-        j_mask = j * block_size < end
-        blocks = tl.load(table + j, mask=j_mask, other=0).to(tl.int64)
-        block = tl.reshape(tl.broadcast_to(blocks[:, None], (NB, block_size)), (BLOCK_N,))
-        o = tl.arange(0, block_size)
-        row = block * stride_cb + (t % block_size) * stride_co + hk * stride_ch
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0)
-        v_runs = blocks[:, None, None] * stride_vcb + hk * stride_vch + d[None, :, None] * block_size + o[None, None, :]
-        v3 = tl.load(v_cache_ptr + v_runs, mask=j_mask[:, None, None] & d_mask[None, :, None], other=0)
-        vt = tl.reshape(tl.permute(v3, (1, 0, 2)), (D_PAD, BLOCK_N))
+    row = block * stride_cb + (t % block_size) * stride_co + hk * stride_ch
+    k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0)
+    v_runs = blocks[:, None, None] * stride_vcb + hk * stride_vch + d[None, :, None] * block_size + o[None, None, :]
+    v3 = tl.load(v_cache_ptr + v_runs, mask=j_mask[:, None, None] & d_mask[None, :, None], other=0)
+    vt = tl.reshape(tl.permute(v3, (1, 0, 2)), (D_PAD, BLOCK_N))
     return t, t_mask, block, k, vt
 
 
@@ -363,7 +352,6 @@ def _paged_decode_kernel(
     I8_ASM: tl.constexpr = False,
     V_T: tl.constexpr = False,
     I8_MMA: tl.constexpr = False,
-    V_FLAT: tl.constexpr = False,
 ):
     if PDL:  # see _common.use_pdl; every program waits, even a slice that exits at once (the chain's order)
         gdc_launch_dependents()
@@ -474,7 +462,7 @@ def _paged_decode_kernel(
             if I8_MMA:
                 t, t_mask, block, k, vt = _load_tile_i8(
                     table, t0, walk_end, k_cache_ptr, v_cache_ptr, stride_cb, stride_co, stride_ch, stride_vcb,
-                    stride_vch, hk, d, d_mask, block_size, BLOCK_N, D_PAD, V_FLAT,
+                    stride_vch, hk, d, d_mask, block_size, BLOCK_N, D_PAD,
                 )  # fmt: skip
                 srow = block * stride_sb + (t % block_size) * stride_so + hk
                 ks = tl.load(k_scale_ptr + srow, mask=t_mask, other=0.0)
@@ -586,7 +574,6 @@ def paged_decode_attention(
     fp8_widen: str | None = None,
     i8_asm: bool | None = None,
     i8_mma: bool | None = None,
-    i8_v_flat: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q: (B, Hq, D)`` over the paged caches; returns ``(B, Hq, D)`` in q's dtype.
 
@@ -609,7 +596,6 @@ def paged_decode_attention(
         ("widen", fp8_widen),
         ("i8_asm", i8_asm),
         ("mma", i8_mma),
-        ("v_flat", i8_v_flat),
     ):
         if value is not None:
             cfg[key] = value
@@ -630,7 +616,7 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, cfg["block_n"],
         min_slice, cfg["num_warps"], cfg["num_stages"], k_scales, v_scales, None, widen_f16=widen_f16,
         i8_asm=bool(cfg.get("i8_asm")) and k_cache.dtype == torch.int8 and f16_tiles and q.is_cuda and not mma,
-        i8_mma=mma, v_flat=mma and bool(cfg.get("v_flat")),
+        i8_mma=mma,
     )  # fmt: skip
 
 
@@ -681,7 +667,7 @@ def paged_decode_attention_qk_norm_rope(
 
 def _decode(
     q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, block_n, min_slice,
-    num_warps, num_stages, k_scales, v_scales, rope, widen_f16=False, i8_asm=False, i8_mma=False, v_flat=False,
+    num_warps, num_stages, k_scales, v_scales, rope, widen_f16=False, i8_asm=False, i8_mma=False,
 ):  # fmt: skip
     B, Hq, D = q.shape
     _, block_size, Hk, Dc = k_cache.shape
@@ -758,7 +744,6 @@ def _decode(
         I8_ASM=i8_asm,
         V_T=v_t,
         I8_MMA=i8_mma,
-        V_FLAT=v_flat,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
