@@ -124,7 +124,7 @@ from ._common import cached_empty, cached_zeros, cdiv, next_pow2, num_sms, requi
 from .kv_cache import check_cache, check_layout, v_transposed
 from .rope import _norm_rope_heads
 
-__all__ = ["num_splits", "paged_decode_attention", "paged_decode_attention_qk_norm_rope"]
+__all__ = ["heads_per_program", "num_splits", "paged_decode_attention", "paged_decode_attention_qk_norm_rope"]
 
 _LOG2E = 1.4426950408889634
 # Launch settings of the bf16/fp16/fp32 caches' decode attention, and of the FP8 cache's ("widen": the dtype its
@@ -148,7 +148,16 @@ FP8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16"}
 # third stage loads the block table a tile ahead of the K/V copies: 256 × 1,024 264 → 242 µs and the offline
 # workload +7.3 % (18,411 → 19,753 tok/s, interleaved, H100; results/gpu/engine_h200_dev/
 # decode_attention_sweep_h100_587dfab_run3.json).
-INT8_LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 3, "widen": "f16", "i8_asm": True, "mma": True}
+# "pack_heads": with "mma", several KV heads a program (``_paged_decode_i8_heads_kernel``), an A/B form.
+INT8_LAUNCH = {
+    "block_n": 64,
+    "num_warps": 4,
+    "num_stages": 3,
+    "widen": "f16",
+    "i8_asm": True,
+    "mma": True,
+    "pack_heads": False,
+}
 # Four int8 (one 32-bit register) → four fp16 (two), exactly: flip the sign bits (x + 128, offset binary), set
 # each byte as the low half of an fp16 whose high byte is 0x64 (the value 1024 + x + 128, as 1024's ulp is 1),
 # subtract 1152 from both halves. PRMT and LOP3 run on the integer pipes at 4× the rate of I2F.
@@ -545,6 +554,184 @@ def _paged_decode_kernel(
             gdc_wait()
 
 
+@triton.jit
+def _paged_decode_i8_heads_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    acc_ws_ptr,
+    ml_ws_ptr,
+    cnt_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    qk_scale,
+    n_splits,
+    min_slice,
+    n_q_heads,
+    n_programs_h,
+    head_dim,
+    stride_qb,
+    stride_qh,
+    stride_cb,
+    stride_co,
+    stride_ch,
+    stride_vcb,
+    stride_vch,
+    stride_sb,
+    stride_so,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    block_size: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEADS: tl.constexpr,
+    ROWS: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    S_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """The int8 dots (``_attend_tile_i8``) with ``HEADS`` KV heads a program: the ``HEADS · GROUP`` query rows of
+    those heads fill the dots' 16 rows instead of one group padded to 16, so the softmax's elementwise work is
+    shared by ``HEADS`` heads and a tile's copies are ``HEADS`` times the bytes. Each head's dots take the rows
+    of the others as zeros (their q, their probabilities masked), so the int32 sums over heads give every row
+    its own head's product; the K and V scales are gathered per row. Same split-KV and merge as
+    ``_paged_decode_kernel``."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    b = tl.program_id(0)
+    ph = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + b)
+    if SPLIT:
+        per_split = tl.maximum(tl.cdiv(tl.cdiv(ctx, n_splits), BLOCK_N) * BLOCK_N, min_slice)
+        n_active = tl.cdiv(ctx, per_split)
+    else:
+        per_split = ctx
+        n_active = 1
+    if split < n_active:
+        start = split * per_split
+        end = tl.minimum(ctx, start + per_split)
+        hk0 = ph * HEADS
+        r = tl.arange(0, ROWS)
+        d = tl.arange(0, D_PAD)
+        r_mask = r < HEADS * GROUP
+        d_mask = d < head_dim
+        row_head = r // GROUP  # the row's KV head within the program
+        heads = hk0 * GROUP + r
+        q = tl.load(
+            q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+            mask=r_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        qf = q.to(tl.float32)
+        q_step = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) * (1.0 / _I16_TOP)
+        q_hi, q_lo = _split_i16(qf, 1.0 / q_step[:, None])
+        s_scale = q_step * qk_scale
+        m_i = tl.full([ROWS], -float("inf"), dtype=tl.float32)
+        l_i = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, D_PAD], dtype=tl.float32)
+        table = block_tables_ptr + b.to(tl.int64) * stride_bt
+        NB: tl.constexpr = BLOCK_N // block_size
+        o = tl.arange(0, block_size)
+        for t0 in range(start, end, BLOCK_N):
+            j = t0 // block_size + tl.arange(0, NB)
+            j_mask = j * block_size < end
+            blocks = tl.load(table + j, mask=j_mask, other=0).to(tl.int64)
+            block = tl.reshape(tl.broadcast_to(blocks[:, None], (NB, block_size)), (BLOCK_N,))
+            t = t0 + tl.arange(0, BLOCK_N)
+            t_mask = t < end
+            tok = block * stride_cb + (t % block_size) * stride_co
+            kv_mask = t_mask[:, None] & d_mask[None, :]
+            # per row and token: the row's head's scales (rows past the heads and tokens past the end read 0)
+            srow = block * stride_sb + (t % block_size) * stride_so
+            sc_off = srow[None, :] + (hk0 + row_head)[:, None]
+            sc_mask = r_mask[:, None] & t_mask[None, :]
+            ks = tl.load(k_scale_ptr + sc_off, mask=sc_mask, other=0.0)
+            vs = tl.load(v_scale_ptr + sc_off, mask=sc_mask, other=0.0)
+            s_hi = tl.zeros([ROWS, BLOCK_N], dtype=tl.int32)
+            s_lo = tl.zeros([ROWS, BLOCK_N], dtype=tl.int32)
+            for hh in tl.static_range(HEADS):
+                k = tl.load(k_cache_ptr + tok[:, None] + (hk0 + hh) * stride_ch + d[None, :], mask=kv_mask, other=0)
+                mine = (row_head == hh)[:, None]
+                s_hi = tl.dot(tl.where(mine, q_hi, 0), tl.trans(k), s_hi, out_dtype=tl.int32)
+                s_lo = tl.dot(tl.where(mine, q_lo, 0), tl.trans(k), s_lo, out_dtype=tl.int32)
+            s = (s_hi * 256 + s_lo).to(tl.float32) * s_scale[:, None] * ks
+            s = tl.where(t_mask[None, :], s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            pv = p * vs
+            step = tl.maximum(tl.max(pv, axis=1), 1e-30) * (1.0 / _I16_TOP)
+            p_hi, p_lo = _split_i16(pv, 1.0 / step[:, None])
+            o_hi = tl.zeros([ROWS, D_PAD], dtype=tl.int32)
+            o_lo = tl.zeros([ROWS, D_PAD], dtype=tl.int32)
+            for hh in tl.static_range(HEADS):
+                v_runs = (
+                    blocks[:, None, None] * stride_vcb
+                    + (hk0 + hh) * stride_vch
+                    + d[None, :, None] * block_size
+                    + o[None, None, :]
+                )
+                v3 = tl.load(v_cache_ptr + v_runs, mask=j_mask[:, None, None] & d_mask[None, :, None], other=0)
+                vt = tl.reshape(tl.permute(v3, (1, 0, 2)), (D_PAD, BLOCK_N))
+                mine = (row_head == hh)[:, None]
+                o_hi = tl.dot(tl.where(mine, p_hi, 0), tl.trans(vt), o_hi, out_dtype=tl.int32)
+                o_lo = tl.dot(tl.where(mine, p_lo, 0), tl.trans(vt), o_lo, out_dtype=tl.int32)
+            acc = acc * alpha[:, None] + (o_hi * 256 + o_lo).to(tl.float32) * step[:, None]
+            m_i = m_new
+
+        out_mask = r_mask[:, None] & d_mask[None, :]
+        if SPLIT and n_active > 1:
+            ws_row = (b.to(tl.int64) * n_q_heads + heads) * n_splits + split
+            tl.store(acc_ws_ptr + ws_row[:, None] * D_PAD + d[None, :], acc, mask=out_mask)
+            tl.store(ml_ws_ptr + ws_row * 2, m_i, mask=r_mask)
+            tl.store(ml_ws_ptr + ws_row * 2 + 1, l_i, mask=r_mask)
+            tl.debug_barrier()
+            counter = cnt_ptr + b * n_programs_h + ph
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_active - 1:
+                sl = tl.arange(0, S_PAD)
+                s_mask = sl < n_active
+                for gi in tl.static_range(HEADS * GROUP):
+                    rows = (b.to(tl.int64) * n_q_heads + hk0 * GROUP + gi) * n_splits + sl
+                    m_s = tl.load(ml_ws_ptr + rows * 2, mask=s_mask, other=-float("inf"), cache_modifier=".cg")
+                    l_s = tl.load(ml_ws_ptr + rows * 2 + 1, mask=s_mask, other=0.0, cache_modifier=".cg")
+                    a_s = tl.load(
+                        acc_ws_ptr + rows[:, None] * D_PAD + d[None, :],
+                        mask=s_mask[:, None] & d_mask[None, :],
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    w = tl.exp2(m_s - tl.max(m_s, axis=0))
+                    o_row = tl.sum(a_s * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+                    tl.store(
+                        out_ptr + b.to(tl.int64) * stride_ob + (hk0 * GROUP + gi) * stride_oh + d,
+                        o_row.to(out_ptr.dtype.element_ty),
+                        mask=d_mask,
+                    )
+                tl.atomic_xchg(counter, 0)
+        else:
+            o_out = acc / l_i[:, None]
+            out_rows = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
+            tl.store(out_rows, o_out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def heads_per_program(kv_heads: int, group: int, rows: int = 16) -> int:
+    """The most KV heads whose query rows fit ``rows`` and that divide ``kv_heads`` (1 when a group alone fills
+    them): Qwen3-0.6B (8 KV heads of 2) → 8, a Llama-3.2-1B shape (8 of 4) → 4, SmolLM2-135M (3 of 3) → 3."""
+    for h in range(min(kv_heads, max(rows // group, 1)), 0, -1):
+        if kv_heads % h == 0:
+            return h
+    return 1
+
+
 def num_splits(batch: int, kv_heads: int, max_context: int, block_n: int, device: torch.device) -> int:
     """Slices per sequence: enough programs for ~2 per SM, never a slice shorter than one tile."""
     programs = batch * kv_heads
@@ -574,6 +761,7 @@ def paged_decode_attention(
     fp8_widen: str | None = None,
     i8_asm: bool | None = None,
     i8_mma: bool | None = None,
+    i8_pack_heads: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q: (B, Hq, D)`` over the paged caches; returns ``(B, Hq, D)`` in q's dtype.
 
@@ -596,6 +784,7 @@ def paged_decode_attention(
         ("widen", fp8_widen),
         ("i8_asm", i8_asm),
         ("mma", i8_mma),
+        ("pack_heads", i8_pack_heads),
     ):
         if value is not None:
             cfg[key] = value
@@ -616,7 +805,7 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, cfg["block_n"],
         min_slice, cfg["num_warps"], cfg["num_stages"], k_scales, v_scales, None, widen_f16=widen_f16,
         i8_asm=bool(cfg.get("i8_asm")) and k_cache.dtype == torch.int8 and f16_tiles and q.is_cuda and not mma,
-        i8_mma=mma,
+        i8_mma=mma, pack_heads=mma and bool(cfg.get("pack_heads")),
     )  # fmt: skip
 
 
@@ -667,7 +856,7 @@ def paged_decode_attention_qk_norm_rope(
 
 def _decode(
     q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, block_n, min_slice,
-    num_warps, num_stages, k_scales, v_scales, rope, widen_f16=False, i8_asm=False, i8_mma=False,
+    num_warps, num_stages, k_scales, v_scales, rope, widen_f16=False, i8_asm=False, i8_mma=False, pack_heads=False,
 ):  # fmt: skip
     B, Hq, D = q.shape
     _, block_size, Hk, Dc = k_cache.shape
@@ -686,9 +875,10 @@ def _decode(
     if B == 0:
         return out
     group = Hq // Hk
+    heads = heads_per_program(Hk, group) if pack_heads else 1
     bound = max_context_len if max_context_len is not None else block_tables.shape[1] * block_size
     bound = max(bound, 1)
-    n_split = splits or num_splits(B, Hk, bound, block_n, q.device)
+    n_split = splits or num_splits(B, Hk // heads, bound, block_n, q.device)
     n_split = cdiv(bound, cdiv(cdiv(bound, n_split), block_n) * block_n)  # no slice of the bound left empty
     d_pad = max(16, next_pow2(D))
     if n_split > 1:  # cached scratch: no allocation on the hot path (see _common.cached_zeros)
@@ -698,6 +888,18 @@ def _decode(
     else:
         acc_ws = ml_ws = counters = out  # unused (SPLIT=False)
     pdl = use_pdl(q)
+    if heads > 1:
+        assert scales is not None
+        _paged_decode_i8_heads_kernel[(B, Hk // heads, n_split)](
+            q, k_cache, v_cache, block_tables, context_lens, out, acc_ws, ml_ws, counters, *scales, scale * _LOG2E,
+            n_split, cdiv(MIN_SLICE_TOKENS if min_slice is None else max(min_slice, 1), block_n) * block_n, Hq,
+            Hk // heads, D, q.stride(0), q.stride(1), *k_cache.stride()[:3], v_cache.stride(0), v_cache.stride(2),
+            *scales[0].stride()[:2], block_tables.stride(0), out.stride(0), out.stride(1), block_size=block_size,
+            GROUP=group, HEADS=heads, ROWS=max(16, next_pow2(heads * group)), D_PAD=d_pad, BLOCK_N=block_n,
+            SPLIT=n_split > 1, S_PAD=next_pow2(n_split), PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+            launch_pdl=pdl,
+        )  # fmt: skip
+        return out
     _paged_decode_kernel[(B, Hk, n_split)](
         q,
         k_cache,

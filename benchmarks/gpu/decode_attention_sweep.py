@@ -38,12 +38,13 @@ import torch
 READ_BW_GBS = 3630.0  # the H200's measured read bandwidth (tests/gpu/run_fp8.py)
 SHAPE = {"Hq": 16, "Hk": 8, "D": 128, "block_size": 16}
 CACHES = ("bf16", "fp8", "int8")
-KEYS = ("block_n", "num_warps", "num_stages", "widen", "i8_asm", "mma")
-# the int8 forms: (i8_asm, mma); with mma (V transposed) the tiles are not widened, so i8_asm stays as it is
+KEYS = ("block_n", "num_warps", "num_stages", "widen", "i8_asm", "mma", "pack_heads")
+# the int8 forms: (i8_asm, mma, pack_heads); with mma (V transposed) the tiles are not widened, so i8_asm stays
 INT8_FORMS = {
-    "asm": (True, False),  # V dense like K, widened to fp16 by byte permutes
-    "conv": (False, False),  # the same, one conversion per value
-    "mma": (True, True),  # V transposed, int8 dots
+    "asm": (True, False, False),  # V dense like K, widened to fp16 by byte permutes
+    "conv": (False, False, False),  # the same, one conversion per value
+    "mma": (True, True, False),  # V transposed, int8 dots, one KV head a program
+    "pack": (True, True, True),  # the same, several KV heads a program (paged_attention.heads_per_program)
 }
 
 
@@ -106,7 +107,7 @@ def sweep(cases: list[tuple[int, int]], device: str, configs: dict[str, list[dic
                 if name != "bf16":
                     kw["fp8_widen"] = cfg["widen"]
                 if name == "int8":
-                    kw["i8_asm"], kw["i8_mma"] = cfg["i8_asm"], cfg["mma"]
+                    kw["i8_asm"], kw["i8_mma"], kw["i8_pack_heads"] = cfg["i8_asm"], cfg["mma"], cfg["pack_heads"]
                     v = c["int8_v_t"] if cfg["mma"] else c["caches"]["int8"][1]
 
                 def run(c=c, k=k, v=v, sc=sc, kw=kw):
@@ -267,16 +268,16 @@ def main() -> int:
     swept = [c for c in CACHES if c == "bf16" or c in args.caches.split(",")]
     configs: dict[str, list[dict]] = {}
     for name in swept:
-        forms = int8_forms if name == "int8" else [(None, None)]
+        forms = int8_forms if name == "int8" else [(None, None, None)]
         configs[name] = [
             {
                 **current[name],
                 "block_n": bn,
                 "num_warps": w,
                 "num_stages": st,
-                **({"i8_asm": asm, "mma": mma} if name == "int8" else {}),
+                **({"i8_asm": asm, "mma": mma, "pack_heads": pack} if name == "int8" else {}),
             }
-            for bn, w, st, (asm, mma) in itertools.product(tiles, warps, stages, forms)
+            for bn, w, st, (asm, mma, pack) in itertools.product(tiles, warps, stages, forms)
         ]
         if current[name] not in configs[name]:
             configs[name].append(dict(current[name]))
