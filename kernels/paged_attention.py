@@ -111,6 +111,16 @@ Trade-offs tried
     BLOCK_N]`` tile, its 16-byte runs declared to the compiler (``tl.max_contiguous``), instead of per-block runs
     permuted in registers cut the loop from 986 to 861 instructions but ran slower (295 against 279 µs under
     ncu, with 35 % of its reads hitting L2 against 6 %): dropped.
+
+    Several KV heads a program (``_paged_decode_i8_heads_kernel``, ``INT8_LAUNCH["pack_heads"]``, off). Qwen3's
+    groups of 2 leave 14 of the dots' 16 rows padding, and the softmax's elementwise work runs on all 16: with
+    ``heads_per_program`` heads a program their rows fill them (8 heads of 2), each head's dots see the others'
+    rows as zeros, and the loop issues 3.0-3.9 instructions per token and head instead of 12.0, its copies
+    4-8× the bytes a tile. H100 (results/gpu/engine_h200_dev/decode_attention_sweep_h100_eae6b8c.json): at 256 ×
+    1,024 222 against 243 µs (32-token tiles, 4 warps), even at 256 × 384, but slower where fewer programs
+    fill the card (64 × 1,024: 93 against 73 µs; 128 × 2,048: 242 against 230): its 152 registers and 103 KB
+    of shared memory leave two CTAs an SM, and B programs (split to ~2 an SM) are few. It stays off until an
+    offline A/B (with a batch-dependent choice) shows the workload gains.
 """
 
 from __future__ import annotations
