@@ -158,7 +158,8 @@ FP8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16"}
 # third stage loads the block table a tile ahead of the K/V copies: 256 × 1,024 264 → 242 µs and the offline
 # workload +7.3 % (18,411 → 19,753 tok/s, interleaved, H100; results/gpu/engine_h200_dev/
 # decode_attention_sweep_h100_587dfab_run3.json).
-# "pack_heads": with "mma", several KV heads a program (``_paged_decode_i8_heads_kernel``), an A/B form.
+# "pack_heads": with "mma", up to this many KV heads a program (``_paged_decode_i8_heads_kernel``; 0 or 1: one, the
+# kernel above), an A/B form.
 INT8_LAUNCH = {
     "block_n": 64,
     "num_warps": 4,
@@ -166,7 +167,7 @@ INT8_LAUNCH = {
     "widen": "f16",
     "i8_asm": True,
     "mma": True,
-    "pack_heads": False,
+    "pack_heads": 0,
 }
 # Four int8 (one 32-bit register) → four fp16 (two), exactly: flip the sign bits (x + 128, offset binary), set
 # each byte as the low half of an fp16 whose high byte is 0x64 (the value 1024 + x + 128, as 1024's ulp is 1),
@@ -733,10 +734,11 @@ def _paged_decode_i8_heads_kernel(
             tl.store(out_rows, o_out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def heads_per_program(kv_heads: int, group: int, rows: int = 16) -> int:
-    """The most KV heads whose query rows fit ``rows`` and that divide ``kv_heads`` (1 when a group alone fills
-    them): Qwen3-0.6B (8 KV heads of 2) → 8, a Llama-3.2-1B shape (8 of 4) → 4, SmolLM2-135M (3 of 3) → 3."""
-    for h in range(min(kv_heads, max(rows // group, 1)), 0, -1):
+def heads_per_program(kv_heads: int, group: int, most: int = 16, rows: int = 16) -> int:
+    """The most KV heads (at most ``most``) whose query rows fit ``rows`` and that divide ``kv_heads`` (1 when a
+    group alone fills them): Qwen3-0.6B (8 KV heads of 2) → 8, a Llama-3.2-1B shape (8 of 4) → 4, SmolLM2-135M
+    (3 of 3) → 3."""
+    for h in range(min(kv_heads, most, max(rows // group, 1)), 0, -1):
         if kv_heads % h == 0:
             return h
     return 1
@@ -771,7 +773,7 @@ def paged_decode_attention(
     fp8_widen: str | None = None,
     i8_asm: bool | None = None,
     i8_mma: bool | None = None,
-    i8_pack_heads: bool | None = None,
+    i8_pack_heads: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q: (B, Hq, D)`` over the paged caches; returns ``(B, Hq, D)`` in q's dtype.
 
@@ -783,7 +785,8 @@ def paged_decode_attention(
     the dtype 8-bit tiles widen to for the dots of a bf16 q, ``"bf16"`` or ``"f16"``; ``i8_asm``: an int8
     cache's tiles widen through byte permutes (CUDA only; see ``INT8_LAUNCH``); ``i8_mma``: an int8 cache whose V
     is transposed within its blocks (kv_cache.py) goes into int8 tensor-core dots as stored, without widening
-    (``INT8_LAUNCH["mma"]``; needs a power-of-two block size dividing ``block_n``).
+    (``INT8_LAUNCH["mma"]``; needs a power-of-two block size dividing ``block_n``); ``i8_pack_heads``: with the
+    int8 dots, up to this many KV heads a program (``heads_per_program``; 0 or 1: one).
     """
     eight_bit = k_scales is not None
     cfg = dict(LAUNCH if not eight_bit else INT8_LAUNCH if k_cache.dtype == torch.int8 else FP8_LAUNCH)
@@ -815,7 +818,7 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, cfg["block_n"],
         min_slice, cfg["num_warps"], cfg["num_stages"], k_scales, v_scales, None, widen_f16=widen_f16,
         i8_asm=bool(cfg.get("i8_asm")) and k_cache.dtype == torch.int8 and f16_tiles and q.is_cuda and not mma,
-        i8_mma=mma, pack_heads=mma and bool(cfg.get("pack_heads")),
+        i8_mma=mma, pack_heads=int(cfg.get("pack_heads") or 0) if mma else 0,
     )  # fmt: skip
 
 
@@ -866,7 +869,7 @@ def paged_decode_attention_qk_norm_rope(
 
 def _decode(
     q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, block_n, min_slice,
-    num_warps, num_stages, k_scales, v_scales, rope, widen_f16=False, i8_asm=False, i8_mma=False, pack_heads=False,
+    num_warps, num_stages, k_scales, v_scales, rope, widen_f16=False, i8_asm=False, i8_mma=False, pack_heads=0,
 ):  # fmt: skip
     B, Hq, D = q.shape
     _, block_size, Hk, Dc = k_cache.shape
@@ -885,7 +888,7 @@ def _decode(
     if B == 0:
         return out
     group = Hq // Hk
-    heads = heads_per_program(Hk, group) if pack_heads else 1
+    heads = heads_per_program(Hk, group, pack_heads) if pack_heads > 1 else 1
     bound = max_context_len if max_context_len is not None else block_tables.shape[1] * block_size
     bound = max(bound, 1)
     n_split = splits or num_splits(B, Hk // heads, bound, block_n, q.device)

@@ -41,10 +41,12 @@ CACHES = ("bf16", "fp8", "int8")
 KEYS = ("block_n", "num_warps", "num_stages", "widen", "i8_asm", "mma", "pack_heads")
 # the int8 forms: (i8_asm, mma, pack_heads); with mma (V transposed) the tiles are not widened, so i8_asm stays
 INT8_FORMS = {
-    "asm": (True, False, False),  # V dense like K, widened to fp16 by byte permutes
-    "conv": (False, False, False),  # the same, one conversion per value
-    "mma": (True, True, False),  # V transposed, int8 dots, one KV head a program
-    "pack": (True, True, True),  # the same, several KV heads a program (paged_attention.heads_per_program)
+    "asm": (True, False, 0),  # V dense like K, widened to fp16 by byte permutes
+    "conv": (False, False, 0),  # the same, one conversion per value
+    "mma": (True, True, 0),  # V transposed, int8 dots, one KV head a program
+    "pack": (True, True, 8),  # the same, up to 8 KV heads a program (paged_attention.heads_per_program)
+    "pack4": (True, True, 4),  # up to 4
+    "pack2": (True, True, 2),  # up to 2
 }
 
 

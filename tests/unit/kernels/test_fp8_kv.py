@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernellab.kernels.kv_cache import store_kv, v_transposed
-from kernellab.kernels.paged_attention import paged_decode_attention
+from kernellab.kernels.paged_attention import heads_per_program, paged_decode_attention
 from kernellab.kernels.rope import qk_norm_rope_store_kv
 from kernellab.runtime import ops
 from tests.support.kernels import assert_close, poisoned
@@ -250,7 +250,7 @@ def test_qk_norm_rope_store_kv_writes_a_transposed_v(gen):
 
 
 @pytest.mark.parametrize(
-    "block_size, mma, pack", [(16, True, False), (16, True, True), (16, False, False), (8, True, True), (5, True, True)]
+    "block_size, mma, pack", [(16, True, 0), (16, True, 8), (16, False, 0), (8, True, 8), (5, True, 8)]
 )
 @pytest.mark.parametrize("splits", [None, 1, 3])
 @pytest.mark.parametrize("Hq, Hk, D", [(4, 2, 32), (9, 3, 64), (16, 8, 128)])
@@ -275,6 +275,17 @@ def test_paged_decode_attention_int8_transposed_v(Hq, Hk, D, block_size, mma, pa
     err = float((y.float() - ref.float()).norm() / ref.float().norm())
     dense_err = float((dense.float() - ref.float()).norm() / ref.float().norm())
     assert err <= dense_err * 1.05, (err, dense_err)
+
+
+def test_heads_per_program():
+    """The packed int8 form's heads a program: as many as fill 16 query rows, dividing the KV heads, capped."""
+    assert heads_per_program(8, 2) == 8  # Qwen3-0.6B
+    assert heads_per_program(8, 2, most=4) == 4
+    assert heads_per_program(8, 4) == 4  # a Llama-3.2-1B shape
+    assert heads_per_program(3, 3) == 3  # SmolLM2-135M: 9 of 16 rows
+    assert heads_per_program(6, 2, most=4) == 3  # the cap, then the most that divide the heads
+    assert heads_per_program(4, 16) == 1  # a group fills the rows alone
+    assert heads_per_program(5, 2) == 5
 
 
 def test_int8_dots_keep_long_flat_contexts_and_small_values(gen):
