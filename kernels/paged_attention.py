@@ -159,7 +159,9 @@ FP8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16"}
 # workload +7.3 % (18,411 → 19,753 tok/s, interleaved, H100; results/gpu/engine_h200_dev/
 # decode_attention_sweep_h100_587dfab_run3.json).
 # "pack_heads": with "mma", up to this many KV heads a program (``_paged_decode_i8_heads_kernel``; 0 or 1: one, the
-# kernel above), an A/B form.
+# kernel above), an A/B form; "pack_min_rows": only for launches of at least this many sequences (the form won at
+# 256 × 1,024 alone: "Several KV heads a program" above); "pack_launch": the packed launches' own block_n /
+# num_warps / num_stages, over the ones above.
 INT8_LAUNCH = {
     "block_n": 64,
     "num_warps": 4,
@@ -168,6 +170,8 @@ INT8_LAUNCH = {
     "i8_asm": True,
     "mma": True,
     "pack_heads": 0,
+    "pack_min_rows": 0,
+    "pack_launch": {},
 }
 # Four int8 (one 32-bit register) → four fp16 (two), exactly: flip the sign bits (x + 128, offset binary), set
 # each byte as the low half of an fp16 whose high byte is 0x64 (the value 1024 + x + 128, as 1024's ulp is 1),
@@ -790,17 +794,20 @@ def paged_decode_attention(
     """
     eight_bit = k_scales is not None
     cfg = dict(LAUNCH if not eight_bit else INT8_LAUNCH if k_cache.dtype == torch.int8 else FP8_LAUNCH)
-    for key, value in (
-        ("block_n", block_n),
-        ("num_warps", num_warps),
-        ("num_stages", num_stages),
-        ("widen", fp8_widen),
-        ("i8_asm", i8_asm),
-        ("mma", i8_mma),
-        ("pack_heads", i8_pack_heads),
-    ):
-        if value is not None:
-            cfg[key] = value
+    given = {
+        key: value
+        for key, value in (
+            ("block_n", block_n),
+            ("num_warps", num_warps),
+            ("num_stages", num_stages),
+            ("widen", fp8_widen),
+            ("i8_asm", i8_asm),
+            ("mma", i8_mma),
+            ("pack_heads", i8_pack_heads),
+        )
+        if value is not None
+    }
+    cfg.update(given)
     widen = cfg.get("widen", "bf16")
     require(widen in ("bf16", "f16"), "fp8_widen must be 'bf16' or 'f16'")
     bs = k_cache.shape[1]
@@ -812,13 +819,17 @@ def paged_decode_attention(
         and cfg["block_n"] % bs == 0
         and q.dtype != torch.float32
     )
+    pack = int(cfg.get("pack_heads") or 0) if mma and q.shape[0] >= cfg.get("pack_min_rows", 0) else 0
+    if pack > 1:  # the packed form's own tile settings, under the caller's
+        cfg.update({**(cfg.get("pack_launch") or {}), **given})
+        require(cfg["block_n"] % bs == 0, "the packed int8 form needs block_n a multiple of the block size")
     widen_f16 = widen == "f16" and eight_bit and q.dtype == torch.bfloat16 and not mma
     f16_tiles = widen_f16 or (eight_bit and q.dtype == torch.float16)
     return _decode(
         q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, cfg["block_n"],
         min_slice, cfg["num_warps"], cfg["num_stages"], k_scales, v_scales, None, widen_f16=widen_f16,
         i8_asm=bool(cfg.get("i8_asm")) and k_cache.dtype == torch.int8 and f16_tiles and q.is_cuda and not mma,
-        i8_mma=mma, pack_heads=int(cfg.get("pack_heads") or 0) if mma else 0,
+        i8_mma=mma, pack_heads=pack,
     )  # fmt: skip
 
 

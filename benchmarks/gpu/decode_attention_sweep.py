@@ -241,6 +241,14 @@ def main() -> int:
     ap.add_argument(
         "--offline-blocks", type=int, help="KV blocks of each offline engine (default 20,480: three fit an H200)"
     )
+    ap.add_argument(
+        "--offline-int8",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="an extra int8 engine in the offline A/B: INT8_LAUNCH updated with JSON, e.g. "
+        'pack256=\'{"pack_heads": 8, "pack_min_rows": 256, "pack_launch": {"block_n": 32, "num_stages": 2}}\'',
+    )
     args = ap.parse_args()
     gpu = args.device == "cuda"
     if not gpu:  # Triton's interpreter, read when a kernel is decorated, with the fixes the CPU tests use
@@ -307,6 +315,9 @@ def main() -> int:
         variants["int8"] = ("int8", current["int8"])
     if best.get("int8") and best["int8"] != current["int8"]:
         variants["int8-best"] = ("int8", best["int8"])
+    for spec in args.offline_int8:
+        vname, _, js = spec.partition("=")
+        variants[vname] = ("int8", {**current["int8"], **json.loads(js)})
     if "int8" in swept and "asm" in args.int8_forms.split(","):  # before V was transposed: dense V, byte permutes
         variants["int8-dense"] = ("int8", {**current["int8"], "mma": False, "i8_asm": True})
     if args.rounds < 1:

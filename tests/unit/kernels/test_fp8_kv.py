@@ -288,6 +288,29 @@ def test_heads_per_program():
     assert heads_per_program(5, 2) == 5
 
 
+def test_packed_int8_form_only_from_its_row_count(gen, monkeypatch):
+    """``pack_min_rows`` keeps small launches on the one-head form; at the threshold the packed kernel runs with
+    its own tile settings (``pack_launch``), and both agree with the one-head form."""
+    from kernellab.kernels import compile_check, paged_attention
+
+    Hq, Hk, D, bs = 4, 2, 32, 16
+    monkeypatch.setitem(paged_attention.INT8_LAUNCH, "block_n", 64)
+    monkeypatch.setitem(paged_attention.INT8_LAUNCH, "pack_heads", 8)
+    monkeypatch.setitem(paged_attention.INT8_LAUNCH, "pack_min_rows", 3)
+    monkeypatch.setitem(paged_attention.INT8_LAUNCH, "pack_launch", {"block_n": 32})
+    for lens in ([40, 70], [40, 70, 100]):
+        q, kc, vc, tables, ctx = _paged_case(lens, Hq, Hk, D, bs, torch.float32, gen)
+        (k8, ks), (v8, vs) = ops.quantize_kv(kc.nan_to_num(0.0), INT8), ops.quantize_kv(vc.nan_to_num(0.0), INT8)
+        q, vt = q.to(torch.bfloat16), _transposed(v8)
+        with compile_check.record_launches() as seen:
+            y = paged_decode_attention(q, k8, vt, tables, ctx, D**-0.5, k_scales=ks, v_scales=vs, splits=1)
+        ((name, block_n),) = {(x["kernel"], x["constexprs"]["BLOCK_N"]) for x in seen}
+        packed = len(lens) >= 3
+        assert (name, block_n) == (("_paged_decode_i8_heads_kernel", 32) if packed else ("_paged_decode_kernel", 64))
+        one = paged_decode_attention(q, k8, vt, tables, ctx, D**-0.5, k_scales=ks, v_scales=vs, i8_pack_heads=0)
+        assert_close(y, one, 2e-3, 2e-3, "packed vs one head a program")
+
+
 def test_int8_dots_keep_long_flat_contexts_and_small_values(gen):
     """Many nearly equal scores over a small-valued V (p ≈ 1e-3, vs ≈ 1e-5): the probabilities' fixed point is
     per row of each tile, so none of them rounds away."""
