@@ -156,7 +156,15 @@ def _compile_one(launch: Launch, arch: int) -> str | None:
     try:
         compile_launch(launch, arch)
     except Exception as e:  # the compiler's own message is the finding
-        return f"{type(e).__name__}: {e}"[-2000:]
+        # an error inside a called @triton.jit helper surfaces as its call site, the cause chained under it: the
+        # chain, innermost last (the end is what the cut keeps)
+        chain, seen = [], set()
+        err: BaseException | None = e
+        while err is not None and id(err) not in seen:
+            seen.add(id(err))
+            chain.append(f"{type(err).__name__}: {err}")
+            err = err.__cause__ or err.__context__
+        return "\n\ncaused by: ".join(chain)[-2000:]
     return None
 
 

@@ -318,6 +318,68 @@ def _attend_tile(q, k, v, ks, vs, t_mask, m_i, l_i, acc, qk_scale, IEEE: tl.cons
 
 
 @triton.jit
+def _slice_of(ctx, split, n_splits, min_slice, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """This program's slice ``[start, end)`` of a ``ctx``-token context and how many of the sequence's slices
+    hold tokens. Slices are cut from the sequence's own length, not the launch's bound (the graph's widest
+    context): ceil(ctx / S) tokens each, in whole tiles. A short context needs few slices; the rest exit before
+    any load and take no part in the merge."""
+    if SPLIT:
+        per_split = tl.maximum(tl.cdiv(tl.cdiv(ctx, n_splits), BLOCK_N) * BLOCK_N, min_slice)
+        n_active = tl.cdiv(ctx, per_split)
+    else:
+        per_split = ctx
+        n_active = 1
+    start = split * per_split
+    return start, tl.minimum(ctx, start + per_split), n_active
+
+
+@triton.jit
+def _finish_rows(acc, m_i, l_i, b, split, n_active, n_splits, n_q_heads, heads, first_head, row_mask, d, d_mask,
+                 counter, out_ptr, stride_ob, stride_oh, acc_ws_ptr, ml_ws_ptr, N_ROWS: tl.constexpr,
+                 D_PAD: tl.constexpr, S_PAD: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """A slice's online-softmax state ``(acc, m_i, l_i)`` for query heads ``heads`` (the ``N_ROWS`` from
+    ``first_head`` where ``row_mask``) into the output: directly when the sequence has one slice; else published
+    to the fp32 workspace, and the last of its ``n_active`` slices to arrive (``counter``, the same semaphore
+    pattern as gemv.py's split-K) merges them (``o = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s``) and resets the
+    counter. The workspace rows stay strided by the launch's S."""
+    out_mask = row_mask[:, None] & d_mask[None, :]
+    # SPLIT is a compile-time guard: without it n_active (a tensor even when it is the literal 1) would keep
+    # the merge in the unsplit kernel, whose workspace and counter arguments are not fp32 / int32 buffers
+    if SPLIT and n_active > 1:
+        ws_row = (b.to(tl.int64) * n_q_heads + heads) * n_splits + split
+        tl.store(acc_ws_ptr + ws_row[:, None] * D_PAD + d[None, :], acc, mask=out_mask)
+        tl.store(ml_ws_ptr + ws_row * 2, m_i, mask=row_mask)
+        tl.store(ml_ws_ptr + ws_row * 2 + 1, l_i, mask=row_mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_active - 1:
+            sl = tl.arange(0, S_PAD)
+            s_mask = sl < n_active
+            for gi in tl.static_range(N_ROWS):
+                rows = (b.to(tl.int64) * n_q_heads + first_head + gi) * n_splits + sl
+                m_s = tl.load(ml_ws_ptr + rows * 2, mask=s_mask, other=-float("inf"), cache_modifier=".cg")
+                l_s = tl.load(ml_ws_ptr + rows * 2 + 1, mask=s_mask, other=0.0, cache_modifier=".cg")
+                a_s = tl.load(
+                    acc_ws_ptr + rows[:, None] * D_PAD + d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                w = tl.exp2(m_s - tl.max(m_s, axis=0))  # finite: every active slice holds a token
+                o = tl.sum(a_s * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+                tl.store(
+                    out_ptr + b.to(tl.int64) * stride_ob + (first_head + gi) * stride_oh + d,
+                    o.to(out_ptr.dtype.element_ty),
+                    mask=d_mask,
+                )
+            tl.atomic_xchg(counter, 0)
+    else:
+        o = acc / l_i[:, None]
+        out_rows = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -385,18 +447,8 @@ def _paged_decode_kernel(
     hk = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + b)
-    if SPLIT:
-        # Slices are cut from this sequence's own length, not the launch's bound (the graph's widest context):
-        # ceil(ctx / S) tokens each, in whole tiles. A short context needs few slices; the rest exit here,
-        # before any load, and take no part in the merge.
-        per_split = tl.maximum(tl.cdiv(tl.cdiv(ctx, n_splits), BLOCK_N) * BLOCK_N, min_slice)
-        n_active = tl.cdiv(ctx, per_split)
-    else:
-        per_split = ctx
-        n_active = 1
+    start, end, n_active = _slice_of(ctx, split, n_splits, min_slice, BLOCK_N, SPLIT)
     if split < n_active:
-        start = split * per_split
-        end = tl.minimum(ctx, start + per_split)
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D_PAD)
         g_mask = g < GROUP
@@ -526,44 +578,11 @@ def _paged_decode_kernel(
                 acc = acc * alpha[:, None] + pv_new
                 m_i = m_new
 
-        out_mask = g_mask[:, None] & d_mask[None, :]
-        out_rows = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
-        # SPLIT is a compile-time guard: without it n_active (a tensor even when it is the literal 1) would keep
-        # the merge in the unsplit kernel, whose workspace and counter arguments are not fp32 / int32 buffers
-        if SPLIT and n_active > 1:
-            # Publish this slice's (acc, m, l); the last of the sequence's n_active slices to arrive merges them
-            # (same semaphore pattern as gemv.py's split-K); the workspace rows stay strided by the launch's S.
-            ws_row = (b.to(tl.int64) * n_q_heads + heads) * n_splits + split
-            tl.store(acc_ws_ptr + ws_row[:, None] * D_PAD + d[None, :], acc, mask=out_mask)
-            tl.store(ml_ws_ptr + ws_row * 2, m_i, mask=g_mask)
-            tl.store(ml_ws_ptr + ws_row * 2 + 1, l_i, mask=g_mask)
-            tl.debug_barrier()
-            counter = cnt_ptr + b * n_kv_heads + hk
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == n_active - 1:
-                sl = tl.arange(0, S_PAD)
-                s_mask = sl < n_active
-                for gi in tl.static_range(GROUP):
-                    rows = (b.to(tl.int64) * n_q_heads + hk * GROUP + gi) * n_splits + sl
-                    m_s = tl.load(ml_ws_ptr + rows * 2, mask=s_mask, other=-float("inf"), cache_modifier=".cg")
-                    l_s = tl.load(ml_ws_ptr + rows * 2 + 1, mask=s_mask, other=0.0, cache_modifier=".cg")
-                    a_s = tl.load(
-                        acc_ws_ptr + rows[:, None] * D_PAD + d[None, :],
-                        mask=s_mask[:, None] & d_mask[None, :],
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
-                    w = tl.exp2(m_s - tl.max(m_s, axis=0))  # finite: every active slice holds a token
-                    o = tl.sum(a_s * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
-                    tl.store(
-                        out_ptr + b.to(tl.int64) * stride_ob + (hk * GROUP + gi) * stride_oh + d,
-                        o.to(out_ptr.dtype.element_ty),
-                        mask=d_mask,
-                    )
-                tl.atomic_xchg(counter, 0)
-        else:
-            o = acc / l_i[:, None]
-            tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+        _finish_rows(
+            acc, m_i, l_i, b, split, n_active, n_splits, n_q_heads, heads, hk * GROUP, g_mask, d, d_mask,
+            cnt_ptr + b * n_kv_heads + hk, out_ptr, stride_ob, stride_oh, acc_ws_ptr, ml_ws_ptr, GROUP, D_PAD, S_PAD,
+            SPLIT,
+        )  # fmt: skip
     if ROPE and PDL:  # noqa: SIM102 (a constexpr guard) — an idle slice still waits: the grid ends after its producer
         if split >= n_active:
             gdc_wait()
@@ -623,15 +642,8 @@ def _paged_decode_i8_heads_kernel(
     ph = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + b)
-    if SPLIT:
-        per_split = tl.maximum(tl.cdiv(tl.cdiv(ctx, n_splits), BLOCK_N) * BLOCK_N, min_slice)
-        n_active = tl.cdiv(ctx, per_split)
-    else:
-        per_split = ctx
-        n_active = 1
+    start, end, n_active = _slice_of(ctx, split, n_splits, min_slice, BLOCK_N, SPLIT)
     if split < n_active:
-        start = split * per_split
-        end = tl.minimum(ctx, start + per_split)
         hk0 = ph * HEADS
         r = tl.arange(0, ROWS)
         d = tl.arange(0, D_PAD)
@@ -702,40 +714,11 @@ def _paged_decode_i8_heads_kernel(
             acc = acc * alpha[:, None] + (o_hi * 256 + o_lo).to(tl.float32) * step[:, None]
             m_i = m_new
 
-        out_mask = r_mask[:, None] & d_mask[None, :]
-        if SPLIT and n_active > 1:
-            ws_row = (b.to(tl.int64) * n_q_heads + heads) * n_splits + split
-            tl.store(acc_ws_ptr + ws_row[:, None] * D_PAD + d[None, :], acc, mask=out_mask)
-            tl.store(ml_ws_ptr + ws_row * 2, m_i, mask=r_mask)
-            tl.store(ml_ws_ptr + ws_row * 2 + 1, l_i, mask=r_mask)
-            tl.debug_barrier()
-            counter = cnt_ptr + b * n_programs_h + ph
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == n_active - 1:
-                sl = tl.arange(0, S_PAD)
-                s_mask = sl < n_active
-                for gi in tl.static_range(HEADS * GROUP):
-                    rows = (b.to(tl.int64) * n_q_heads + hk0 * GROUP + gi) * n_splits + sl
-                    m_s = tl.load(ml_ws_ptr + rows * 2, mask=s_mask, other=-float("inf"), cache_modifier=".cg")
-                    l_s = tl.load(ml_ws_ptr + rows * 2 + 1, mask=s_mask, other=0.0, cache_modifier=".cg")
-                    a_s = tl.load(
-                        acc_ws_ptr + rows[:, None] * D_PAD + d[None, :],
-                        mask=s_mask[:, None] & d_mask[None, :],
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
-                    w = tl.exp2(m_s - tl.max(m_s, axis=0))
-                    o_row = tl.sum(a_s * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
-                    tl.store(
-                        out_ptr + b.to(tl.int64) * stride_ob + (hk0 * GROUP + gi) * stride_oh + d,
-                        o_row.to(out_ptr.dtype.element_ty),
-                        mask=d_mask,
-                    )
-                tl.atomic_xchg(counter, 0)
-        else:
-            o_out = acc / l_i[:, None]
-            out_rows = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
-            tl.store(out_rows, o_out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        _finish_rows(
+            acc, m_i, l_i, b, split, n_active, n_splits, n_q_heads, heads, hk0 * GROUP, r_mask, d, d_mask,
+            cnt_ptr + b * n_programs_h + ph, out_ptr, stride_ob, stride_oh, acc_ws_ptr, ml_ws_ptr, HEADS * GROUP,
+            D_PAD, S_PAD, SPLIT,
+        )  # fmt: skip
 
 
 def heads_per_program(kv_heads: int, group: int, most: int = 16, rows: int = 16) -> int:
