@@ -21,7 +21,7 @@ generate: install
 
 test: install  ## everything CI runs: unit (CPU, Triton interpreter) + integration (real Redis, real processes)
 	bash scripts/install-system-deps.sh
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q --durations=25
 
 test-unit: install
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/unit
