@@ -31,6 +31,7 @@ CHAPTERS = [
     ("paged_attention", "Split-KV paged decode attention"),
     ("argmax", "Argmax and top-k"),
     ("prefetch", "L2 prefetch at batch-1 decode (rejected)"),
+    ("persistent", "Persistent batch-1 MLP: a grid barrier instead of a launch (probe)"),
 ]
 
 # What limits each chapter, written against the measured numbers (update together with the artifact).
@@ -135,6 +136,12 @@ ANALYSIS: dict[str, str] = {
         "on a side stream against 0.769 without, 1.177 with line prefetches, 1.322 with line prefetches in the PDL "
         "chain (2.159 for bulk ones in the chain at 56c1be2). The GEMVs it feeds gain only ~1.3 µs each from an "
         "L2-resident weight, less than the prefetch stream's contention costs them."
+    ),
+    "persistent": (
+        "Not measured yet: built on a machine without a GPU (interpreter tests against the engine's two GEMVs, bit "
+        "for bit; its sm_90 compile checked). The first GPU run of `benchmarks/gpu/persistent_mlp_probe.py` says "
+        "whether one grid barrier beats one PDL kernel boundary; only then is the whole decode layer worth "
+        "building as one persistent kernel."
     ),
 }
 
