@@ -39,8 +39,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import cached_zeros, cdiv, next_pow2, num_sms, require
+from ._common import cached_zeros, cdiv, next_pow2, num_sms, require, use_pdl
 from .gemv import _norm_rstd, _x_chunk
 
 __all__ = ["mlp_decode"]
@@ -81,18 +82,31 @@ def _mlp_kernel(
     PHASE_B: tl.constexpr,
     SYNC: tl.constexpr,
     RES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     act_ty = x_ptr.dtype.element_ty
     if PHASE_A:
-        rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, H, eps, pid == 0, True, KA, RES)
         ka = tl.arange(0, KA)
         kam = ka < H
+        n = pid * BLOCK_A + tl.arange(0, BLOCK_A)  # the first tile's weights: they never depend on the last kernel
+        w_first = tl.load(
+            wgu_ptr + n.to(tl.int64)[:, None] * H + ka[None, :], mask=(n < 2 * F)[:, None] & kam[None, :], other=0
+        )
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, H, eps, pid == 0, True, KA, RES)
         xa = _x_chunk(x_ptr, res_ptr, nw_ptr, rstd, ka, kam, H, False, True, RES)
         for t in range(pid, tl.cdiv(2 * F, BLOCK_A), n_prog):
             n = t * BLOCK_A + tl.arange(0, BLOCK_A)
             nm = n < 2 * F
-            w = tl.load(wgu_ptr + n.to(tl.int64)[:, None] * H + ka[None, :], mask=nm[:, None] & kam[None, :], other=0)
+            if t == pid:
+                w = w_first
+            else:
+                w = tl.load(
+                    wgu_ptr + n.to(tl.int64)[:, None] * H + ka[None, :], mask=nm[:, None] & kam[None, :], other=0
+                )
             acc = tl.sum(w.to(tl.float32) * xa[None, :], axis=1)
             tl.store(gu_ptr + n, acc.to(act_ty), mask=nm)
     if PHASE_B:
@@ -102,6 +116,9 @@ def _mlp_kernel(
         w_next = tl.load(
             wd_ptr + n.to(tl.int64)[:, None] * F + kb[None, :], mask=(n < H)[:, None] & kbm[None, :], other=0
         )
+        if PDL and not PHASE_A:  # the two-launch form's second kernel
+            gdc_launch_dependents()
+            gdc_wait()
         if SYNC:
             _grid_sync(sync_ptr, n_prog)
         g = tl.load(gu_ptr + kb, mask=kbm, other=0.0, cache_modifier=".cg").to(tl.float32)
@@ -141,12 +158,14 @@ def mlp_decode(
     block_a: int = 16,
     block_b: int = 4,
     cooperative: bool = True,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(silu_and_mul_linear(add_rms_norm_linear(x, residual, norm_weight, eps, w_gate_up)[0], w_down), r)``
     for one row. ``fused``: one launch of ``programs`` programs (default: one an SM) with a grid barrier between
     the phases; else two launches of the same kernel. ``residual`` None: ``r`` is x (a first layer).
     ``cooperative``: the fused form is a cooperative launch, which the driver refuses (instead of the barrier
-    hanging) when the programs cannot all be resident."""
+    hanging) when the programs cannot all be resident. ``pdl``: launched with programmatic dependent launch
+    (Hopper; ignored elsewhere), each program's first weight tile loaded before it waits for the previous kernel."""
     H = x.shape[-1]
     F2 = w_gate_up.shape[0]
     require(x.numel() == H and x.is_contiguous(), "mlp_decode takes one contiguous row")
@@ -157,6 +176,7 @@ def mlp_decode(
         require(t.dtype == x.dtype and t.is_contiguous(), "weights must be contiguous, in x's dtype")
     if residual is not None:
         require(residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous(), "bad residual")
+    pdl = pdl and use_pdl(x)  # Hopper only (and not while kernels._common.pdl(False) holds)
     P = programs or num_sms(x.device)
     require(P >= 1, "programs must be positive")
     r = torch.empty_like(x) if residual is not None else x
@@ -169,13 +189,14 @@ def mlp_decode(
     args = (x, res, norm_weight, res_out, w_gate_up, gu, w_down, out, sync, eps, H, F)
     if fused:
         _mlp_kernel[(P,)](
-            *args, P, PHASE_A=True, PHASE_B=True, SYNC=True, **common, num_warps=8, launch_cooperative_grid=cooperative
-        )
+            *args, P, PHASE_A=True, PHASE_B=True, SYNC=True, PDL=pdl, **common,
+            num_warps=8, launch_cooperative_grid=cooperative, launch_pdl=pdl,
+        )  # fmt: skip
     else:
-        _mlp_kernel[(min(P, cdiv(F2, block_a)),)](
-            *args, min(P, cdiv(F2, block_a)), PHASE_A=True, PHASE_B=False, SYNC=False, **common, num_warps=8
-        )
-        _mlp_kernel[(min(P, cdiv(H, block_b)),)](
-            *args, min(P, cdiv(H, block_b)), PHASE_A=False, PHASE_B=True, SYNC=False, **common, num_warps=8
-        )
+        for n_tiles, phase_a in ((cdiv(F2, block_a), True), (cdiv(H, block_b), False)):
+            p = min(P, n_tiles)
+            _mlp_kernel[(p,)](
+                *args, p, PHASE_A=phase_a, PHASE_B=not phase_a, SYNC=False, PDL=pdl, **common,
+                num_warps=8, launch_pdl=pdl,
+            )  # fmt: skip
     return out, r

@@ -10,7 +10,9 @@ This probe measures that trade on the MLP's two GEMVs (``kernels/persistent.py``
   Hopper);
 - ``persistent``: one launch, one program an SM, a grid barrier between the phases, the first down-projection tile
   loaded before it (``--programs`` adds other program counts);
-- ``two_launch``: the persistent kernel's phases as two plain launches (the barrier's share, without PDL).
+- ``persistent_pdl``: the same launched with PDL (not cooperative), its first gate/up tile loaded before it waits
+  for the previous layer;
+- ``two_launch`` / ``two_launch_pdl``: the persistent kernel's phases as two launches (the barrier's share).
 
 Each variant is a CUDA graph of 28 chained MLPs (the output and residual sum of one feed the next) over 28
 distinct weight sets (504 MB: no L2 reuse), replayed ``--replays`` times a round, variants interleaved over
@@ -45,7 +47,15 @@ def _variants(programs: list[int]) -> dict:
         out[f"persistent_p{p}"] = lambda x, res, nw, wgu, wd, p=p: persistent.mlp_decode(
             x, res, nw, 1e-6, wgu, wd, programs=p
         )
+    # with PDL (Hopper): the next layer's kernel is scheduled early and loads its first weight tile before it waits;
+    # a cooperative launch may not take the PDL attribute, so the fused form is tried without it
+    out[f"persistent_pdl_p{programs[0]}"] = lambda x, res, nw, wgu, wd: persistent.mlp_decode(
+        x, res, nw, 1e-6, wgu, wd, programs=programs[0], cooperative=False, pdl=True
+    )
     out["two_launch"] = lambda x, res, nw, wgu, wd: persistent.mlp_decode(x, res, nw, 1e-6, wgu, wd, fused=False)
+    out["two_launch_pdl"] = lambda x, res, nw, wgu, wd: persistent.mlp_decode(
+        x, res, nw, 1e-6, wgu, wd, fused=False, pdl=True
+    )
     return out
 
 

@@ -75,6 +75,6 @@ def test_the_gpu_probe_runs_its_path_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / "persistent_mlp_probe.json").read_text())
     assert validate(data) == "kernellab.bench.persistent_mlp_probe/v1"
-    assert set(data["variants"]) == {"engine", "persistent_p1", "two_launch"}
+    assert set(data["variants"]) == {"engine", "persistent_p1", "persistent_pdl_p1", "two_launch", "two_launch_pdl"}
     for entry in data["variants"].values():
         assert entry["max_abs_diff_vs_engine"] == 0.0 and entry["repeatable"], entry
