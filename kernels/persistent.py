@@ -60,6 +60,27 @@ def _grid_sync(cnt_ptr, target):
 
 
 @triton.jit
+def _weight_tile(w_ptr, t, N, k, km, K, BLOCK: tl.constexpr):
+    """Rows ``[t·BLOCK, (t + 1)·BLOCK)`` of an ``(N, K)`` row-major weight at columns ``k`` (zeros past either end)."""
+    n = t * BLOCK + tl.arange(0, BLOCK)
+    return tl.load(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=(n < N)[:, None] & km[None, :], other=0)
+
+
+@triton.jit
+def _gemv_tiles(w_ptr, out_ptr, xv, first, pid, n_prog, N, k, km, K, BLOCK: tl.constexpr):
+    """``out = W · x`` over this program's row tiles ``pid, pid + n_prog, …``; ``first`` is its first tile,
+    already loaded. Each value rounded to out's dtype."""
+    for t in range(pid, tl.cdiv(N, BLOCK), n_prog):
+        if t == pid:
+            w = first
+        else:
+            w = _weight_tile(w_ptr, t, N, k, km, K, BLOCK)
+        n = t * BLOCK + tl.arange(0, BLOCK)
+        acc = tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+        tl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty), mask=n < N)
+
+
+@triton.jit
 def _mlp_kernel(
     x_ptr,
     res_ptr,
@@ -89,33 +110,17 @@ def _mlp_kernel(
     if PHASE_A:
         ka = tl.arange(0, KA)
         kam = ka < H
-        n = pid * BLOCK_A + tl.arange(0, BLOCK_A)  # the first tile's weights: they never depend on the last kernel
-        w_first = tl.load(
-            wgu_ptr + n.to(tl.int64)[:, None] * H + ka[None, :], mask=(n < 2 * F)[:, None] & kam[None, :], other=0
-        )
+        w_first = _weight_tile(wgu_ptr, pid, 2 * F, ka, kam, H, BLOCK_A)  # never depends on the last kernel
         if PDL:
             gdc_launch_dependents()
             gdc_wait()
         rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, H, eps, pid == 0, True, KA, RES)
         xa = _x_chunk(x_ptr, res_ptr, nw_ptr, rstd, ka, kam, H, False, True, RES)
-        for t in range(pid, tl.cdiv(2 * F, BLOCK_A), n_prog):
-            n = t * BLOCK_A + tl.arange(0, BLOCK_A)
-            nm = n < 2 * F
-            if t == pid:
-                w = w_first
-            else:
-                w = tl.load(
-                    wgu_ptr + n.to(tl.int64)[:, None] * H + ka[None, :], mask=nm[:, None] & kam[None, :], other=0
-                )
-            acc = tl.sum(w.to(tl.float32) * xa[None, :], axis=1)
-            tl.store(gu_ptr + n, acc.to(act_ty), mask=nm)
+        _gemv_tiles(wgu_ptr, gu_ptr, xa, w_first, pid, n_prog, 2 * F, ka, kam, H, BLOCK_A)
     if PHASE_B:
         kb = tl.arange(0, KB)
         kbm = kb < F
-        n = pid * BLOCK_B + tl.arange(0, BLOCK_B)
-        w_next = tl.load(
-            wd_ptr + n.to(tl.int64)[:, None] * F + kb[None, :], mask=(n < H)[:, None] & kbm[None, :], other=0
-        )
+        w_next = _weight_tile(wd_ptr, pid, H, kb, kbm, F, BLOCK_B)
         if PDL and not PHASE_A:  # the two-launch form's second kernel
             gdc_launch_dependents()
             gdc_wait()
@@ -125,17 +130,7 @@ def _mlp_kernel(
         u = tl.load(gu_ptr + F + kb, mask=kbm, other=0.0, cache_modifier=".cg").to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(act_ty).to(tl.float32)  # rounded where swiglu.silu_and_mul rounds
         xb = (s * u).to(act_ty).to(tl.float32)
-        for t in range(pid, tl.cdiv(H, BLOCK_B), n_prog):
-            n = t * BLOCK_B + tl.arange(0, BLOCK_B)
-            nm = n < H
-            if t == pid:
-                w = w_next
-            else:
-                w = tl.load(
-                    wd_ptr + n.to(tl.int64)[:, None] * F + kb[None, :], mask=nm[:, None] & kbm[None, :], other=0
-                )
-            acc = tl.sum(w.to(tl.float32) * xb[None, :], axis=1)
-            tl.store(out_ptr + n, acc.to(act_ty), mask=nm)
+        _gemv_tiles(wd_ptr, out_ptr, xb, w_next, pid, n_prog, H, kb, kbm, F, BLOCK_B)
     elif SYNC:
         _grid_sync(sync_ptr, n_prog)
     if SYNC:  # the last program out resets both counters: every program has passed the barrier by then
