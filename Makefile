@@ -22,8 +22,8 @@ generate: install
 # The unit tests run in TEST_WORKERS processes (pytest-xdist, a module's tests kept together), each with one
 # intra-op thread: most of their time is the Triton interpreter's single-threaded Python, and a worker's torch
 # threads would otherwise contend with the other worker's (on the 2-core CI machine: 953 s serial; in two
-# workers 951 s at two threads each, 515 s at one thread each, that run's sm_90 compile cache warm). The
-# integration tests start real processes and some time them, so they run alone afterwards.
+# workers 951 s at two threads each, 515 s at one thread each with the sm_90 compile cache warm, 606 s with it
+# cold, as in CI). The integration tests start real processes and some time them, so they run alone afterwards.
 TEST_WORKERS ?= auto
 
 test: install  ## everything CI runs: unit (CPU, Triton interpreter) + integration (real Redis, real processes)
