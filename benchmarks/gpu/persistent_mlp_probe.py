@@ -43,19 +43,21 @@ def _variants(programs: list[int]) -> dict:
         return gemv.silu_and_mul_linear(gu, wd), r
 
     out = {"engine": engine}
-    for p in programs:
-        out[f"persistent_p{p}"] = lambda x, res, nw, wgu, wd, p=p: persistent.mlp_decode(
-            x, res, nw, 1e-6, wgu, wd, programs=p
-        )
+    # safest first: a cooperative launch the driver or the graph capture refuses comes last, so it cannot spoil the
+    # stream for the others
+    out["two_launch"] = lambda x, res, nw, wgu, wd: persistent.mlp_decode(x, res, nw, 1e-6, wgu, wd, fused=False)
+    out["two_launch_pdl"] = lambda x, res, nw, wgu, wd: persistent.mlp_decode(
+        x, res, nw, 1e-6, wgu, wd, fused=False, pdl=True
+    )
     # with PDL (Hopper): the next layer's kernel is scheduled early and loads its first weight tile before it waits;
     # a cooperative launch may not take the PDL attribute, so the fused form is tried without it
     out[f"persistent_pdl_p{programs[0]}"] = lambda x, res, nw, wgu, wd: persistent.mlp_decode(
         x, res, nw, 1e-6, wgu, wd, programs=programs[0], cooperative=False, pdl=True
     )
-    out["two_launch"] = lambda x, res, nw, wgu, wd: persistent.mlp_decode(x, res, nw, 1e-6, wgu, wd, fused=False)
-    out["two_launch_pdl"] = lambda x, res, nw, wgu, wd: persistent.mlp_decode(
-        x, res, nw, 1e-6, wgu, wd, fused=False, pdl=True
-    )
+    for p in programs:
+        out[f"persistent_p{p}"] = lambda x, res, nw, wgu, wd, p=p: persistent.mlp_decode(
+            x, res, nw, 1e-6, wgu, wd, programs=p
+        )
     return out
 
 
@@ -125,6 +127,7 @@ def main() -> None:
                 runners[name] = graph.replay
             else:
                 runners[name] = lambda fn=fn: _chain(fn, x0, res0, layers)
+            print(f"{name}: ready, max |diff| vs engine {entry['max_abs_diff_vs_engine']:.2e}", flush=True)
         except Exception as exc:  # a variant the driver refuses (e.g. too many programs) is a result
             entry["error"] = f"{type(exc).__name__}: {exc}"[:500]
             print(f"{name}: {entry['error']}", flush=True)
