@@ -25,19 +25,21 @@ generate: install
 # workers 951 s at two threads each, 515 s at one thread each with the sm_90 compile cache warm, 606 s with it
 # cold, as in CI). The integration tests start real processes and some time them, so they run alone afterwards.
 TEST_WORKERS ?= auto
+UNIT_TESTS = OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
+	--durations=15 tests/unit
+INTEGRATION_TESTS = TRITON_INTERPRET=1 $(BIN)/python -m pytest -q --durations=15 tests/integration
 
 test: install  ## everything CI runs: unit (CPU, Triton interpreter) + integration (real Redis, real processes)
 	bash scripts/install-system-deps.sh
-	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
-		--durations=15 tests/unit
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q --durations=15 tests/integration
+	$(UNIT_TESTS)
+	$(INTEGRATION_TESTS)
 
 test-unit: install
-	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit
+	$(UNIT_TESTS)
 
 test-integration: install
 	bash scripts/install-system-deps.sh
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/integration
+	$(INTEGRATION_TESTS)
 
 lint: install  ## what CI checks before the tests: lint rules and formatting (ruff format, line length 120), types
 	$(BIN)/ruff check .

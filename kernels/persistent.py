@@ -21,8 +21,9 @@ Program mapping
       ``r``; each tile's rows go to ``gu`` rounded to x's dtype;
     - the barrier: each program's first phase-B weight tile is loaded *before* it (weights never depend on
       phase A), then ``_grid_sync``: a release add on a device counter, then acquire reads until all P programs
-      have arrived (one thread a program, ``tl.debug_barrier`` around it); phase B's reads of ``gu`` bypass L1
-      (``.cg``), since other SMs wrote them in this launch;
+      have arrived (one thread a program, ``tl.debug_barrier`` around it: the acquire and the CTA barrier order
+      every thread's later loads of ``gu``, which other SMs wrote in this launch, after those writes, as a
+      cooperative-groups grid sync does);
     - phase B: ``[BLOCK_B, F]`` tiles of ``W_down`` (4 rows × F), the SwiGLU formed from ``gu`` as it loads;
     - at the end each program counts itself out on a second counter; the last one resets both, so the next launch
       (or CUDA-graph replay) starts from zero without a memset.
@@ -106,7 +107,6 @@ def _mlp_kernel(
     PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
-    act_ty = x_ptr.dtype.element_ty
     if PHASE_A:
         ka = tl.arange(0, KA)
         kam = ka < H
@@ -126,13 +126,8 @@ def _mlp_kernel(
             gdc_wait()
         if SYNC:
             _grid_sync(sync_ptr, n_prog)
-        g = tl.load(gu_ptr + kb, mask=kbm, other=0.0, cache_modifier=".cg").to(tl.float32)
-        u = tl.load(gu_ptr + F + kb, mask=kbm, other=0.0, cache_modifier=".cg").to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(act_ty).to(tl.float32)  # rounded where swiglu.silu_and_mul rounds
-        xb = (s * u).to(act_ty).to(tl.float32)
+        xb = _x_chunk(gu_ptr, gu_ptr, gu_ptr, 1.0, kb, kbm, F, True, False, False)  # the SwiGLU of the gu row
         _gemv_tiles(wd_ptr, out_ptr, xb, w_next, pid, n_prog, H, kb, kbm, F, BLOCK_B)
-    elif SYNC:
-        _grid_sync(sync_ptr, n_prog)
     if SYNC:  # the last program out resets both counters: every program has passed the barrier by then
         out_count = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
         if out_count == n_prog - 1:
@@ -178,10 +173,9 @@ def mlp_decode(
     gu = torch.empty(F2, dtype=x.dtype, device=x.device)
     out = torch.empty_like(x)
     sync = cached_zeros("persistent.mlp_sync", 2, torch.int32, x.device)
-    res = residual if residual is not None else x
-    res_out = r if residual is not None else x
+    res = residual if residual is not None else x  # unused without a residual (RES=False)
     common = dict(BLOCK_A=block_a, BLOCK_B=block_b, KA=next_pow2(H), KB=next_pow2(F), RES=residual is not None)
-    args = (x, res, norm_weight, res_out, w_gate_up, gu, w_down, out, sync, eps, H, F)
+    args = (x, res, norm_weight, r, w_gate_up, gu, w_down, out, sync, eps, H, F)
     if fused:
         _mlp_kernel[(P,)](
             *args, P, PHASE_A=True, PHASE_B=True, SYNC=True, PDL=pdl, **common,
