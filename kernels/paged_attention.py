@@ -112,15 +112,17 @@ Trade-offs tried
     permuted in registers cut the loop from 986 to 861 instructions but ran slower (295 against 279 µs under
     ncu, with 35 % of its reads hitting L2 against 6 %): dropped.
 
-    Several KV heads a program (``_paged_decode_i8_heads_kernel``, ``INT8_LAUNCH["pack_heads"]``, off). Qwen3's
+    Several KV heads a program (``_paged_decode_i8_heads_kernel``, ``INT8_LAUNCH["pack_heads"]``). Qwen3's
     groups of 2 leave 14 of the dots' 16 rows padding, and the softmax's elementwise work runs on all 16: with
     ``heads_per_program`` heads a program their rows fill them (8 heads of 2), each head's dots see the others'
     rows as zeros, and the loop issues 3.0-3.9 instructions per token and head instead of 12.0, its copies
     4-8× the bytes a tile. H100 (results/gpu/engine_h200_dev/decode_attention_sweep_h100_eae6b8c.json): at 256 ×
     1,024 222 against 243 µs (32-token tiles, 4 warps), even at 256 × 384, but slower where fewer programs
     fill the card (64 × 1,024: 93 against 73 µs; 128 × 2,048: 242 against 230): its 152 registers and 103 KB
-    of shared memory leave two CTAs an SM, and B programs (split to ~2 an SM) are few. It stays off until an
-    offline A/B (with a batch-dependent choice) shows the workload gains.
+    of shared memory leave two CTAs an SM, and B programs (split to ~2 an SM) are few. So it runs only for
+    launches of 256 rows or more (``pack_min_rows``), 8 heads in 32-token tiles, 2 stages: the offline workload
+    gained 4.6 % over the one-head form in an interleaved A/B on the H100 (20,267 → 21,201 tok/s, every round;
+    results/gpu/engine_h200_dev/decode_attention_sweep_pack256_h100_30fa041.json).
 """
 
 from __future__ import annotations
@@ -159,9 +161,11 @@ FP8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16"}
 # workload +7.3 % (18,411 → 19,753 tok/s, interleaved, H100; results/gpu/engine_h200_dev/
 # decode_attention_sweep_h100_587dfab_run3.json).
 # "pack_heads": with "mma", up to this many KV heads a program (``_paged_decode_i8_heads_kernel``; 0 or 1: one, the
-# kernel above), an A/B form; "pack_min_rows": only for launches of at least this many sequences (the form won at
-# 256 × 1,024 alone: "Several KV heads a program" above); "pack_launch": the packed launches' own block_n /
-# num_warps / num_stages, over the ones above.
+# kernel above); "pack_min_rows": only for launches of at least this many sequences (the form wins at 256 × 1,024
+# alone: "Several KV heads a program" above); "pack_launch": the packed launches' own block_n / num_warps /
+# num_stages, over the ones above. 8 heads from 256 rows in 32-token tiles, 2 stages: offline workload +4.6 %
+# (20,267 → 21,201 tok/s, three interleaved rounds, each won, H100; results/gpu/engine_h200_dev/
+# decode_attention_sweep_pack256_h100_30fa041.json).
 INT8_LAUNCH = {
     "block_n": 64,
     "num_warps": 4,
@@ -169,9 +173,9 @@ INT8_LAUNCH = {
     "widen": "f16",
     "i8_asm": True,
     "mma": True,
-    "pack_heads": 0,
-    "pack_min_rows": 0,
-    "pack_launch": {},
+    "pack_heads": 8,
+    "pack_min_rows": 256,
+    "pack_launch": {"block_n": 32, "num_stages": 2},
 }
 # Four int8 (one 32-bit register) → four fp16 (two), exactly: flip the sign bits (x + 128, offset binary), set
 # each byte as the low half of an fp16 whose high byte is 0x64 (the value 1024 + x + 128, as 1024's ulp is 1),

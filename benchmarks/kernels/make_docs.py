@@ -31,7 +31,6 @@ CHAPTERS = [
     ("paged_attention", "Split-KV paged decode attention"),
     ("argmax", "Argmax and top-k"),
     ("prefetch", "L2 prefetch at batch-1 decode (rejected)"),
-    ("persistent", "Persistent batch-1 MLP: a grid barrier instead of a launch (probe)"),
 ]
 
 # What limits each chapter, written against the measured numbers (update together with the artifact).
@@ -90,7 +89,9 @@ ANALYSIS: dict[str, str] = {
         "two wide matrices. Every default row is faster than cuBLAS (1.2× gate/up to 5.6× o_proj, where "
         "cuBLAS picks a 12.7 µs kernel). Reaching 70 % at these sizes needs more overlap than one kernel "
         "can give: fusing consecutive decode GEMVs (q/k/v + o, gate/up + down) into persistent kernels, or "
-        "PDL in every kernel of the decode step."
+        "PDL in every kernel of the decode step. PDL is now in every kernel of the step; the persistent form "
+        "was probed at 30fa041 and lost (the MLP's two GEMVs as one launch with a grid barrier: 14.3 µs a "
+        "layer against the PDL pair's 9.9 on an H100; docs/gpu-engine.md, batch-1 decode)."
     ),
     "quant_gemv": (
         "Standalone, not dispatched. The memory saving is real (2× / 4× fewer weight bytes, measured on the "
@@ -136,12 +137,6 @@ ANALYSIS: dict[str, str] = {
         "on a side stream against 0.769 without, 1.177 with line prefetches, 1.322 with line prefetches in the PDL "
         "chain (2.159 for bulk ones in the chain at 56c1be2). The GEMVs it feeds gain only ~1.3 µs each from an "
         "L2-resident weight, less than the prefetch stream's contention costs them."
-    ),
-    "persistent": (
-        "Not measured yet: built on a machine without a GPU (interpreter tests against the engine's two GEMVs, bit "
-        "for bit; its sm_90 compile checked). The first GPU run of `benchmarks/gpu/persistent_mlp_probe.py` says "
-        "whether one grid barrier beats one PDL kernel boundary; only then is the whole decode layer worth "
-        "building as one persistent kernel."
     ),
 }
 

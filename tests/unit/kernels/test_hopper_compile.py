@@ -21,7 +21,6 @@ from kernellab.kernels import (
     kv_cache,
     linear,
     paged_attention,
-    persistent,
     quant_gemv,
     rms_norm,
     rope,
@@ -80,10 +79,6 @@ def _exercise(gen: torch.Generator) -> None:
             gemv.GemvConfig(8, 32, 2),
             norm=(row + 1, norm_w, row * 0, 1e-6),
         )
-        for fused, res in ((True, rnd(1, 128, dtype=dtype)), (False, None)):  # the persistent MLP probe's forms
-            persistent.mlp_decode(
-                row, res, norm_w, 1e-6, rnd(192, 128, dtype=dtype), rnd(128, 96, dtype=dtype), programs=1, fused=fused
-            )
         for D, Hq, Hk in ((128, 4, 2), (64, 3, 1)):
             cos_sin = ops.rope_cos_sin_cache(D, 64, 1e6, device="cpu")
             cos_ctx = ops.rope_cos_sin_cache(D, 300, 1e6, device="cpu")  # positions of the decode contexts below
