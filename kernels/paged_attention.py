@@ -163,9 +163,7 @@ FP8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16"}
 # "pack_heads": with "mma", up to this many KV heads a program (``_paged_decode_i8_heads_kernel``; 0 or 1: one, the
 # kernel above); "pack_min_rows": only for launches of at least this many sequences (the form wins at 256 × 1,024
 # alone: "Several KV heads a program" above); "pack_launch": the packed launches' own block_n / num_warps /
-# num_stages, over the ones above. 8 heads from 256 rows in 32-token tiles, 2 stages: offline workload +4.6 %
-# (20,267 → 21,201 tok/s, three interleaved rounds, each won, H100; results/gpu/engine_h200_dev/
-# decode_attention_sweep_pack256_h100_30fa041.json).
+# num_stages, over the ones above (the settings' offline A/B: "Several KV heads a program" above).
 INT8_LAUNCH = {
     "block_n": 64,
     "num_warps": 4,
