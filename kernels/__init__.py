@@ -30,6 +30,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "add_rms_norm_linear": ("gemv", "add_rms_norm_linear"),
     "paged_decode_attention": ("paged_attention", "paged_decode_attention"),
     "paged_decode_attention_qk_norm_rope": ("paged_attention", "paged_decode_attention_qk_norm_rope"),
+    "decode_attention_o_proj": ("paged_attention", "decode_attention_o_proj"),
     "argmax": ("argmax", "argmax"),
     "l2_prefetch": ("prefetch", "l2_prefetch"),
     "varlen_causal_attention": ("attention", "varlen_causal_attention"),

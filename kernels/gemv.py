@@ -69,6 +69,18 @@ RMSNorm in the prologue (``add_rms_norm_linear``, batch-1 decode)
     (batch-1 ITL 0.765 vs 0.767 ms at context 128, interleaved: each of the head's ~9,500 programs reads the row
     first; results/gpu/engine_h200_dev/fused_final_norm_ab_3fc91bb.json), so that norm keeps its own kernel.
 
+The attention's merge in the prologue (``paged_attention.decode_attention_o_proj``, batch-1 decode)
+    At batch 1 the split-KV decode attention cuts a context into 64-token slices, and the last slice to finish
+    merges them behind a semaphore (publish, fence, atomic, re-read: dependent L2 trips at the end of the layer's
+    critical path). For the output projection that follows, a context of exactly ``DEFERRED_SLICES`` (two) slices
+    is left unmerged: each program of the o_proj GEMV reads the two slices' partials (``acc``, ``m``, ``l``, fp32
+    from L2, 16 KB at Qwen3-0.6B) and merges them as it loads x, with the attention's own arithmetic (the two
+    products and their sum rounded one by one through PTX ``mul.rn``/``add.rn``, as the attention compiled without
+    FP fusion rounds them), so the output equals attention + GEMV bit for bit (CPU test). One slice, or more than
+    two (longer contexts: up to 32 partials a head would be re-read by each of the 256 programs), and the attention
+    writes x itself. Experimental until the ablation (``benchmarks/gpu/knob_ab.py --knob op:decode_attention_o_proj``)
+    measures it.
+
 fp32 output (the LM head)
     ``out`` may be fp32 where x is bf16/fp16: each value is rounded to x's dtype, then stored widened, so the
     logits equal ``linear(x, W).float()`` bit for bit without the cast kernel after the projection.
@@ -107,6 +119,10 @@ __all__ = [
 ]
 
 MAX_M = 16
+# A one-sequence decode attention leaves its output unmerged when its context took exactly this many slices, and
+# the output projection's GEMV merges them as it loads x (``paged_attention.decode_attention_o_proj``). Two: the
+# merge is then bit for bit the attention's own (a sum of two products has one order).
+DEFERRED_SLICES = tl.constexpr(2)
 
 
 @dataclass(frozen=True)
@@ -117,6 +133,61 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 1
     pdl: bool = False  # programmatic dependent launch (Hopper); dense M = 1 only, see the module docstring
+
+
+@triton.jit
+def _mul_add_rn(a0, b0, a1, b1, ASM: tl.constexpr):
+    """``a0·b0 + a1·b1`` in fp32 with each product and the sum rounded on its own (never contracted to an FMA),
+    as a kernel compiled without FP fusion computes it; ``ASM``: through PTX ``mul.rn``/``add.rn`` (a GPU only),
+    which the assembler never fuses; else plain operations (the interpreter does not fuse either)."""
+    if ASM:
+        p0 = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a0, b0], dtype=tl.float32, is_pure=True,
+                                       pack=1)  # fmt: skip
+        p1 = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a1, b1], dtype=tl.float32, is_pure=True,
+                                       pack=1)  # fmt: skip
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [p0, p1], dtype=tl.float32,
+                                         is_pure=True, pack=1)  # fmt: skip
+    else:
+        return a0 * b0 + a1 * b1
+
+
+@triton.jit
+def _merged_chunk(acc_ws_ptr, ml_ws_ptr, n_splits, head_dim, d_pad, k, km, act_ty: tl.constexpr, ASM: tl.constexpr):
+    """x[k] of an attention output whose two slices the decode attention left unmerged (one sequence: workspace
+    rows ``head · n_splits + s``, see ``paged_attention._finish_rows``): ``o = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s −
+    M) l_s``, rounded to x's dtype, computed as the attention's own merge computes it (bit for bit)."""
+    head = k // head_dim
+    row = head * n_splits
+    col = k - head * head_dim
+    m0 = tl.load(ml_ws_ptr + row * 2, mask=km, other=0.0)
+    m1 = tl.load(ml_ws_ptr + (row + 1) * 2, mask=km, other=0.0)
+    l0 = tl.load(ml_ws_ptr + row * 2 + 1, mask=km, other=1.0)
+    l1 = tl.load(ml_ws_ptr + (row + 1) * 2 + 1, mask=km, other=0.0)
+    a0 = tl.load(acc_ws_ptr + row * d_pad + col, mask=km, other=0.0)
+    a1 = tl.load(acc_ws_ptr + (row + 1) * d_pad + col, mask=km, other=0.0)
+    top = tl.maximum(m0, m1)
+    w0 = tl.exp2(m0 - top)
+    w1 = tl.exp2(m1 - top)
+    o = _mul_add_rn(a0, w0, a1, w1, ASM) / _mul_add_rn(l0, w0, l1, w1, ASM)
+    return o.to(act_ty).to(tl.float32)
+
+
+@triton.jit
+def _x_or_merged(x_ptr, k, km, acc_ws_ptr, ml_ws_ptr, ctx_ptr, n_splits, min_slice, att_block_n, head_dim, d_pad,
+                 ASM: tl.constexpr):  # fmt: skip
+    """x[k] where x is a one-sequence decode attention's output (``paged_attention.decode_attention_o_proj``):
+    when its context took exactly two slices, the attention left them unmerged and this merges them; otherwise
+    (one slice, or more, which the attention merged itself) the attention wrote x. The slice count is the
+    attention's own (``paged_attention._slice_of``) from the sequence's context length."""
+    ctx = tl.load(ctx_ptr).to(tl.int32)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(ctx, n_splits), att_block_n) * att_block_n, min_slice)
+    n_active = tl.cdiv(ctx, per_split)
+    if n_active == DEFERRED_SLICES:
+        xv = _merged_chunk(ml_ws_ptr=ml_ws_ptr, acc_ws_ptr=acc_ws_ptr, n_splits=n_splits, head_dim=head_dim,
+                           d_pad=d_pad, k=k, km=km, act_ty=x_ptr.dtype.element_ty, ASM=ASM)  # fmt: skip
+    else:
+        xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+    return xv
 
 
 @triton.jit
@@ -184,6 +255,14 @@ def _gemv_kernel(
     stride_om,
     k_per_split,
     split_k,
+    mg_acc_ptr,
+    mg_ml_ptr,
+    mg_ctx_ptr,
+    mg_splits,
+    mg_min_slice,
+    mg_block_n,
+    mg_head_dim,
+    mg_d_pad,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -196,6 +275,8 @@ def _gemv_kernel(
     GLU: tl.constexpr = False,
     NORM: tl.constexpr = False,
     RES: tl.constexpr = True,
+    MERGE: tl.constexpr = False,
+    MERGE_ASM: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -223,7 +304,11 @@ def _gemv_kernel(
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & km[None, :], other=0)
         gdc_wait()
         rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, write_res, NORM, BLOCK_K, RES)
-        xv = _x_chunk(x_ptr, res_ptr, nw_ptr, rstd, k, km, K, GLU, NORM, RES)
+        if MERGE:
+            xv = _x_or_merged(x_ptr, k, km, mg_acc_ptr, mg_ml_ptr, mg_ctx_ptr, mg_splits, mg_min_slice, mg_block_n,
+                              mg_head_dim, mg_d_pad, MERGE_ASM)  # fmt: skip
+        else:
+            xv = _x_chunk(x_ptr, res_ptr, nw_ptr, rstd, k, km, K, GLU, NORM, RES)
         acc2 += w.to(tl.float32) * xv[None, :]
         loop_start = k_lo + BLOCK_K
     else:
@@ -260,7 +345,11 @@ def _gemv_kernel(
                 else:
                     acc = tl.dot(xt, wt, acc)
             else:
-                xv = _x_chunk(x_ptr, res_ptr, nw_ptr, rstd, k, km, K, GLU, NORM, RES)
+                if MERGE:
+                    xv = _x_or_merged(x_ptr, k, km, mg_acc_ptr, mg_ml_ptr, mg_ctx_ptr, mg_splits, mg_min_slice,
+                                      mg_block_n, mg_head_dim, mg_d_pad, MERGE_ASM)  # fmt: skip
+                else:
+                    xv = _x_chunk(x_ptr, res_ptr, nw_ptr, rstd, k, km, K, GLU, NORM, RES)
                 acc2 += w.to(tl.float32) * xv[None, :]
 
     if not USE_DOT:
@@ -323,19 +412,26 @@ def gemv(
     config: GemvConfig | None,
     glu: bool = False,
     norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
+    merge: tuple | None = None,
 ) -> torch.Tensor:
     """Launcher shared by the dense and quantized entry points. ``weight`` holds K/2 bytes per row for int4.
     ``glu``: x is a fused gate/up projection (M = 1, dense) whose SwiGLU is the GEMV's input.
     ``norm = (residual, norm_weight, residual_out, eps)``: the input is ``rms_norm(x + residual)`` (M = 1,
     dense), and ``x + residual`` is stored to ``residual_out``; ``residual`` and ``residual_out`` None: the input
     is ``rms_norm(x)``. ``out`` may be fp32 where x is not: y rounded to x's dtype, stored widened (the LM head's
-    logits, with no cast kernel after it)."""
+    logits, with no cast kernel after it). ``merge = (acc_ws, ml_ws, context_lens, n_splits, min_slice, block_n,
+    head_dim, d_pad)``: x is a one-sequence decode attention's output that may have been left as two unmerged
+    slices in those workspaces (``paged_attention.decode_attention_o_proj``; M = 1, dense)."""
     K = x.shape[-1] // 2 if glu else x.shape[-1]
     x2 = rows_2d(x)
     M, N = x2.shape[0], weight.shape[0]
     require(M <= MAX_M, f"the GEMV handles at most {MAX_M} rows, got {M}")
     require(not glu or (M == 1 and w_bits == 16 and x.shape[-1] % 2 == 0), "the SwiGLU GEMV is dense, M = 1")
     require(norm is None or (M == 1 and w_bits == 16 and not glu), "the RMSNorm GEMV is dense, M = 1")
+    require(
+        merge is None or (M == 1 and w_bits == 16 and not glu and norm is None and x.is_contiguous()),
+        "the merging GEMV is dense, M = 1",
+    )
     has_res = True
     if norm is not None:
         res, nw, res_out, eps = norm
@@ -373,6 +469,11 @@ def gemv(
         cnt = cached_zeros("gemv.counters", n_blocks, torch.int32, x.device)
     else:
         ws = cnt = out2  # unused (SPLIT=False)
+    if merge is not None:
+        mg_acc, mg_ml, mg_ctx, *mg_ints = merge
+    else:
+        mg_acc = mg_ml = mg_ctx = out2  # unused (MERGE=False)
+        mg_ints = [1, 1, 1, 1, 1]
     _gemv_kernel[(n_blocks, split)](
         x2,
         weight,
@@ -392,6 +493,10 @@ def gemv(
         out2.stride(0),
         k_per_split,
         split,
+        mg_acc,
+        mg_ml,
+        mg_ctx,
+        *mg_ints,
         BLOCK_M=16 if use_dot else 1,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -404,6 +509,8 @@ def gemv(
         GLU=glu,
         NORM=norm is not None,
         RES=has_res,
+        MERGE=merge is not None,
+        MERGE_ASM=merge is not None and x.is_cuda,
         num_warps=cfg.num_warps,
         launch_pdl=pdl,
     )

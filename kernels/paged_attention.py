@@ -133,10 +133,18 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import cached_empty, cached_zeros, cdiv, next_pow2, num_sms, require, use_pdl
+from .gemv import DEFERRED_SLICES
+from .gemv import gemv as _gemv
 from .kv_cache import check_cache, check_layout, v_transposed
 from .rope import _norm_rope_heads
 
-__all__ = ["heads_per_program", "num_splits", "paged_decode_attention", "paged_decode_attention_qk_norm_rope"]
+__all__ = [
+    "decode_attention_o_proj",
+    "heads_per_program",
+    "num_splits",
+    "paged_decode_attention",
+    "paged_decode_attention_qk_norm_rope",
+]
 
 _LOG2E = 1.4426950408889634
 # Launch settings of the bf16/fp16/fp32 caches' decode attention, and of the FP8 cache's ("widen": the dtype its
@@ -338,12 +346,14 @@ def _slice_of(ctx, split, n_splits, min_slice, BLOCK_N: tl.constexpr, SPLIT: tl.
 @triton.jit
 def _finish_rows(acc, m_i, l_i, b, split, n_active, n_splits, n_q_heads, heads, first_head, row_mask, d, d_mask,
                  counter, out_ptr, stride_ob, stride_oh, acc_ws_ptr, ml_ws_ptr, N_ROWS: tl.constexpr,
-                 D_PAD: tl.constexpr, S_PAD: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+                 D_PAD: tl.constexpr, S_PAD: tl.constexpr, SPLIT: tl.constexpr, DEFER: tl.constexpr = False):  # fmt: skip
     """A slice's online-softmax state ``(acc, m_i, l_i)`` for query heads ``heads`` (the ``N_ROWS`` from
     ``first_head`` where ``row_mask``) into the output: directly when the sequence has one slice; else published
     to the fp32 workspace, and the last of its ``n_active`` slices to arrive (``counter``, the same semaphore
     pattern as gemv.py's split-K) merges them (``o = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s``) and resets the
-    counter. The workspace rows stay strided by the launch's S."""
+    counter. The workspace rows stay strided by the launch's S. With ``DEFER`` (one sequence, its output projection
+    next: ``decode_attention_o_proj``) a context of exactly ``gemv.DEFERRED_SLICES`` slices is left unmerged: the
+    slices publish their partials and end, and the projection's GEMV merges them as it loads its x."""
     out_mask = row_mask[:, None] & d_mask[None, :]
     # SPLIT is a compile-time guard: without it n_active (a tensor even when it is the literal 1) would keep
     # the merge in the unsplit kernel, whose workspace and counter arguments are not fp32 / int32 buffers
@@ -352,33 +362,47 @@ def _finish_rows(acc, m_i, l_i, b, split, n_active, n_splits, n_q_heads, heads, 
         tl.store(acc_ws_ptr + ws_row[:, None] * D_PAD + d[None, :], acc, mask=out_mask)
         tl.store(ml_ws_ptr + ws_row * 2, m_i, mask=row_mask)
         tl.store(ml_ws_ptr + ws_row * 2 + 1, l_i, mask=row_mask)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_active - 1:
-            sl = tl.arange(0, S_PAD)
-            s_mask = sl < n_active
-            for gi in tl.static_range(N_ROWS):
-                rows = (b.to(tl.int64) * n_q_heads + first_head + gi) * n_splits + sl
-                m_s = tl.load(ml_ws_ptr + rows * 2, mask=s_mask, other=-float("inf"), cache_modifier=".cg")
-                l_s = tl.load(ml_ws_ptr + rows * 2 + 1, mask=s_mask, other=0.0, cache_modifier=".cg")
-                a_s = tl.load(
-                    acc_ws_ptr + rows[:, None] * D_PAD + d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :],
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                w = tl.exp2(m_s - tl.max(m_s, axis=0))  # finite: every active slice holds a token
-                o = tl.sum(a_s * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
-                tl.store(
-                    out_ptr + b.to(tl.int64) * stride_ob + (first_head + gi) * stride_oh + d,
-                    o.to(out_ptr.dtype.element_ty),
-                    mask=d_mask,
-                )
-            tl.atomic_xchg(counter, 0)
+        if DEFER:
+            if n_active != DEFERRED_SLICES:
+                _merge_last(counter, n_active, b, n_q_heads, first_head, n_splits, d, d_mask, out_ptr, stride_ob,
+                            stride_oh, acc_ws_ptr, ml_ws_ptr, N_ROWS, D_PAD, S_PAD)  # fmt: skip
+        else:
+            _merge_last(counter, n_active, b, n_q_heads, first_head, n_splits, d, d_mask, out_ptr, stride_ob, stride_oh,
+                        acc_ws_ptr, ml_ws_ptr, N_ROWS, D_PAD, S_PAD)  # fmt: skip
     else:
         o = acc / l_i[:, None]
         out_rows = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _merge_last(counter, n_active, b, n_q_heads, first_head, n_splits, d, d_mask, out_ptr, stride_ob, stride_oh,
+                acc_ws_ptr, ml_ws_ptr, N_ROWS: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):  # fmt: skip
+    """``_finish_rows``'s semaphore, after a slice published its partials: the last of the ``n_active`` slices to
+    arrive merges them into the output and resets the counter."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_active - 1:
+        sl = tl.arange(0, S_PAD)
+        s_mask = sl < n_active
+        for gi in tl.static_range(N_ROWS):
+            rows = (b.to(tl.int64) * n_q_heads + first_head + gi) * n_splits + sl
+            m_s = tl.load(ml_ws_ptr + rows * 2, mask=s_mask, other=-float("inf"), cache_modifier=".cg")
+            l_s = tl.load(ml_ws_ptr + rows * 2 + 1, mask=s_mask, other=0.0, cache_modifier=".cg")
+            a_s = tl.load(
+                acc_ws_ptr + rows[:, None] * D_PAD + d[None, :],
+                mask=s_mask[:, None] & d_mask[None, :],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            w = tl.exp2(m_s - tl.max(m_s, axis=0))  # finite: every active slice holds a token
+            o = tl.sum(a_s * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+            tl.store(
+                out_ptr + b.to(tl.int64) * stride_ob + (first_head + gi) * stride_oh + d,
+                o.to(out_ptr.dtype.element_ty),
+                mask=d_mask,
+            )
+        tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
@@ -440,6 +464,7 @@ def _paged_decode_kernel(
     I8_ASM: tl.constexpr = False,
     V_T: tl.constexpr = False,
     I8_MMA: tl.constexpr = False,
+    DEFER: tl.constexpr = False,
 ):
     if PDL:  # see _common.use_pdl; every program waits, even a slice that exits at once (the chain's order)
         gdc_launch_dependents()
@@ -583,7 +608,7 @@ def _paged_decode_kernel(
         _finish_rows(
             acc, m_i, l_i, b, split, n_active, n_splits, n_q_heads, heads, hk * GROUP, g_mask, d, d_mask,
             cnt_ptr + b * n_kv_heads + hk, out_ptr, stride_ob, stride_oh, acc_ws_ptr, ml_ws_ptr, GROUP, D_PAD, S_PAD,
-            SPLIT,
+            SPLIT, DEFER,
         )  # fmt: skip
     if ROPE and PDL:  # noqa: SIM102 (a constexpr guard) — an idle slice still waits: the grid ends after its producer
         if split >= n_active:
@@ -815,7 +840,7 @@ def paged_decode_attention(
         min_slice, cfg["num_warps"], cfg["num_stages"], k_scales, v_scales, None, widen_f16=widen_f16,
         i8_asm=bool(cfg.get("i8_asm")) and k_cache.dtype == torch.int8 and f16_tiles and q.is_cuda and not mma,
         i8_mma=mma, pack_heads=pack,
-    )  # fmt: skip
+    )[0]  # fmt: skip
 
 
 def paged_decode_attention_qk_norm_rope(
@@ -846,6 +871,59 @@ def paged_decode_attention_qk_norm_rope(
     ``ops.paged_decode_attention_qk_norm_rope``). ``q: (B, Hq, D)``, ``k, v: (B, Hk, D)`` may be strided views
     of the fused QKV row (unit stride along D); the new token's k and v are written at ``slot_mapping`` (slots
     < 0: not written) and attended from registers. bf16/fp16 caches; D a power of two."""
+    rope = _rope_args(q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache, k_cache, slot_mapping)
+    return _decode(
+        q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits,
+        block_n or LAUNCH["block_n"], min_slice, num_warps or LAUNCH["num_warps"],
+        num_stages or LAUNCH["num_stages"], None, None, rope,
+    )[0]  # fmt: skip
+
+
+def decode_attention_o_proj(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    o_weight: torch.Tensor,
+    *,
+    max_context_len: int | None = None,
+) -> torch.Tensor:
+    """``linear(paged_decode_attention_qk_norm_rope(…).reshape(B, Hq·D), o_weight)`` → ``(B, hidden)``: a decode
+    step's attention and its output projection (reference ``ops.decode_attention_o_proj``). One sequence (batch-1
+    decode): when its context takes exactly ``gemv.DEFERRED_SLICES`` slices the attention publishes them unmerged
+    and ends (no semaphore, no re-read), and the projection's GEMV merges them as it loads its x; any other slice
+    count is merged (or written) by the attention as usual. The result equals the two ops' bit for bit (the merge's
+    two products and sum rounded one by one, as the attention compiled without FP fusion rounds them: the default
+    ``ROPE_FP_FUSION``). Other batch sizes: the two ops."""
+    from .linear import linear
+
+    B, Hq, D = q.shape
+    require(o_weight.dim() == 2 and o_weight.shape[1] == Hq * D, "o_weight must be (hidden, Hq·D)")
+    if B != 1 or o_weight.dtype != q.dtype or o_weight.stride(1) != 1:
+        o = paged_decode_attention_qk_norm_rope(
+            q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
+            context_lens, scale, max_context_len=max_context_len,
+        )  # fmt: skip
+        return linear(o.reshape(B, Hq * D), o_weight)
+    rope = _rope_args(q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache, k_cache, slot_mapping)
+    o, merge = _decode(
+        q, k_cache, v_cache, block_tables, context_lens, scale, None, max_context_len, None, LAUNCH["block_n"], None,
+        LAUNCH["num_warps"], LAUNCH["num_stages"], None, None, rope, defer=True,
+    )  # fmt: skip
+    return _gemv(o.reshape(1, Hq * D), o_weight, None, 16, None, None, merge=merge)
+
+
+def _rope_args(q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache, k_cache, slot_mapping) -> tuple:
+    """The fused form's inputs, checked, as ``_decode`` takes them."""
     B, D = q.shape[0], q.shape[2]
     Hk = k_cache.shape[2]
     require(D >= 16 and D & (D - 1) == 0, "head_dim must be a power of two")
@@ -855,18 +933,16 @@ def paged_decode_attention_qk_norm_rope(
     require(q_norm_weight.shape == (D,) and k_norm_weight.shape == (D,), "norm weights must be (head_dim,)")
     require(cos_sin_cache.shape[-1] == D and cos_sin_cache.stride(-1) == 1, "cos_sin_cache must be (P, head_dim)")
     require(slot_mapping.shape == (B,), "slot_mapping must be (B,)")
-    rope = (k, v, q_norm_weight, k_norm_weight, cos_sin_cache, slot_mapping, eps)
-    return _decode(
-        q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits,
-        block_n or LAUNCH["block_n"], min_slice, num_warps or LAUNCH["num_warps"],
-        num_stages or LAUNCH["num_stages"], None, None, rope,
-    )  # fmt: skip
+    return (k, v, q_norm_weight, k_norm_weight, cos_sin_cache, slot_mapping, eps)
 
 
 def _decode(
     q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, block_n, min_slice,
     num_warps, num_stages, k_scales, v_scales, rope, widen_f16=False, i8_asm=False, i8_mma=False, pack_heads=0,
+    defer=False,
 ):  # fmt: skip
+    """The launch; returns ``(out, merge)``: ``merge`` is None, or with ``defer`` (one sequence, the fused form,
+    split) the workspaces and slicing that ``gemv``'s merging x needs (``decode_attention_o_proj``)."""
     B, Hq, D = q.shape
     _, block_size, Hk, Dc = k_cache.shape
     require(Dc == D and v_cache.shape == k_cache.shape, "caches must be (num_blocks, block_size, Hk, D)")
@@ -882,7 +958,7 @@ def _decode(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     require(out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "bad out")
     if B == 0:
-        return out
+        return out, None
     group = Hq // Hk
     heads = heads_per_program(Hk, group, pack_heads) if pack_heads > 1 else 1
     bound = max_context_len if max_context_len is not None else block_tables.shape[1] * block_size
@@ -908,7 +984,9 @@ def _decode(
             SPLIT=n_split > 1, S_PAD=next_pow2(n_split), PDL=pdl, num_warps=num_warps, num_stages=num_stages,
             launch_pdl=pdl,
         )  # fmt: skip
-        return out
+        return out, None
+    min_tokens = cdiv(MIN_SLICE_TOKENS if min_slice is None else max(min_slice, 1), block_n) * block_n
+    defer = defer and B == 1 and n_split > 1 and rope is not None
     _paged_decode_kernel[(B, Hk, n_split)](
         q,
         k_cache,
@@ -927,7 +1005,7 @@ def _decode(
         scale * _LOG2E,
         block_size,
         n_split,
-        cdiv(MIN_SLICE_TOKENS if min_slice is None else max(min_slice, 1), block_n) * block_n,
+        min_tokens,
         Hq,
         Hk,
         D,
@@ -955,10 +1033,13 @@ def _decode(
         I8_ASM=i8_asm,
         V_T=v_t,
         I8_MMA=i8_mma,
+        DEFER=defer,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
         enable_fp_fusion=rope is None
         or ROPE_FP_FUSION,  # the fused QK-norm + RoPE keeps every rounding of rope.py (see there)
     )
-    return out
+    if not defer:
+        return out, None
+    return out, (acc_ws, ml_ws, context_lens, n_split, min_tokens, block_n, D, d_pad)

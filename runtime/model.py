@@ -252,12 +252,14 @@ class CausalLM(nn.Module):
     def decode_attention(
         self, index: int, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata, kv: LayerKV
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode step's layer ``index`` up to its output projection in two launches (the QKV projection with
-        its norm, then attention with Qwen3's QK-norm, RoPE and the KV write inside). Returns ``(o, residual)``."""
+        """A decode step's layer ``index`` through its output projection in three launches (the QKV projection
+        with its norm, attention with Qwen3's QK-norm, RoPE and the KV write inside, the output projection). One
+        row with ``decode_attention_o_proj`` enabled: that op's attention and projection, which merges a two-slice
+        attention's halves as it loads them. Returns ``(o_proj output, residual)``."""
         cfg = self.cfg
         attn = self.decoder_layers[index].self_attn
         q, k, v, residual = self._qkv(index, hidden, residual)
-        o = self.ops.paged_decode_attention_qk_norm_rope(
+        args = (
             q,
             k,
             v,
@@ -272,7 +274,11 @@ class CausalLM(nn.Module):
             meta.decode_context_lens,
             self.scale,
         )
-        return o.reshape(-1, cfg.q_size), residual
+        o_proj = attn.o_proj
+        if q.shape[0] == 1 and "decode_attention_o_proj" in self.ops.enabled and o_proj.int4 is None:
+            return self.ops.decode_attention_o_proj(*args, o_proj.weight), residual
+        o = self.ops.paged_decode_attention_qk_norm_rope(*args)
+        return self._linear(o.reshape(-1, cfg.q_size), o_proj), residual
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv: LayerKV
@@ -337,11 +343,10 @@ class CausalLM(nn.Module):
         try:
             for i, kv in enumerate(kv_caches):
                 if fused:
-                    o, residual = self.decode_attention(i, hidden, residual, meta, kv)
+                    hidden, residual = self.decode_attention(i, hidden, residual, meta, kv)
                 else:
                     q, k, v, residual = self.pre_attention(i, hidden, residual, meta, kv)
-                    o = self.attend(q, k, v, meta, kv)
-                hidden = self._linear(o, self.decoder_layers[i].self_attn.o_proj)
+                    hidden = self._linear(self.attend(q, k, v, meta, kv), self.decoder_layers[i].self_attn.o_proj)
                 hidden, residual = self.post_attention(i, hidden, residual)
                 if collect is not None:
                     collect.append(hidden + residual)

@@ -18,6 +18,7 @@ REPLACEABLE = (
     "add_rms_norm_linear",
     "paged_decode_attention",
     "paged_decode_attention_qk_norm_rope",
+    "decode_attention_o_proj",
     "argmax",
     "l2_prefetch",
     "varlen_causal_attention",

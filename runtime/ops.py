@@ -426,6 +426,31 @@ def paged_decode_attention_qk_norm_rope(
     return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
+def decode_attention_o_proj(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    o_weight: torch.Tensor,
+) -> torch.Tensor:
+    """A decode step's attention (``paged_decode_attention_qk_norm_rope``) and its output projection → ``(B,
+    hidden)`` (one op for batch-1 decode, whose kernel leaves a two-slice attention's merge to the projection)."""
+    o = paged_decode_attention_qk_norm_rope(
+        q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
+        context_lens, scale,
+    )  # fmt: skip
+    return linear(o.reshape(o.shape[0], -1), o_weight)
+
+
 _PADDED: dict = {}
 
 

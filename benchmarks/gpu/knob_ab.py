@@ -15,7 +15,12 @@ built with the constant set (graphs captured with it), and the rounds alternate 
         --knob kernellab.kernels.paged_attention.MIN_SLICE_TOKENS --values 64,128 --contexts 128,512,2048
     python3 benchmarks/gpu/knob_ab.py --out "$OUT/launch" --knob kernellab.kernels.paged_attention.LAUNCH --sep ';' \\
         --values '{"block_n": 64, "num_warps": 4, "num_stages": 2}; {"block_n": 32, "num_warps": 4, "num_stages": 3}'
+    python3 benchmarks/gpu/knob_ab.py --out "$OUT/op" --knob op:decode_attention_o_proj --values off,on
     python3 benchmarks/gpu/knob_ab.py --out /tmp/knob --device cpu --knob ... --values ...   # the path, on a CPU
+
+``op:NAME`` with values ``off``/``on`` is an op of the dispatcher instead of a constant: "on" builds the engine with
+that op allowed as if accepted, every other op as ``runtime/kernel_status.json`` has it (the default engine plus
+one op, where the gate's ablation runs every experimental op at once).
 
 Random weights of the exact Qwen3-0.6B shape on the GPU; a tiny Qwen3 with torch ops on the CPU (the script's path,
 not the knob's effect).
@@ -58,12 +63,27 @@ def main() -> int:
     from kernellab.runtime.dispatch import describe_fast_path
     from kernellab.runtime.engine import LLMEngine
 
-    module_name, _, const = args.knob.rpartition(".")
-    module = importlib.import_module(module_name)
-    if not hasattr(module, const):
-        raise SystemExit(f"{module_name} has no {const}")
-    standing = getattr(module, const)
-    if len(set(map(repr, args.values))) != len(args.values) or len(args.values) < 2:
+    if args.knob.startswith("op:"):  # an op of the dispatcher, allowed or as its status has it
+        from kernellab.runtime import dispatch
+        from kernellab.runtime.op_names import REPLACEABLE
+
+        op = args.knob[3:]
+        if op not in REPLACEABLE or set(args.values) - {"off", "on"}:
+            raise SystemExit(f"op:NAME takes a dispatcher op ({', '.join(REPLACEABLE)}) and the values off,on")
+        table = dispatch.load_status()
+        allowed = {**table, op: {"status": "accepted"}}
+        module, const, standing = dispatch, "load_status", dispatch.load_status
+        standing_note = f"{op}: {table.get(op, {}).get('status', 'no status')} in runtime/kernel_status.json"
+        args.values = [(v, (lambda t=allowed if v == "on" else table: t)) for v in args.values]
+    else:
+        module_name, _, const = args.knob.rpartition(".")
+        module = importlib.import_module(module_name)
+        if not hasattr(module, const):
+            raise SystemExit(f"{module_name} has no {const}")
+        standing = getattr(module, const)
+        standing_note = repr(standing)
+        args.values = [(repr(v), v) for v in args.values]
+    if len({name for name, _ in args.values}) != len(args.values) or len(args.values) < 2:
         raise SystemExit("--values needs two or more distinct values")
     gpu = args.device == "cuda"
     cfg, _, _ = gate_offline_setup(args.device)
@@ -74,14 +94,14 @@ def main() -> int:
     engines = {}
     t = time.perf_counter()
     try:
-        for value in args.values:
+        for name, value in args.values:
             setattr(module, const, value)
-            engines[repr(value)] = LLMEngine(EngineConfig(**eng_cfg))
+            engines[name] = LLMEngine(EngineConfig(**eng_cfg))
             if not gpu:
-                engines[repr(value)].runner.eager_windows(8)
+                engines[name].runner.eager_windows(8)
     finally:
         setattr(module, const, standing)
-    print(f"{len(engines)} engines ready in {time.perf_counter() - t:.1f}s ({args.knob} = {args.values})", flush=True)
+    print(f"{len(engines)} engines ready in {time.perf_counter() - t:.1f}s ({args.knob} = {list(engines)})", flush=True)
     contexts = args.contexts if gpu else [c for c in args.contexts if c < 400] or [64]
 
     def measure(eng) -> dict:
@@ -99,7 +119,7 @@ def main() -> int:
         "schema": "kernellab.bench.knob_ab/v1",
         "provenance": provenance(args.device),
         "knob": args.knob,
-        "standing": repr(standing),
+        "standing": standing_note,
         "values": names,
         "engine": eng_cfg,
         "workload": "one greedy sequence, 64 tokens after a random prompt of each context; decode steps of "

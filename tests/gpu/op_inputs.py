@@ -92,4 +92,15 @@ def make_inputs(op: str, seed: int, model: str | None = None) -> dict:
         common = (q, k, v, w1, w2, 1e-6, cos_sin)
         tail = (slots, tables, lens, D**-0.5)
         return {"a": (*common, kc.clone(), vc.clone(), *tail), "k": (*common, kc, vc, *tail)}
+    if op == "decode_attention_o_proj":  # batch-1 decode at a context of two slices (the GEMV merges them)
+        tables = torch.randperm(num_blocks, generator=g, device="cuda")[: CTX // BS].view(1, -1).int()
+        lens = torch.tensor([100], dtype=torch.int32, device="cuda")
+        kc, vc = rnd(num_blocks, BS, HK, D), rnd(num_blocks, BS, HK, D)
+        slot = tables[0, 99 // BS].long() * BS + 99 % BS
+        qkv = rnd(1, (HQ + 2 * HK) * D)
+        q, k, v = (x.view(1, -1, D) for x in qkv.split([HQ * D, HK * D, HK * D], dim=-1))
+        w1, w2 = rnd(D, scale=0.1) + 1, rnd(D, scale=0.1) + 1
+        common = (q, k, v, w1, w2, 1e-6, cos_sin)
+        tail = (slot.view(1), tables, lens, D**-0.5, rnd(H, HQ * D, scale=0.02))
+        return {"a": (*common, kc.clone(), vc.clone(), *tail), "k": (*common, kc, vc, *tail)}
     raise KeyError(op)

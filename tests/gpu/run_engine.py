@@ -458,7 +458,7 @@ def kernel_numerics(op, kernel, reference, model=None) -> dict:
             pairs += [(k_args[2], ref_args[2]), (k_args[3], ref_args[3])]
         if op == "qk_norm_rope_store_kv":
             pairs += [(k_args[8], ref_args[8]), (k_args[9], ref_args[9])]
-        if op == "paged_decode_attention_qk_norm_rope":  # the new tokens' cache rows too
+        if op in ("paged_decode_attention_qk_norm_rope", "decode_attention_o_proj"):  # the new tokens' cache rows too
             pairs += [(k_args[7], ref_args[7]), (k_args[8], ref_args[8])]
         for a, b in pairs:
             if a is None:

@@ -188,3 +188,59 @@ def test_packed_prompts_in_one_launch_from_device_offsets(lens, dtype, atol, rto
     host = [0] + [bucket] * len(lens)
     z = varlen_causal_attention(q, k, v, host, D**-0.5, cu_device=torch.tensor(cu, dtype=torch.int32))
     assert_close(z[:n], y[:n], atol, rtol, "the op (its own tiles)")
+
+
+def test_decode_attention_o_proj_merges_two_slices_in_the_projection(gen):
+    """Batch-1 decode's attention + output projection: at a context of exactly two slices the attention leaves its
+    halves unmerged and the GEMV merges them as it loads x; the result equals the two ops' bit for bit, at every
+    slice count (1, 2, more: the attention merges those itself), and the reference within bf16's rounding. The
+    contexts run one after another on the same cached workspaces and semaphores, as decode steps do."""
+    from kernellab.kernels.linear import linear
+    from kernellab.kernels.paged_attention import decode_attention_o_proj, paged_decode_attention_qk_norm_rope
+
+    Hq, Hk, D, bs, hidden = 4, 2, 32, 16, 48
+    dt = torch.bfloat16
+    cos_sin = ops.rope_cos_sin_cache(D, 1024, 1e6).to(dt)
+    qw = (1 + 0.2 * torch.randn(D, generator=gen)).to(dt)
+    kw = (1 + 0.2 * torch.randn(D, generator=gen)).to(dt)
+    w_o = (0.1 * torch.randn(hidden, Hq * D, generator=gen)).to(dt)
+    for ctx_len in (1, 64, 65, 128, 129, 300, 100):  # slices of 64 tokens: 1, 1, 2, 2, 3, 5, 2
+        _, kc, vc, tables, ctx = _paged_case([ctx_len], Hq, Hk, D, bs, dt, gen)
+        kc, vc = kc.nan_to_num(), vc.nan_to_num()
+        wide = torch.full((1, 32), -1, dtype=torch.int32)  # the bound a graph captures: 512 tokens, 8 slices
+        wide[:, : tables.shape[1]] = tables
+        qkv = torch.randn(1, (Hq + 2 * Hk) * D, generator=gen).to(dt)
+        q, k, v = (x.view(1, -1, D) for x in qkv.split([Hq * D, Hk * D, Hk * D], dim=-1))
+        slots = torch.tensor([int(tables[0, (ctx_len - 1) // bs]) * bs + (ctx_len - 1) % bs])
+        args = (q, k, v, qw, kw, 1e-6, cos_sin)
+        kc2, vc2, kc_ref, vc_ref = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        y = decode_attention_o_proj(*args, kc, vc, slots, wide, ctx, D**-0.5, w_o)
+        o = paged_decode_attention_qk_norm_rope(*args, kc2, vc2, slots, wide, ctx, D**-0.5)
+        two_ops = linear(o.reshape(1, Hq * D), w_o)
+        assert torch.equal(y, two_ops), f"context {ctx_len}: not the two ops' bits"
+        assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+        ref = ops.decode_attention_o_proj(
+            *(t.float() for t in (q, k, v, qw, kw)), 1e-6, cos_sin.float(), kc_ref.float(), vc_ref.float(), slots,
+            tables, ctx, D**-0.5, w_o.float(),
+        )  # fmt: skip
+        assert_close(y, ref.to(dt), 3e-2, 3e-2, f"context {ctx_len}")
+
+
+def test_decode_attention_o_proj_at_several_rows_is_the_two_ops(gen):
+    from kernellab.kernels.paged_attention import decode_attention_o_proj
+
+    Hq, Hk, D, bs = 4, 2, 32, 16
+    lens = [70, 3, 129]
+    _, kc, vc, tables, ctx = _paged_case(lens, Hq, Hk, D, bs, torch.float32, gen)
+    kc, vc = kc.nan_to_num(), vc.nan_to_num()
+    qkv = torch.randn(3, (Hq + 2 * Hk) * D, generator=gen)
+    q, k, v = (x.view(3, -1, D) for x in qkv.split([Hq * D, Hk * D, Hk * D], dim=-1))
+    slots = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(lens)])
+    qw, kw = torch.ones(D), torch.ones(D)
+    cos_sin = ops.rope_cos_sin_cache(D, 512, 1e6)
+    w_o = torch.randn(24, Hq * D, generator=gen)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    y = decode_attention_o_proj(q, k, v, qw, kw, 1e-6, cos_sin, kc, vc, slots, tables, ctx, D**-0.5, w_o)
+    ref = ops.decode_attention_o_proj(q, k, v, qw, kw, 1e-6, cos_sin, kc_ref, vc_ref, slots, tables, ctx, D**-0.5, w_o)
+    assert y.shape == (3, 24)
+    assert_close(y, ref, 1e-4, 1e-4, "three rows")

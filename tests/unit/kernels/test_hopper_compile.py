@@ -105,6 +105,13 @@ def _exercise(gen: torch.Generator) -> None:
                         paged_attention.paged_decode_attention_qk_norm_rope(  # a graph's int64 context lengths
                             qd, kd, vd, nw, nw, 1e-6, cos_ctx, kc2, vc2, lens.long() - 1, tables, lens.long(), D**-0.5
                         )
+                        if B == 1:  # batch 1: the attention leaves two slices to the output projection's GEMV
+                            wide = torch.cat([tables, torch.full((1, 40), -1, dtype=torch.int32)], dim=1)
+                            for n in (100, 300):  # two slices (the GEMV merges); five (the attention merges)
+                                paged_attention.decode_attention_o_proj(
+                                    qd, kd, vd, nw, nw, 1e-6, cos_ctx, kc2, vc2, lens.long() - 1, wide,
+                                    torch.tensor([n]), D**-0.5, rnd(48, Hq * D, dtype=dtype),
+                                )  # fmt: skip
                 if not fp8:  # steps that prefill: v copied dense too
                     v_out = torch.empty_like(v)
                     rope.qk_norm_rope_store_kv(pos, q, k, v, nw, nw, 1e-6, cos_sin, kc, vc, slots, v_out=v_out)
@@ -148,7 +155,9 @@ def _with_hopper_variants(launches: list[dict]) -> list[dict]:
         if launch["kernel"] == "_gemv_kernel" and (c["W_BITS"] != 16 or c["USE_DOT"] or c["SPLIT"]):
             continue
         extra.append({**launch, "constexprs": {**c, "PDL": True}, "options": {**launch["options"], "launch_pdl": True}})
-    for launch in launches + extra:  # the decode attention's GPU-only form
+    for launch in launches + extra:  # the GPU-only forms: the merging GEMV's PTX roundings, int8 byte permutes
+        if launch["kernel"] == "_gemv_kernel" and launch["constexprs"].get("MERGE"):
+            extra.append({**launch, "constexprs": {**launch["constexprs"], "MERGE_ASM": True}})
         if launch["kernel"] != "_paged_decode_kernel":
             continue
         c = launch["constexprs"]
@@ -205,6 +214,10 @@ def test_every_recorded_launch_compiles_for_sm90():
     assert splits == {(False, False), (True, False), (False, True), (True, True)}
     decode = [launch["constexprs"] for launch in launches if launch["kernel"] == "_paged_decode_kernel"]
     assert {c["I8_ASM"] for c in decode} == {False, True}
+    assert {c["DEFER"] for c in decode} == {False, True}  # batch 1's two slices left to the output projection
+    merging = [launch["constexprs"] for launch in launches if launch["kernel"] == "_gemv_kernel"]
+    assert {c["MERGE_ASM"] for c in merging if c["MERGE"]} == {False, True}
+    assert any(c["MERGE"] and c["PDL"] and c["MERGE_ASM"] for c in merging)
     # the int8 cache with V transposed within its blocks: int8 tensor-core dots, split and unsplit
     assert {c["SPLIT"] for c in decode if c["I8_MMA"]} == {False, True}
     stores = {launch["constexprs"].get("INT8") for launch in launches if launch["kernel"] == "_store_kv_kernel"}

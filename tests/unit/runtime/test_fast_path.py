@@ -24,6 +24,7 @@ STATUS = {
         "add_rms_norm_linear",
         "paged_decode_attention",
         "paged_decode_attention_qk_norm_rope",
+        "decode_attention_o_proj",
         "argmax",
         "l2_prefetch",
     )
@@ -99,15 +100,21 @@ def triton_qwen3(tiny_checkpoints, disabled: tuple[str, ...]) -> LLMEngine:
 
 # fused op → (the GEMV constexpr it sets, its launches per batch-1 decode step of the tiny 2-layer Qwen3): the
 # SwiGLU in each layer's down projection; the (residual add and) norm in each layer's two projections after one
-# (the first layer's input norm, with no residual to add, too)
-FUSED_GEMV = {"silu_and_mul_linear": ("GLU", 2), "add_rms_norm_linear": ("NORM", 4)}
+# (the first layer's input norm, with no residual to add, too); the attention's two-slice merge in each layer's
+# output projection (a 70-token prompt: its decode contexts take two 64-token slices, which the attention leaves
+# unmerged)
+FUSED_GEMV = {
+    "silu_and_mul_linear": ("GLU", 2),
+    "add_rms_norm_linear": ("NORM", 4),
+    "decode_attention_o_proj": ("MERGE", 2),
+}
 
 
 @pytest.mark.skipif(not os.environ.get("TRITON_INTERPRET"), reason="runs the Triton kernels under the interpreter")
 @pytest.mark.parametrize("op", sorted(FUSED_GEMV))
 def test_batch1_decode_takes_the_fused_gemv_and_keeps_its_tokens(op, tiny_checkpoints, monkeypatch):
-    """One sequence decoding: with the op enabled, its SwiGLU or RMSNorm runs inside the next GEMV; the greedy
-    tokens equal those of the engine with the op off (two kernels)."""
+    """One sequence decoding: with the op enabled, its SwiGLU, RMSNorm or attention merge runs inside the next GEMV;
+    the greedy tokens equal those of the engine with the op off (two kernels)."""
     from kernellab.kernels.compile_check import record_launches
     from kernellab.kernels.testing import patch_interpreter
     from kernellab.runtime.request.sampling import SamplingParams
@@ -118,14 +125,17 @@ def test_batch1_decode_takes_the_fused_gemv_and_keeps_its_tokens(op, tiny_checkp
     for disabled in ((), (op,)):
         eng = triton_qwen3(tiny_checkpoints, disabled)
         assert (op in eng.runner.model.ops.enabled) == (not disabled)
-        eng.add_request("r", list(range(5, 25)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        eng.add_request("r", list(range(5, 75)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
         out = []
         with record_launches() as launches:
             while eng.has_unfinished_requests():
                 out += [t for o in eng.step() for t in o.new_token_ids]
         tokens[disabled] = out
         fused[disabled] = sum(1 for x in launches if x["kernel"] == "_gemv_kernel" and x["constexprs"].get(flag))
-    # the five decode steps (the 20-row prefill takes the two kernels)
+        deferred = sum(1 for x in launches if x["kernel"] == "_paged_decode_kernel" and x["constexprs"].get("DEFER"))
+        # the attention leaves its two slices to the projection wherever that op runs (2 layers × 5 decode steps)
+        assert deferred == (10 if "decode_attention_o_proj" in eng.runner.model.ops.enabled else 0)
+    # the five decode steps (the 70-row prefill takes the two kernels)
     assert fused == {(): per_step * 5, (op,): 0}
     assert tokens[()] == tokens[(op,)] and len(tokens[()]) == 6
 

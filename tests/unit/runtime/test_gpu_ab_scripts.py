@@ -52,6 +52,23 @@ def test_the_knob_ab_takes_dicts_for_launch_settings(tmp_path):
     assert paged_attention.LAUNCH == launch  # noqa: SIM300  (the module constant, restored)
 
 
+def test_the_knob_ab_turns_one_dispatcher_op_on(tmp_path):
+    """``op:NAME``: the default engine against the same engine with that op allowed (here on the CPU's torch
+    references, so only the path and the record); the status table of this process is untouched."""
+    from kernellab.runtime import dispatch
+
+    standing = dispatch.load_status()
+    data = run(
+        "knob_ab.py",
+        tmp_path,
+        *("--knob", "op:decode_attention_o_proj", "--values", "off,on", "--contexts", "64", "--rounds", "1"),
+    )
+    assert validate(data) == "kernellab.bench.knob_ab/v1"
+    assert data["values"] == ["off", "on"] and data["same_tokens"]
+    assert data["standing"].startswith("decode_attention_o_proj: ") and data["standing"].endswith("kernel_status.json")
+    assert dispatch.load_status() == standing
+
+
 def test_the_knob_ab_refuses_a_knob_that_does_not_exist(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu" / "knob_ab.py"), "--out", str(tmp_path), "--device", "cpu"]
     proc = subprocess.run(
@@ -62,6 +79,14 @@ def test_the_knob_ab_refuses_a_knob_that_does_not_exist(tmp_path):
         timeout=300,
     )
     assert proc.returncode != 0 and "has no NO_SUCH_THING" in proc.stderr
+    proc = subprocess.run(
+        [*cmd, "--knob", "op:no_such_op", "--values", "off,on"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0 and "op:NAME takes a dispatcher op" in proc.stderr
 
 
 def test_the_l2_prefetch_ab_runs_its_path(tmp_path):
