@@ -173,18 +173,23 @@ def _merged_chunk(acc_ws_ptr, ml_ws_ptr, n_splits, head_dim, d_pad, k, km, act_t
 
 
 @triton.jit
-def _x_or_merged(x_ptr, k, km, acc_ws_ptr, ml_ws_ptr, ctx_ptr, n_splits, min_slice, att_block_n, head_dim, d_pad,
-                 ASM: tl.constexpr):  # fmt: skip
-    """x[k] where x is a one-sequence decode attention's output (``paged_attention.decode_attention_o_proj``):
-    when its context took exactly two slices, the attention left them unmerged and this merges them; otherwise
-    (one slice, or more, which the attention merged itself) the attention wrote x. The slice count is the
-    attention's own (``paged_attention._slice_of``) from the sequence's context length."""
+def _deferred(ctx_ptr, n_splits, min_slice, att_block_n):
+    """Whether a one-sequence decode attention left its output as ``DEFERRED_SLICES`` unmerged slices: its slice
+    count as the attention cuts it (``paged_attention._slice_of``) from the sequence's context length. The length
+    was written before the step's first kernel (the attention reads it before waiting for its producer, too), so a
+    PDL launch reads it before ``gdc_wait``: the merge's loads then need no extra dependent trip."""
     ctx = tl.load(ctx_ptr).to(tl.int32)
     per_split = tl.maximum(tl.cdiv(tl.cdiv(ctx, n_splits), att_block_n) * att_block_n, min_slice)
-    n_active = tl.cdiv(ctx, per_split)
-    if n_active == DEFERRED_SLICES:
-        xv = _merged_chunk(ml_ws_ptr=ml_ws_ptr, acc_ws_ptr=acc_ws_ptr, n_splits=n_splits, head_dim=head_dim,
-                           d_pad=d_pad, k=k, km=km, act_ty=x_ptr.dtype.element_ty, ASM=ASM)  # fmt: skip
+    return tl.cdiv(ctx, per_split) == DEFERRED_SLICES
+
+
+@triton.jit
+def _x_or_merged(x_ptr, k, km, deferred, acc_ws_ptr, ml_ws_ptr, n_splits, head_dim, d_pad, ASM: tl.constexpr):
+    """x[k] where x is a one-sequence decode attention's output (``paged_attention.decode_attention_o_proj``):
+    ``deferred`` (``_deferred``), the attention left two slices unmerged and this merges them; otherwise (one
+    slice, or more, which the attention merged itself) the attention wrote x."""
+    if deferred:
+        xv = _merged_chunk(acc_ws_ptr, ml_ws_ptr, n_splits, head_dim, d_pad, k, km, x_ptr.dtype.element_ty, ASM)
     else:
         xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
     return xv
@@ -302,17 +307,21 @@ def _gemv_kernel(
         k = k_lo + tl.arange(0, BLOCK_K)
         km = k < k_hi
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & km[None, :], other=0)
+        if MERGE:
+            deferred = _deferred(mg_ctx_ptr, mg_splits, mg_min_slice, mg_block_n)
         gdc_wait()
         rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, write_res, NORM, BLOCK_K, RES)
         if MERGE:
-            xv = _x_or_merged(x_ptr, k, km, mg_acc_ptr, mg_ml_ptr, mg_ctx_ptr, mg_splits, mg_min_slice, mg_block_n,
-                              mg_head_dim, mg_d_pad, MERGE_ASM)  # fmt: skip
+            xv = _x_or_merged(x_ptr, k, km, deferred, mg_acc_ptr, mg_ml_ptr, mg_splits, mg_head_dim, mg_d_pad,
+                              MERGE_ASM)  # fmt: skip
         else:
             xv = _x_chunk(x_ptr, res_ptr, nw_ptr, rstd, k, km, K, GLU, NORM, RES)
         acc2 += w.to(tl.float32) * xv[None, :]
         loop_start = k_lo + BLOCK_K
     else:
         rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, write_res, NORM, BLOCK_K, RES)
+        if MERGE:
+            deferred = _deferred(mg_ctx_ptr, mg_splits, mg_min_slice, mg_block_n)
 
     for k0 in tl.range(loop_start, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         if W_BITS == 4:
@@ -346,8 +355,8 @@ def _gemv_kernel(
                     acc = tl.dot(xt, wt, acc)
             else:
                 if MERGE:
-                    xv = _x_or_merged(x_ptr, k, km, mg_acc_ptr, mg_ml_ptr, mg_ctx_ptr, mg_splits, mg_min_slice,
-                                      mg_block_n, mg_head_dim, mg_d_pad, MERGE_ASM)  # fmt: skip
+                    xv = _x_or_merged(x_ptr, k, km, deferred, mg_acc_ptr, mg_ml_ptr, mg_splits, mg_head_dim,
+                                      mg_d_pad, MERGE_ASM)  # fmt: skip
                 else:
                     xv = _x_chunk(x_ptr, res_ptr, nw_ptr, rstd, k, km, K, GLU, NORM, RES)
                 acc2 += w.to(tl.float32) * xv[None, :]
