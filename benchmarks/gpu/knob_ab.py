@@ -19,8 +19,8 @@ built with the constant set (graphs captured with it), and the rounds alternate 
     python3 benchmarks/gpu/knob_ab.py --out /tmp/knob --device cpu --knob ... --values ...   # the path, on a CPU
 
 ``op:NAME`` with values ``off``/``on`` is an op of the dispatcher instead of a constant: "on" builds the engine with
-that op allowed as if accepted, every other op as ``runtime/kernel_status.json`` has it (the default engine plus
-one op, where the gate's ablation runs every experimental op at once).
+that op allowed as if accepted, "off" with it disabled (``EngineConfig.disabled_kernels``); every other op as the
+engine's ``kernels`` level and ``runtime/kernel_status.json`` have it (the gate's engine, experimental ops on).
 
 Random weights of the exact Qwen3-0.6B shape on the GPU; a tiny Qwen3 with torch ops on the CPU (the script's path,
 not the knob's effect).
@@ -75,6 +75,7 @@ def main() -> int:
         module, const, standing = dispatch, "load_status", dispatch.load_status
         standing_note = f"{op}: {table.get(op, {}).get('status', 'no status')} in runtime/kernel_status.json"
         args.values = [(v, (lambda t=allowed if v == "on" else table: t)) for v in args.values]
+        disabled = {"off": (op,), "on": ()}
     else:
         module_name, _, const = args.knob.rpartition(".")
         module = importlib.import_module(module_name)
@@ -83,6 +84,7 @@ def main() -> int:
         standing = getattr(module, const)
         standing_note = repr(standing)
         args.values = [(repr(v), v) for v in args.values]
+        disabled = {}
     if len({name for name, _ in args.values}) != len(args.values) or len(args.values) < 2:
         raise SystemExit("--values needs two or more distinct values")
     gpu = args.device == "cuda"
@@ -96,7 +98,8 @@ def main() -> int:
     try:
         for name, value in args.values:
             setattr(module, const, value)
-            engines[name] = LLMEngine(EngineConfig(**eng_cfg))
+            off = tuple(eng_cfg.get("disabled_kernels", ())) + disabled.get(name, ())
+            engines[name] = LLMEngine(EngineConfig(**{**eng_cfg, "disabled_kernels": off}))
             if not gpu:
                 engines[name].runner.eager_windows(8)
     finally:
