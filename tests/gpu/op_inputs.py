@@ -80,27 +80,23 @@ def make_inputs(op: str, seed: int, model: str | None = None) -> dict:
         lens = torch.randint(1, CTX + 1, (BATCH,), generator=g, device="cuda").int()
         kc, vc = rnd(num_blocks, BS, HK, D), rnd(num_blocks, BS, HK, D)
         return {"a": (rnd(BATCH, HQ, D), kc, vc, tables, lens, D**-0.5)}
-    if op == "paged_decode_attention_qk_norm_rope":  # a decode step: raw q/k/v rows of the fused projection
-        tables = torch.randperm(num_blocks, generator=g, device="cuda")[: BATCH * CTX // BS].view(BATCH, -1).int()
-        lens = torch.randint(1, CTX + 1, (BATCH,), generator=g, device="cuda").int()
+    if op in ("paged_decode_attention_qk_norm_rope", "decode_attention_o_proj"):
+        # a decode step: raw q/k/v rows of the fused projection; the merge in o_proj at batch 1 and a context of
+        # two slices (100 tokens), its output projection's weight last
+        o_proj = op == "decode_attention_o_proj"
+        rows = 1 if o_proj else BATCH
+        tables = torch.randperm(num_blocks, generator=g, device="cuda")[: rows * CTX // BS].view(rows, -1).int()
+        if o_proj:
+            lens = torch.tensor([100], dtype=torch.int32, device="cuda")
+        else:
+            lens = torch.randint(1, CTX + 1, (BATCH,), generator=g, device="cuda").int()
         kc, vc = rnd(num_blocks, BS, HK, D), rnd(num_blocks, BS, HK, D)
         new = (lens.long() - 1) // BS
         slots = tables.gather(1, new[:, None])[:, 0].long() * BS + (lens.long() - 1) % BS
-        qkv = rnd(BATCH, (HQ + 2 * HK) * D)
-        q, k, v = (x.view(BATCH, -1, D) for x in qkv.split([HQ * D, HK * D, HK * D], dim=-1))
+        qkv = rnd(rows, (HQ + 2 * HK) * D)
+        q, k, v = (x.view(rows, -1, D) for x in qkv.split([HQ * D, HK * D, HK * D], dim=-1))
         w1, w2 = rnd(D, scale=0.1) + 1, rnd(D, scale=0.1) + 1
         common = (q, k, v, w1, w2, 1e-6, cos_sin)
-        tail = (slots, tables, lens, D**-0.5)
-        return {"a": (*common, kc.clone(), vc.clone(), *tail), "k": (*common, kc, vc, *tail)}
-    if op == "decode_attention_o_proj":  # batch-1 decode at a context of two slices (the GEMV merges them)
-        tables = torch.randperm(num_blocks, generator=g, device="cuda")[: CTX // BS].view(1, -1).int()
-        lens = torch.tensor([100], dtype=torch.int32, device="cuda")
-        kc, vc = rnd(num_blocks, BS, HK, D), rnd(num_blocks, BS, HK, D)
-        slot = tables[0, 99 // BS].long() * BS + 99 % BS
-        qkv = rnd(1, (HQ + 2 * HK) * D)
-        q, k, v = (x.view(1, -1, D) for x in qkv.split([HQ * D, HK * D, HK * D], dim=-1))
-        w1, w2 = rnd(D, scale=0.1) + 1, rnd(D, scale=0.1) + 1
-        common = (q, k, v, w1, w2, 1e-6, cos_sin)
-        tail = (slot.view(1), tables, lens, D**-0.5, rnd(H, HQ * D, scale=0.02))
+        tail = (slots, tables, lens, D**-0.5, *((rnd(H, HQ * D, scale=0.02),) if o_proj else ()))
         return {"a": (*common, kc.clone(), vc.clone(), *tail), "k": (*common, kc, vc, *tail)}
     raise KeyError(op)
