@@ -904,11 +904,11 @@ def decode_attention_o_proj(
     count is merged (or written) by the attention as usual. The result equals the two ops' bit for bit (the merge's
     two products and sum rounded one by one, as the attention compiled without FP fusion rounds them: the default
     ``ROPE_FP_FUSION``). Other batch sizes: the two ops."""
-    from .linear import linear
-
     B, Hq, D = q.shape
     require(o_weight.dim() == 2 and o_weight.shape[1] == Hq * D, "o_weight must be (hidden, Hq·D)")
     if B != 1 or o_weight.dtype != q.dtype or o_weight.stride(1) != 1:
+        from .linear import linear
+
         o = paged_decode_attention_qk_norm_rope(
             q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
             context_lens, scale, max_context_len=max_context_len,
