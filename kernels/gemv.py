@@ -72,14 +72,18 @@ RMSNorm in the prologue (``add_rms_norm_linear``, batch-1 decode)
 The attention's merge in the prologue (``paged_attention.decode_attention_o_proj``, batch-1 decode)
     At batch 1 the split-KV decode attention cuts a context into 64-token slices, and the last slice to finish
     merges them behind a semaphore (publish, fence, atomic, re-read: dependent L2 trips at the end of the layer's
-    critical path). For the output projection that follows, a context of exactly ``DEFERRED_SLICES`` (two) slices
-    is left unmerged: each program of the o_proj GEMV reads the two slices' partials (``acc``, ``m``, ``l``, fp32
-    from L2, 16 KB at Qwen3-0.6B) and merges them as it loads x, with the attention's own arithmetic (the two
-    products and their sum rounded one by one through PTX ``mul.rn``/``add.rn``, as the attention compiled without
-    FP fusion rounds them), so the output equals attention + GEMV bit for bit (CPU test). One slice, or more than
-    two (longer contexts: up to 32 partials a head would be re-read by each of the 256 programs), and the attention
-    writes x itself. Experimental until the ablation (``benchmarks/gpu/knob_ab.py --knob op:decode_attention_o_proj``)
-    measures it.
+    critical path). For the output projection that follows, a context of 2 to ``DEFER_MAX_SLICES`` (4) slices is
+    left unmerged: each program of the o_proj GEMV reads the slices' partials (``acc``, ``m``, ``l``, fp32 from L2,
+    8 KB a slice at Qwen3-0.6B) and merges them head by head of its K tile as it loads x (``merge_slices``: the sums
+    in slice order, each product and sum rounded on its own, through PTX ``mul.rn``/``add.rn`` on the GPU). The
+    attention merges up to that many slices with the same function, so the output equals attention + GEMV bit
+    for bit (CPU test). One slice, or more (long contexts: up to 32 partials a head would be re-read by each of
+    the 256 programs), and the attention writes x itself. The merging GEMV needs more registers (128 at Qwen3
+    shapes); it launches capped (``MERGE_MAXNREG``) so that its programs fit beside the attention's and fetch
+    their weights before the wait. On the H100 the two-slice form (deferral at exactly two slices) cut batch-1
+    ITL at contexts 65-128 by 6.4 / 5.3 % (both build orders) but cost 2.2 / 3.7 % at 129-192, where the
+    uncapped 109-register GEMV ran without deferring
+    (results/gpu/engine_h200_dev/knob_ab_o_proj_*_h100_deb0da4.json). Experimental until the ablation measures it.
 
 fp32 output (the LM head)
     ``out`` may be fp32 where x is bf16/fp16: each value is rounded to x's dtype, then stored widened, so the
@@ -119,10 +123,17 @@ __all__ = [
 ]
 
 MAX_M = 16
-# A one-sequence decode attention leaves its output unmerged when its context took exactly this many slices, and
-# the output projection's GEMV merges them as it loads x (``paged_attention.decode_attention_o_proj``). Two: the
-# merge is then bit for bit the attention's own (a sum of two products has one order).
-DEFERRED_SLICES = tl.constexpr(2)
+# A one-sequence decode attention leaves its output unmerged when its context took from two up to this many slices,
+# and the output projection's GEMV merges them as it loads x (``paged_attention.decode_attention_o_proj``); more
+# slices and the attention merges them itself. Read at each launch (a knob of ``benchmarks/gpu/knob_ab.py``): each
+# GEMV program re-reads every deferred slice's partials (S · Hq · D fp32 from L2), so the bound is measured.
+DEFER_MAX_SLICES = 4
+# The merging GEMV's register cap (``maxnreg``; None: the compiler's choice, 128 at Qwen3-0.6B's o_proj). Its PDL
+# launch starts while the attention's programs still hold their SMs (two of 20K registers each, idle slices
+# included, until the QKV projection ends): a 256-thread program fits beside them only at ≤ 96 registers, and
+# only a program already resident fetches its weight tile before the wait. 80: no spill at two slices, 88 bytes
+# of stack at four (sm_90 compile). A knob, read at launch.
+MERGE_MAXNREG: int | None = 80
 
 
 @dataclass(frozen=True)
@@ -136,62 +147,89 @@ class GemvConfig:
 
 
 @triton.jit
-def _mul_add_rn(a0, b0, a1, b1, ASM: tl.constexpr):
-    """``a0·b0 + a1·b1`` in fp32 with each product and the sum rounded on its own (never contracted to an FMA),
-    as a kernel compiled without FP fusion computes it; ``ASM``: through PTX ``mul.rn``/``add.rn`` (a GPU only),
-    which the assembler never fuses; else plain operations (the interpreter does not fuse either)."""
+def _mul_rn(a, b, ASM: tl.constexpr):
+    """``a · b`` in fp32 rounded on its own (never contracted into an FMA with a following add); ``ASM``: through
+    PTX ``mul.rn`` (a GPU only), which the assembler never fuses; else a plain product (the interpreter and a
+    kernel compiled without FP fusion do not fuse either)."""
     if ASM:
-        p0 = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a0, b0], dtype=tl.float32, is_pure=True,
-                                       pack=1)  # fmt: skip
-        p1 = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a1, b1], dtype=tl.float32, is_pure=True,
-                                       pack=1)  # fmt: skip
-        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [p0, p1], dtype=tl.float32,
-                                         is_pure=True, pack=1)  # fmt: skip
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                                         pack=1)  # fmt: skip
     else:
-        return a0 * b0 + a1 * b1
+        return a * b
 
 
 @triton.jit
-def _merged_chunk(acc_ws_ptr, ml_ws_ptr, n_splits, head_dim, d_pad, k, km, act_ty: tl.constexpr, ASM: tl.constexpr):
-    """x[k] of an attention output whose two slices the decode attention left unmerged (one sequence: workspace
-    rows ``head · n_splits + s``, see ``paged_attention._finish_rows``): ``o = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s −
-    M) l_s``, rounded to x's dtype, computed as the attention's own merge computes it (bit for bit)."""
-    head = k // head_dim
-    row = head * n_splits
-    col = k - head * head_dim
-    m0 = tl.load(ml_ws_ptr + row * 2, mask=km, other=0.0)
-    m1 = tl.load(ml_ws_ptr + (row + 1) * 2, mask=km, other=0.0)
-    l0 = tl.load(ml_ws_ptr + row * 2 + 1, mask=km, other=1.0)
-    l1 = tl.load(ml_ws_ptr + (row + 1) * 2 + 1, mask=km, other=0.0)
-    a0 = tl.load(acc_ws_ptr + row * d_pad + col, mask=km, other=0.0)
-    a1 = tl.load(acc_ws_ptr + (row + 1) * d_pad + col, mask=km, other=0.0)
-    top = tl.maximum(m0, m1)
-    w0 = tl.exp2(m0 - top)
-    w1 = tl.exp2(m1 - top)
-    o = _mul_add_rn(a0, w0, a1, w1, ASM) / _mul_add_rn(l0, w0, l1, w1, ASM)
-    return o.to(act_ty).to(tl.float32)
+def _add_rn(a, b, ASM: tl.constexpr):
+    """``a + b`` in fp32 (``_mul_rn``'s counterpart: PTX ``add.rn`` with ``ASM``)."""
+    if ASM:
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                                         pack=1)  # fmt: skip
+    else:
+        return a + b
 
 
 @triton.jit
-def _deferred(ctx_ptr, n_splits, min_slice, att_block_n):
-    """Whether a one-sequence decode attention left its output as ``DEFERRED_SLICES`` unmerged slices: its slice
-    count as the attention cuts it (``paged_attention._slice_of``) from the sequence's context length. The length
-    was written before the step's first kernel (the attention reads it before waiting for its producer, too), so a
-    PDL launch reads it before ``gdc_wait``: the merge's loads then need no extra dependent trip."""
+def merge_slices(acc_ws_ptr, ml_ws_ptr, rows, row_mask, cols, col_mask, n_active, d_pad, MAX_S: tl.constexpr,
+                 ASM: tl.constexpr):  # fmt: skip
+    """The split-KV decode attention's merge of ``n_active`` (≤ ``MAX_S``) slices for a tile of heads:
+    ``o[r, c] = Σ_s 2^(m_s − M) acc_s[c] / Σ_s 2^(m_s − M) l_s``, head r's slice s at workspace row ``rows[r] + s``
+    (``paged_attention._finish_rows``). The sums run in slice order, each product and sum rounded on its own, so
+    the attention (``_merge_last``, up to ``DEFER_MAX_SLICES`` slices) and the output projection's GEMV
+    (``decode_attention_o_proj``) merge bit for bit alike. The loads bypass L1 (``.cg``: the attention's other
+    programs wrote the partials during this kernel). Rows outside ``row_mask`` come out 0."""
+    top = tl.where(row_mask, -float("inf"), 0.0)
+    for s in tl.static_range(MAX_S):
+        live = row_mask & (s < n_active)
+        m = tl.load(ml_ws_ptr + (rows + s) * 2, mask=live, other=-float("inf"), cache_modifier=".cg")
+        top = tl.maximum(top, m)
+    for s in tl.static_range(MAX_S):
+        live = row_mask & (s < n_active)
+        m = tl.load(ml_ws_ptr + (rows + s) * 2, mask=live, other=-float("inf"), cache_modifier=".cg")
+        l_s = tl.load(ml_ws_ptr + (rows + s) * 2 + 1, mask=live, other=0.0, cache_modifier=".cg")
+        a = tl.load(acc_ws_ptr + (rows + s)[:, None] * d_pad + cols[None, :], mask=live[:, None] & col_mask[None, :],
+                    other=0.0, cache_modifier=".cg")  # fmt: skip
+        w = tl.where(live, tl.exp2(m - top), 0.0)
+        num_s = _mul_rn(a, w[:, None], ASM)
+        den_s = _mul_rn(l_s, w, ASM)
+        if s == 0:
+            num = num_s
+            den = den_s
+        else:
+            num = _add_rn(num, num_s, ASM)
+            den = _add_rn(den, den_s, ASM)
+    return num / tl.where(row_mask, den, 1.0)[:, None]
+
+
+@triton.jit
+def _deferred(ctx_ptr, n_splits, min_slice, att_block_n, MAX_S: tl.constexpr):
+    """How many slices a one-sequence decode attention left unmerged (0: it merged or wrote x itself): its slice
+    count as the attention cuts it (``paged_attention._slice_of``) from the sequence's context length, when from 2
+    to ``MAX_S``. The length was written before the step's first kernel (the attention reads it before waiting for
+    its producer, too), so a PDL launch reads it before ``gdc_wait``: the merge's loads then need no extra
+    dependent trip."""
     ctx = tl.load(ctx_ptr).to(tl.int32)
     per_split = tl.maximum(tl.cdiv(tl.cdiv(ctx, n_splits), att_block_n) * att_block_n, min_slice)
-    return tl.cdiv(ctx, per_split) == DEFERRED_SLICES
+    n_active = tl.cdiv(ctx, per_split)
+    return tl.where((n_active >= 2) & (n_active <= MAX_S), n_active, 0)
 
 
 @triton.jit
-def _x_or_merged(x_ptr, k, km, deferred, acc_ws_ptr, ml_ws_ptr, n_splits, head_dim, d_pad, ASM: tl.constexpr):
-    """x[k] where x is a one-sequence decode attention's output (``paged_attention.decode_attention_o_proj``):
-    ``deferred`` (``_deferred``), the attention left two slices unmerged and this merges them; otherwise (one
-    slice, or more, which the attention merged itself) the attention wrote x."""
-    if deferred:
-        xv = _merged_chunk(acc_ws_ptr, ml_ws_ptr, n_splits, head_dim, d_pad, k, km, x_ptr.dtype.element_ty, ASM)
+def _x_or_merged(x_ptr, k0, k_hi, deferred, acc_ws_ptr, ml_ws_ptr, n_splits, d_pad, BLOCK_K: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, MAX_S: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """x[k0 : k0 + BLOCK_K] (fp32) where x is a one-sequence decode attention's output
+    (``paged_attention.decode_attention_o_proj``): ``deferred`` slices (``_deferred``) left unmerged are merged
+    here, head by head of the chunk (``BLOCK_K`` a multiple of ``HEAD_DIM``), and rounded to x's dtype; with none
+    (one slice, or more than ``MAX_S``, which the attention merged itself) the attention wrote x."""
+    if deferred > 0:
+        H: tl.constexpr = BLOCK_K // HEAD_DIM
+        head = k0 // HEAD_DIM + tl.arange(0, H)
+        c = tl.arange(0, HEAD_DIM)
+        o = merge_slices(acc_ws_ptr, ml_ws_ptr, head * n_splits, head * HEAD_DIM < k_hi, c, c < HEAD_DIM, deferred,
+                         d_pad, MAX_S, ASM)  # fmt: skip
+        xv = tl.reshape(o.to(x_ptr.dtype.element_ty).to(tl.float32), (BLOCK_K,))
     else:
-        xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+        k = k0 + tl.arange(0, BLOCK_K)
+        xv = tl.load(x_ptr + k, mask=k < k_hi, other=0.0).to(tl.float32)
     return xv
 
 
@@ -266,7 +304,6 @@ def _gemv_kernel(
     mg_splits,
     mg_min_slice,
     mg_block_n,
-    mg_head_dim,
     mg_d_pad,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -282,6 +319,8 @@ def _gemv_kernel(
     RES: tl.constexpr = True,
     MERGE: tl.constexpr = False,
     MERGE_ASM: tl.constexpr = False,
+    MG_HEAD_DIM: tl.constexpr = 1,
+    MG_MAX_S: tl.constexpr = 1,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -308,12 +347,12 @@ def _gemv_kernel(
         km = k < k_hi
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & km[None, :], other=0)
         if MERGE:
-            deferred = _deferred(mg_ctx_ptr, mg_splits, mg_min_slice, mg_block_n)
+            deferred = _deferred(mg_ctx_ptr, mg_splits, mg_min_slice, mg_block_n, MG_MAX_S)
         gdc_wait()
         rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, write_res, NORM, BLOCK_K, RES)
         if MERGE:
-            xv = _x_or_merged(x_ptr, k, km, deferred, mg_acc_ptr, mg_ml_ptr, mg_splits, mg_head_dim, mg_d_pad,
-                              MERGE_ASM)  # fmt: skip
+            xv = _x_or_merged(x_ptr, k_lo, k_hi, deferred, mg_acc_ptr, mg_ml_ptr, mg_splits, mg_d_pad, BLOCK_K,
+                              MG_HEAD_DIM, MG_MAX_S, MERGE_ASM)  # fmt: skip
         else:
             xv = _x_chunk(x_ptr, res_ptr, nw_ptr, rstd, k, km, K, GLU, NORM, RES)
         acc2 += w.to(tl.float32) * xv[None, :]
@@ -321,7 +360,7 @@ def _gemv_kernel(
     else:
         rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, write_res, NORM, BLOCK_K, RES)
         if MERGE:
-            deferred = _deferred(mg_ctx_ptr, mg_splits, mg_min_slice, mg_block_n)
+            deferred = _deferred(mg_ctx_ptr, mg_splits, mg_min_slice, mg_block_n, MG_MAX_S)
 
     for k0 in tl.range(loop_start, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         if W_BITS == 4:
@@ -355,8 +394,8 @@ def _gemv_kernel(
                     acc = tl.dot(xt, wt, acc)
             else:
                 if MERGE:
-                    xv = _x_or_merged(x_ptr, k, km, deferred, mg_acc_ptr, mg_ml_ptr, mg_splits, mg_head_dim,
-                                      mg_d_pad, MERGE_ASM)  # fmt: skip
+                    xv = _x_or_merged(x_ptr, k0, k_hi, deferred, mg_acc_ptr, mg_ml_ptr, mg_splits, mg_d_pad,
+                                      BLOCK_K, MG_HEAD_DIM, MG_MAX_S, MERGE_ASM)  # fmt: skip
                 else:
                     xv = _x_chunk(x_ptr, res_ptr, nw_ptr, rstd, k, km, K, GLU, NORM, RES)
                 acc2 += w.to(tl.float32) * xv[None, :]
@@ -429,8 +468,8 @@ def gemv(
     dense), and ``x + residual`` is stored to ``residual_out``; ``residual`` and ``residual_out`` None: the input
     is ``rms_norm(x)``. ``out`` may be fp32 where x is not: y rounded to x's dtype, stored widened (the LM head's
     logits, with no cast kernel after it). ``merge = (acc_ws, ml_ws, context_lens, n_splits, min_slice, block_n,
-    head_dim, d_pad)``: x is a one-sequence decode attention's output that may have been left as two unmerged
-    slices in those workspaces (``paged_attention.decode_attention_o_proj``; M = 1, dense)."""
+    head_dim, d_pad, max_slices)``: x is a one-sequence decode attention's output that may have been left as up to
+    ``max_slices`` unmerged slices in those workspaces (``paged_attention.decode_attention_o_proj``; M = 1, dense)."""
     K = x.shape[-1] // 2 if glu else x.shape[-1]
     x2 = rows_2d(x)
     M, N = x2.shape[0], weight.shape[0]
@@ -479,10 +518,11 @@ def gemv(
     else:
         ws = cnt = out2  # unused (SPLIT=False)
     if merge is not None:
-        mg_acc, mg_ml, mg_ctx, *mg_ints = merge
+        mg_acc, mg_ml, mg_ctx, mg_splits, mg_min, mg_bn, mg_d, mg_d_pad, mg_max = merge
+        require(cfg.block_k % mg_d == 0, "the merging GEMV's K tiles must hold whole heads")
     else:
         mg_acc = mg_ml = mg_ctx = out2  # unused (MERGE=False)
-        mg_ints = [1, 1, 1, 1, 1]
+        mg_splits = mg_min = mg_bn = mg_d = mg_d_pad = mg_max = 1
     _gemv_kernel[(n_blocks, split)](
         x2,
         weight,
@@ -505,7 +545,10 @@ def gemv(
         mg_acc,
         mg_ml,
         mg_ctx,
-        *mg_ints,
+        mg_splits,
+        mg_min,
+        mg_bn,
+        mg_d_pad,
         BLOCK_M=16 if use_dot else 1,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -520,8 +563,11 @@ def gemv(
         RES=has_res,
         MERGE=merge is not None,
         MERGE_ASM=merge is not None and x.is_cuda,
+        MG_HEAD_DIM=mg_d,
+        MG_MAX_S=mg_max,
         num_warps=cfg.num_warps,
         launch_pdl=pdl,
+        **({"maxnreg": MERGE_MAXNREG} if merge is not None and MERGE_MAXNREG and x.is_cuda else {}),
     )
     return out
 

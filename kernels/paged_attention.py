@@ -132,9 +132,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from . import gemv as _gemv_module
 from ._common import cached_empty, cached_zeros, cdiv, next_pow2, num_sms, require, use_pdl
-from .gemv import DEFERRED_SLICES
 from .gemv import gemv as _gemv
+from .gemv import merge_slices
 from .kv_cache import check_cache, check_layout, v_transposed
 from .rope import _norm_rope_heads
 
@@ -346,14 +347,16 @@ def _slice_of(ctx, split, n_splits, min_slice, BLOCK_N: tl.constexpr, SPLIT: tl.
 @triton.jit
 def _finish_rows(acc, m_i, l_i, b, split, n_active, n_splits, n_q_heads, heads, first_head, row_mask, d, d_mask,
                  counter, out_ptr, stride_ob, stride_oh, acc_ws_ptr, ml_ws_ptr, N_ROWS: tl.constexpr,
-                 D_PAD: tl.constexpr, S_PAD: tl.constexpr, SPLIT: tl.constexpr, DEFER: tl.constexpr = False):  # fmt: skip
+                 D_PAD: tl.constexpr, S_PAD: tl.constexpr, SPLIT: tl.constexpr, DEFER: tl.constexpr = 0,
+                 SEQ_S: tl.constexpr = 2):  # fmt: skip
     """A slice's online-softmax state ``(acc, m_i, l_i)`` for query heads ``heads`` (the ``N_ROWS`` from
     ``first_head`` where ``row_mask``) into the output: directly when the sequence has one slice; else published
     to the fp32 workspace, and the last of its ``n_active`` slices to arrive (``counter``, the same semaphore
     pattern as gemv.py's split-K) merges them (``o = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s``) and resets the
-    counter. The workspace rows stay strided by the launch's S. With ``DEFER`` (one sequence, its output projection
-    next: ``decode_attention_o_proj``) a context of exactly ``gemv.DEFERRED_SLICES`` slices is left unmerged: the
-    slices publish their partials and end, and the projection's GEMV merges them as it loads its x."""
+    counter. The workspace rows stay strided by the launch's S. With ``DEFER`` > 0 (one sequence, its output
+    projection next: ``decode_attention_o_proj``) a context of 2 to ``DEFER`` slices is left unmerged: the slices
+    publish their partials and end, and the projection's GEMV merges them as it loads its x. Up to ``SEQ_S``
+    slices the merge is ``gemv.merge_slices`` (the GEMV's own), more a reduction over the slices' tile."""
     out_mask = row_mask[:, None] & d_mask[None, :]
     # SPLIT is a compile-time guard: without it n_active (a tensor even when it is the literal 1) would keep
     # the merge in the unsplit kernel, whose workspace and counter arguments are not fp32 / int32 buffers
@@ -362,13 +365,13 @@ def _finish_rows(acc, m_i, l_i, b, split, n_active, n_splits, n_q_heads, heads, 
         tl.store(acc_ws_ptr + ws_row[:, None] * D_PAD + d[None, :], acc, mask=out_mask)
         tl.store(ml_ws_ptr + ws_row * 2, m_i, mask=row_mask)
         tl.store(ml_ws_ptr + ws_row * 2 + 1, l_i, mask=row_mask)
-        if DEFER:
-            if n_active != DEFERRED_SLICES:
+        if DEFER > 0:
+            if n_active > DEFER:
                 _merge_last(counter, n_active, b, n_q_heads, first_head, n_splits, d, d_mask, out_ptr, stride_ob,
-                            stride_oh, acc_ws_ptr, ml_ws_ptr, N_ROWS, D_PAD, S_PAD)  # fmt: skip
+                            stride_oh, acc_ws_ptr, ml_ws_ptr, N_ROWS, D_PAD, S_PAD, SEQ_S)  # fmt: skip
         else:
             _merge_last(counter, n_active, b, n_q_heads, first_head, n_splits, d, d_mask, out_ptr, stride_ob, stride_oh,
-                        acc_ws_ptr, ml_ws_ptr, N_ROWS, D_PAD, S_PAD)  # fmt: skip
+                        acc_ws_ptr, ml_ws_ptr, N_ROWS, D_PAD, S_PAD, SEQ_S)  # fmt: skip
     else:
         o = acc / l_i[:, None]
         out_rows = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
@@ -377,31 +380,44 @@ def _finish_rows(acc, m_i, l_i, b, split, n_active, n_splits, n_q_heads, heads, 
 
 @triton.jit
 def _merge_last(counter, n_active, b, n_q_heads, first_head, n_splits, d, d_mask, out_ptr, stride_ob, stride_oh,
-                acc_ws_ptr, ml_ws_ptr, N_ROWS: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):  # fmt: skip
+                acc_ws_ptr, ml_ws_ptr, N_ROWS: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+                SEQ_S: tl.constexpr):  # fmt: skip
     """``_finish_rows``'s semaphore, after a slice published its partials: the last of the ``n_active`` slices to
-    arrive merges them into the output and resets the counter."""
+    arrive merges them into the output and resets the counter. Up to ``SEQ_S`` slices through
+    ``gemv.merge_slices`` (slice by slice, as the output projection merges deferred slices: the same bits either
+    way), more as one reduction over the ``[S_PAD, D]`` tile (fewer instructions than ``S_PAD`` unrolled steps)."""
     tl.debug_barrier()
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if arrived == n_active - 1:
-        sl = tl.arange(0, S_PAD)
-        s_mask = sl < n_active
-        for gi in tl.static_range(N_ROWS):
-            rows = (b.to(tl.int64) * n_q_heads + first_head + gi) * n_splits + sl
-            m_s = tl.load(ml_ws_ptr + rows * 2, mask=s_mask, other=-float("inf"), cache_modifier=".cg")
-            l_s = tl.load(ml_ws_ptr + rows * 2 + 1, mask=s_mask, other=0.0, cache_modifier=".cg")
-            a_s = tl.load(
-                acc_ws_ptr + rows[:, None] * D_PAD + d[None, :],
-                mask=s_mask[:, None] & d_mask[None, :],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            w = tl.exp2(m_s - tl.max(m_s, axis=0))  # finite: every active slice holds a token
-            o = tl.sum(a_s * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
-            tl.store(
-                out_ptr + b.to(tl.int64) * stride_ob + (first_head + gi) * stride_oh + d,
-                o.to(out_ptr.dtype.element_ty),
-                mask=d_mask,
-            )
+        if n_active <= SEQ_S:
+            for gi in tl.static_range(N_ROWS):
+                row = (b.to(tl.int64) * n_q_heads + first_head + gi) * n_splits + tl.zeros([1], dtype=tl.int64)
+                o_1 = merge_slices(acc_ws_ptr, ml_ws_ptr, row, row >= 0, d, d_mask, n_active, D_PAD, SEQ_S, False)
+                tl.store(
+                    out_ptr + b.to(tl.int64) * stride_ob + (first_head + gi) * stride_oh + d[None, :],
+                    o_1.to(out_ptr.dtype.element_ty),
+                    mask=d_mask[None, :],
+                )
+        else:
+            sl = tl.arange(0, S_PAD)
+            s_mask = sl < n_active
+            for gi in tl.static_range(N_ROWS):
+                rows = (b.to(tl.int64) * n_q_heads + first_head + gi) * n_splits + sl
+                m_s = tl.load(ml_ws_ptr + rows * 2, mask=s_mask, other=-float("inf"), cache_modifier=".cg")
+                l_s = tl.load(ml_ws_ptr + rows * 2 + 1, mask=s_mask, other=0.0, cache_modifier=".cg")
+                a_s = tl.load(
+                    acc_ws_ptr + rows[:, None] * D_PAD + d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                w = tl.exp2(m_s - tl.max(m_s, axis=0))  # finite: every active slice holds a token
+                o = tl.sum(a_s * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+                tl.store(
+                    out_ptr + b.to(tl.int64) * stride_ob + (first_head + gi) * stride_oh + d,
+                    o.to(out_ptr.dtype.element_ty),
+                    mask=d_mask,
+                )
         tl.atomic_xchg(counter, 0)
 
 
@@ -464,7 +480,8 @@ def _paged_decode_kernel(
     I8_ASM: tl.constexpr = False,
     V_T: tl.constexpr = False,
     I8_MMA: tl.constexpr = False,
-    DEFER: tl.constexpr = False,
+    DEFER: tl.constexpr = 0,
+    SEQ_S: tl.constexpr = 2,
 ):
     if PDL:  # see _common.use_pdl; every program waits, even a slice that exits at once (the chain's order)
         gdc_launch_dependents()
@@ -608,7 +625,7 @@ def _paged_decode_kernel(
         _finish_rows(
             acc, m_i, l_i, b, split, n_active, n_splits, n_q_heads, heads, hk * GROUP, g_mask, d, d_mask,
             cnt_ptr + b * n_kv_heads + hk, out_ptr, stride_ob, stride_oh, acc_ws_ptr, ml_ws_ptr, GROUP, D_PAD, S_PAD,
-            SPLIT, DEFER,
+            SPLIT, DEFER, SEQ_S,
         )  # fmt: skip
     if ROPE and PDL:  # noqa: SIM102 (a constexpr guard) — an idle slice still waits: the grid ends after its producer
         if split >= n_active:
@@ -899,11 +916,12 @@ def decode_attention_o_proj(
 ) -> torch.Tensor:
     """``linear(paged_decode_attention_qk_norm_rope(…).reshape(B, Hq·D), o_weight)`` → ``(B, hidden)``: a decode
     step's attention and its output projection (reference ``ops.decode_attention_o_proj``). One sequence (batch-1
-    decode): when its context takes exactly ``gemv.DEFERRED_SLICES`` slices the attention publishes them unmerged
+    decode): when its context takes 2 to ``gemv.DEFER_MAX_SLICES`` slices the attention publishes them unmerged
     and ends (no semaphore, no re-read), and the projection's GEMV merges them as it loads its x; any other slice
-    count is merged (or written) by the attention as usual. The result equals the two ops' bit for bit (the merge's
-    two products and sum rounded one by one, as the attention compiled without FP fusion rounds them: the default
-    ``ROPE_FP_FUSION``). Other batch sizes: the two ops."""
+    count is merged (or written) by the attention as usual. The result equals the two ops' bit for bit (both merge
+    through ``gemv.merge_slices``: the slices summed in order, each product and sum rounded on its own, as the
+    attention compiled without FP fusion rounds them: the default ``ROPE_FP_FUSION``). Other batch sizes: the two
+    ops."""
     B, Hq, D = q.shape
     require(o_weight.dim() == 2 and o_weight.shape[1] == Hq * D, "o_weight must be (hidden, Hq·D)")
     if B != 1 or o_weight.dtype != q.dtype or o_weight.stride(1) != 1:
@@ -987,6 +1005,7 @@ def _decode(
         return out, None
     min_tokens = cdiv(MIN_SLICE_TOKENS if min_slice is None else max(min_slice, 1), block_n) * block_n
     defer = defer and B == 1 and n_split > 1 and rope is not None
+    seq_s = max(2, int(_gemv_module.DEFER_MAX_SLICES))  # read at launch: a knob (gemv.py)
     _paged_decode_kernel[(B, Hk, n_split)](
         q,
         k_cache,
@@ -1033,7 +1052,8 @@ def _decode(
         I8_ASM=i8_asm,
         V_T=v_t,
         I8_MMA=i8_mma,
-        DEFER=defer,
+        DEFER=seq_s if defer else 0,
+        SEQ_S=seq_s,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
@@ -1042,4 +1062,4 @@ def _decode(
     )
     if not defer:
         return out, None
-    return out, (acc_ws, ml_ws, context_lens, n_split, min_tokens, block_n, D, d_pad)
+    return out, (acc_ws, ml_ws, context_lens, n_split, min_tokens, block_n, D, d_pad, seq_s)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernellab.kernels.attention import causal_attention
+from kernellab.kernels.compile_check import record_launches
 from kernellab.kernels.paged_attention import paged_decode_attention
 from kernellab.runtime import ops
 from tests.support.kernels import assert_close, poisoned
@@ -190,21 +191,25 @@ def test_packed_prompts_in_one_launch_from_device_offsets(lens, dtype, atol, rto
     assert_close(z[:n], y[:n], atol, rtol, "the op (its own tiles)")
 
 
-def test_decode_attention_o_proj_merges_two_slices_in_the_projection(gen):
-    """Batch-1 decode's attention + output projection: at a context of exactly two slices the attention leaves its
-    halves unmerged and the GEMV merges them as it loads x; the result equals the two ops' bit for bit, at every
-    slice count (1, 2, more: the attention merges those itself), and the reference within bf16's rounding. The
-    contexts run one after another on the same cached workspaces and semaphores, as decode steps do."""
+@pytest.mark.parametrize("Hq, Hk, D", [(4, 2, 32), (6, 2, 32)])  # o_proj's K a power of two; not (padded heads)
+def test_decode_attention_o_proj_merges_deferred_slices_in_the_projection(gen, Hq, Hk, D):
+    """Batch-1 decode's attention + output projection: at a context of 2 to ``gemv.DEFER_MAX_SLICES`` slices the
+    attention leaves its slices unmerged and the GEMV merges them as it loads x; the result equals the two ops' bit
+    for bit at every slice count (1; 2 to 4, deferred; 5 and 7, which the attention merges itself), and the
+    reference within bf16's rounding. The contexts run one after another on the same cached workspaces and
+    semaphores, as decode steps do."""
+    from kernellab.kernels import gemv
     from kernellab.kernels.linear import linear
     from kernellab.kernels.paged_attention import decode_attention_o_proj, paged_decode_attention_qk_norm_rope
 
-    Hq, Hk, D, bs, hidden = 4, 2, 32, 16, 48
+    assert gemv.DEFER_MAX_SLICES == 4  # the contexts below cover the deferred range and both sides of it
+    bs, hidden = 16, 48
     dt = torch.bfloat16
     cos_sin = ops.rope_cos_sin_cache(D, 1024, 1e6).to(dt)
     qw = (1 + 0.2 * torch.randn(D, generator=gen)).to(dt)
     kw = (1 + 0.2 * torch.randn(D, generator=gen)).to(dt)
     w_o = (0.1 * torch.randn(hidden, Hq * D, generator=gen)).to(dt)
-    for ctx_len in (1, 64, 65, 128, 129, 300, 100):  # slices of 64 tokens: 1, 1, 2, 2, 3, 5, 2
+    for ctx_len in (1, 64, 65, 128, 129, 256, 300, 100, 420, 200):  # 64-token slices: 1, 1, 2, 2, 3, 4, 5, 2, 7, 4
         _, kc, vc, tables, ctx = _paged_case([ctx_len], Hq, Hk, D, bs, dt, gen)
         kc, vc = kc.nan_to_num(), vc.nan_to_num()
         wide = torch.full((1, 32), -1, dtype=torch.int32)  # the bound a graph captures: 512 tokens, 8 slices
@@ -224,6 +229,33 @@ def test_decode_attention_o_proj_merges_two_slices_in_the_projection(gen):
             tables, ctx, D**-0.5, w_o.float(),
         )  # fmt: skip
         assert_close(y, ref.to(dt), 3e-2, 3e-2, f"context {ctx_len}")
+
+
+def test_decode_attention_o_proj_defer_bound_is_read_at_launch(gen, monkeypatch):
+    """``gemv.DEFER_MAX_SLICES`` is a knob read at each launch: at 2 a three-slice context is merged by the
+    attention, and the result is the same bits as when the projection merges it."""
+    from kernellab.kernels import gemv
+    from kernellab.kernels.paged_attention import decode_attention_o_proj
+
+    Hq, Hk, D, bs = 4, 2, 32, 16
+    dt = torch.bfloat16
+    cos_sin = ops.rope_cos_sin_cache(D, 1024, 1e6).to(dt)
+    nw = torch.ones(D).to(dt)
+    w_o = (0.1 * torch.randn(24, Hq * D, generator=gen)).to(dt)
+    _, kc, vc, tables, ctx = _paged_case([150], Hq, Hk, D, bs, dt, gen)
+    kc, vc = kc.nan_to_num(), vc.nan_to_num()
+    qkv = torch.randn(1, (Hq + 2 * Hk) * D, generator=gen).to(dt)
+    q, k, v = (x.view(1, -1, D) for x in qkv.split([Hq * D, Hk * D, Hk * D], dim=-1))
+    slots = torch.tensor([int(tables[0, 149 // bs]) * bs + 149 % bs])
+    runs = {}
+    for bound in (4, 2):
+        monkeypatch.setattr(gemv, "DEFER_MAX_SLICES", bound)
+        with record_launches() as launches:
+            runs[bound] = decode_attention_o_proj(q, k, v, nw, nw, 1e-6, cos_sin, kc.clone(), vc.clone(), slots,
+                                                  tables, ctx, D**-0.5, w_o)  # fmt: skip
+        att = [la["constexprs"] for la in launches if la["kernel"] == "_paged_decode_kernel"]
+        assert [c["DEFER"] for c in att] == [bound]
+    assert torch.equal(runs[4], runs[2])
 
 
 def test_decode_attention_o_proj_at_several_rows_is_the_two_ops(gen):

@@ -157,7 +157,8 @@ def _with_hopper_variants(launches: list[dict]) -> list[dict]:
         extra.append({**launch, "constexprs": {**c, "PDL": True}, "options": {**launch["options"], "launch_pdl": True}})
     for launch in launches + extra:  # the GPU-only forms: the merging GEMV's PTX roundings, int8 byte permutes
         if launch["kernel"] == "_gemv_kernel" and launch["constexprs"].get("MERGE"):
-            extra.append({**launch, "constexprs": {**launch["constexprs"], "MERGE_ASM": True}})
+            options = {**launch["options"], **({"maxnreg": gemv.MERGE_MAXNREG} if gemv.MERGE_MAXNREG else {})}
+            extra.append({**launch, "constexprs": {**launch["constexprs"], "MERGE_ASM": True}, "options": options})
         if launch["kernel"] != "_paged_decode_kernel":
             continue
         c = launch["constexprs"]
@@ -214,10 +215,13 @@ def test_every_recorded_launch_compiles_for_sm90():
     assert splits == {(False, False), (True, False), (False, True), (True, True)}
     decode = [launch["constexprs"] for launch in launches if launch["kernel"] == "_paged_decode_kernel"]
     assert {c["I8_ASM"] for c in decode} == {False, True}
-    assert {c["DEFER"] for c in decode} == {False, True}  # batch 1's two slices left to the output projection
+    # batch 1's slices (2 to DEFER) left to the output projection
+    assert {c["DEFER"] for c in decode} == {0, gemv.DEFER_MAX_SLICES}
     merging = [launch["constexprs"] for launch in launches if launch["kernel"] == "_gemv_kernel"]
     assert {c["MERGE_ASM"] for c in merging if c["MERGE"]} == {False, True}
     assert any(c["MERGE"] and c["PDL"] and c["MERGE_ASM"] for c in merging)
+    capped = [launch["options"] for launch in launches if launch["constexprs"].get("MERGE_ASM")]
+    assert gemv.MERGE_MAXNREG is None or all(o.get("maxnreg") == gemv.MERGE_MAXNREG for o in capped)
     # the int8 cache with V transposed within its blocks: int8 tensor-core dots, split and unsplit
     assert {c["SPLIT"] for c in decode if c["I8_MMA"]} == {False, True}
     stores = {launch["constexprs"].get("INT8") for launch in launches if launch["kernel"] == "_store_kv_kernel"}
