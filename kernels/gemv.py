@@ -131,9 +131,10 @@ DEFER_MAX_SLICES = 4
 # The merging GEMV's register cap (``maxnreg``; None: the compiler's choice, 128 at Qwen3-0.6B's o_proj). Its PDL
 # launch starts while the attention's programs still hold their SMs (two of 20K registers each, idle slices
 # included, until the QKV projection ends): a 256-thread program fits beside them only at ≤ 96 registers, and
-# only a program already resident fetches its weight tile before the wait. 80: no spill at two slices, 88 bytes
-# of stack at four (sm_90 compile). A knob, read at launch.
-MERGE_MAXNREG: int | None = 80
+# only a program already resident fetches its weight tile before the wait. On the H100 (interleaved, batch-1 ITL
+# at contexts 64 / 128): uncapped 0.780 / 0.787 ms, 96 0.774 / 0.780, 80 (88 bytes of spills at four slices)
+# 0.831 / 0.836 (results/gpu/engine_h200_dev/knob_ab_k3_h100_00cf04e_log.txt). A knob, read at launch.
+MERGE_MAXNREG: int | None = 96
 
 
 @dataclass(frozen=True)

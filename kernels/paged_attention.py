@@ -205,6 +205,11 @@ MIN_SLICE_TOKENS = 64
 # The fused QK-norm + RoPE form is compiled without FMA contraction, keeping every rounding of rope.py (its
 # "Precision"); True lets the backend contract the whole kernel's multiply-adds (the gate's A/B setting).
 ROPE_FP_FUSION = False
+# The last slice merges up to this many slices one by one (``gemv.merge_slices``: per slice a few scalar loads and
+# one row load per thread, no cross-thread reduction) and more as one reduction over the ``[S_PAD, D]`` tile of
+# every slice the launch could have (S_PAD: 64 at batch 1 on 132 SMs, whatever the context). Never below
+# ``gemv.DEFER_MAX_SLICES`` (the two merges must agree bit for bit). A knob, read at launch.
+SEQ_MERGE_SLICES = 4
 
 
 @triton.jit
@@ -1005,7 +1010,8 @@ def _decode(
         return out, None
     min_tokens = cdiv(MIN_SLICE_TOKENS if min_slice is None else max(min_slice, 1), block_n) * block_n
     defer = defer and B == 1 and n_split > 1 and rope is not None
-    seq_s = max(2, int(_gemv_module.DEFER_MAX_SLICES))  # read at launch: a knob (gemv.py)
+    s_pad = next_pow2(n_split)
+    seq_s = min(max(2, SEQ_MERGE_SLICES, _gemv_module.DEFER_MAX_SLICES), s_pad)  # knobs, read at launch
     _paged_decode_kernel[(B, Hk, n_split)](
         q,
         k_cache,
@@ -1052,7 +1058,7 @@ def _decode(
         I8_ASM=i8_asm,
         V_T=v_t,
         I8_MMA=i8_mma,
-        DEFER=seq_s if defer else 0,
+        DEFER=min(_gemv_module.DEFER_MAX_SLICES, s_pad) if defer else 0,
         SEQ_S=seq_s,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -1062,4 +1068,14 @@ def _decode(
     )
     if not defer:
         return out, None
-    return out, (acc_ws, ml_ws, context_lens, n_split, min_tokens, block_n, D, d_pad, seq_s)
+    return out, (
+        acc_ws,
+        ml_ws,
+        context_lens,
+        n_split,
+        min_tokens,
+        block_n,
+        D,
+        d_pad,
+        min(_gemv_module.DEFER_MAX_SLICES, s_pad),
+    )

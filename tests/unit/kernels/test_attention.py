@@ -276,3 +276,21 @@ def test_decode_attention_o_proj_at_several_rows_is_the_two_ops(gen):
     ref = ops.decode_attention_o_proj(q, k, v, qw, kw, 1e-6, cos_sin, kc_ref, vc_ref, slots, tables, ctx, D**-0.5, w_o)
     assert y.shape == (3, 24)
     assert_close(y, ref, 1e-4, 1e-4, "three rows")
+
+
+def test_sequential_merge_bound_changes_only_the_sum_order(gen, monkeypatch):
+    """``paged_attention.SEQ_MERGE_SLICES`` picks how the last slice merges (one by one, or one reduction over the
+    tile): a five-slice context through either path gives the same attention up to fp32 summation order."""
+    from kernellab.kernels import paged_attention as pa
+
+    Hq, Hk, D, bs = 4, 2, 32, 16
+    q, kc, vc, tables, ctx = _paged_case([300], Hq, Hk, D, bs, torch.float32, gen)
+    wide = torch.full((1, 32), -1, dtype=torch.int32)
+    wide[:, : tables.shape[1]] = tables
+    outs = {}
+    for bound in (4, 8):  # five slices: the tile's reduction, then the slice-by-slice merge
+        monkeypatch.setattr(pa, "SEQ_MERGE_SLICES", bound)
+        with record_launches() as launches:
+            outs[bound] = paged_decode_attention(q, kc.nan_to_num(), vc.nan_to_num(), wide, ctx, D**-0.5)
+        assert [la["constexprs"]["SEQ_S"] for la in launches] == [bound]
+    assert_close(outs[8], outs[4], 1e-6, 1e-6, "merge order")
