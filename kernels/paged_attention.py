@@ -207,9 +207,11 @@ MIN_SLICE_TOKENS = 64
 ROPE_FP_FUSION = False
 # The last slice merges up to this many slices one by one (``gemv.merge_slices``: per slice a few scalar loads and
 # one row load per thread, no cross-thread reduction) and more as one reduction over the ``[S_PAD, D]`` tile of
-# every slice the launch could have (S_PAD: 64 at batch 1 on 132 SMs, whatever the context). Never below
-# ``gemv.DEFER_MAX_SLICES`` (the two merges must agree bit for bit). A knob, read at launch.
-SEQ_MERGE_SLICES = 4
+# every slice the launch could have (S_PAD: 64 at batch 1 on 132 SMs, whatever the context). It also bounds
+# ``gemv.DEFER_MAX_SLICES`` (deferred slices are merged the same way, bit for bit). 16: batch-1 ITL at context 512
+# (nine slices) 0.843 against 0.858 ms at 4 (H100, both orders; results/gpu/engine_h200_dev/
+# knob_ab_k7_h100_ba95c7e_log.txt); 64 would take 255 registers and spill (sm_90 compile). A knob, read at launch.
+SEQ_MERGE_SLICES = 16
 
 
 @triton.jit
@@ -1011,7 +1013,8 @@ def _decode(
     min_tokens = cdiv(MIN_SLICE_TOKENS if min_slice is None else max(min_slice, 1), block_n) * block_n
     defer = defer and B == 1 and n_split > 1 and rope is not None
     s_pad = next_pow2(n_split)
-    seq_s = min(max(2, SEQ_MERGE_SLICES, _gemv_module.DEFER_MAX_SLICES), s_pad)  # knobs, read at launch
+    seq_s = min(max(2, SEQ_MERGE_SLICES), s_pad)  # knobs, read at launch
+    defer_s = min(_gemv_module.DEFER_MAX_SLICES, seq_s)
     _paged_decode_kernel[(B, Hk, n_split)](
         q,
         k_cache,
@@ -1058,7 +1061,7 @@ def _decode(
         I8_ASM=i8_asm,
         V_T=v_t,
         I8_MMA=i8_mma,
-        DEFER=min(_gemv_module.DEFER_MAX_SLICES, s_pad) if defer else 0,
+        DEFER=defer_s if defer else 0,
         SEQ_S=seq_s,
         num_warps=num_warps,
         num_stages=num_stages,

@@ -16,6 +16,8 @@ built with the constant set (graphs captured with it), and the rounds alternate 
     python3 benchmarks/gpu/knob_ab.py --out "$OUT/launch" --knob kernellab.kernels.paged_attention.LAUNCH --sep ';' \\
         --values '{"block_n": 64, "num_warps": 4, "num_stages": 2}; {"block_n": 32, "num_warps": 4, "num_stages": 3}'
     python3 benchmarks/gpu/knob_ab.py --out "$OUT/op" --knob op:decode_attention_o_proj --values off,on
+    python3 benchmarks/gpu/knob_ab.py --out "$OUT/seq" --knob kernellab.kernels.paged_attention.SEQ_MERGE_SLICES \\
+        --values 2,16 --disable decode_attention_o_proj   # ops off in every engine
     python3 benchmarks/gpu/knob_ab.py --out /tmp/knob --device cpu --knob ... --values ...   # the path, on a CPU
 
 ``op:NAME`` with values ``off``/``on`` is an op of the dispatcher instead of a constant: "on" builds the engine with
@@ -53,6 +55,9 @@ def main() -> int:
     ap.add_argument("--decode-batches", default="", type=lambda s: [int(v) for v in s.split(",") if v])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument(
+        "--disable", default="", type=lambda s: tuple(v for v in s.split(",") if v), help="ops off in every engine"
+    )
     args = ap.parse_args()
     args.values = [parse_value(v.strip()) for v in args.values.split(args.sep)]
     from kernellab.bench.engine_ab import interleaved_rounds, itl_figures, median_summary, same_greedy_tokens
@@ -98,7 +103,7 @@ def main() -> int:
     try:
         for name, value in args.values:
             setattr(module, const, value)
-            off = tuple(eng_cfg.get("disabled_kernels", ())) + disabled.get(name, ())
+            off = tuple(eng_cfg.get("disabled_kernels", ())) + args.disable + disabled.get(name, ())
             engines[name] = LLMEngine(EngineConfig(**{**eng_cfg, "disabled_kernels": off}))
             if not gpu:
                 engines[name].runner.eager_windows(8)
@@ -125,6 +130,7 @@ def main() -> int:
         "standing": standing_note,
         "values": names,
         "engine": eng_cfg,
+        "disabled_in_every_engine": list(args.disable),
         "workload": "one greedy sequence, 64 tokens after a random prompt of each context; decode steps of "
         "40-token prompts × 128 tokens at each batch; interleaved rounds, one engine per value",
         "same_tokens": same,
