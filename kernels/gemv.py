@@ -80,10 +80,9 @@ The attention's merge in the prologue (``paged_attention.decode_attention_o_proj
     for bit (CPU test). One slice, or more (long contexts: up to 32 partials a head would be re-read by each of
     the 256 programs), and the attention writes x itself. The merging GEMV needs more registers (128 at Qwen3
     shapes); it launches capped (``MERGE_MAXNREG``) so that its programs fit beside the attention's and fetch
-    their weights before the wait. On the H100 the two-slice form (deferral at exactly two slices) cut batch-1
-    ITL at contexts 65-128 by 6.4 / 5.3 % (both build orders) but cost 2.2 / 3.7 % at 129-192, where the
-    uncapped 109-register GEMV ran without deferring
-    (results/gpu/engine_h200_dev/knob_ab_o_proj_*_h100_deb0da4.json). Experimental until the ablation measures it.
+    their weights before the wait. Measured on the H100 and rejected (runtime/kernel_status.json,
+    docs/gpu-engine.md): -1 % batch-1 ITL at context 64, ~0 at 128, +2 % at 2,048; the gain the first A/B showed
+    came from skipping the attention's tile merge, which the attention now avoids itself for few slices.
 
 fp32 output (the LM head)
     ``out`` may be fp32 where x is bf16/fp16: each value is rounded to x's dtype, then stored widened, so the

@@ -64,7 +64,7 @@ def ops_on_path(qk_norm: bool) -> tuple[str, ...]:
     mlp = ("silu_and_mul", "linear", "silu_and_mul_linear")  # the fused op at one row (batch-1 decode)
     norms = ("rms_norm", "add_rms_norm", "add_rms_norm_linear")  # the last: at one row, the norm in the GEMV
     # Qwen3's decode steps: the QK-norm + RoPE + KV write inside the decode attention (one launch fewer a layer)
-    # and at batch 1 with the output projection, which merges a two-slice attention's halves as it loads them
+    # and at batch 1 with the output projection, which merges a few-slice attention's slices as it loads them
     fused = ("paged_decode_attention_qk_norm_rope", "decode_attention_o_proj") if qk_norm else ()
     # batch-1 decode: the layer's next weights fetched into L2 while the attention runs
     # steps that prefill fresh prompts: their causal attention

@@ -254,8 +254,8 @@ class CausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step's layer ``index`` through its output projection in three launches (the QKV projection
         with its norm, attention with Qwen3's QK-norm, RoPE and the KV write inside, the output projection). One
-        row with ``decode_attention_o_proj`` enabled: that op's attention and projection, which merges a two-slice
-        attention's halves as it loads them. Returns ``(o_proj output, residual)``."""
+        row with ``decode_attention_o_proj`` enabled: that op's attention and projection, which merges a few-slice
+        attention's slices as it loads them. Returns ``(o_proj output, residual)``."""
         cfg = self.cfg
         attn = self.decoder_layers[index].self_attn
         q, k, v, residual = self._qkv(index, hidden, residual)

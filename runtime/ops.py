@@ -443,7 +443,7 @@ def decode_attention_o_proj(
     o_weight: torch.Tensor,
 ) -> torch.Tensor:
     """A decode step's attention (``paged_decode_attention_qk_norm_rope``) and its output projection → ``(B,
-    hidden)`` (one op for batch-1 decode, whose kernel leaves a two-slice attention's merge to the projection)."""
+    hidden)`` (one op for batch-1 decode, whose kernel leaves a few-slice attention's merge to the projection)."""
     o = paged_decode_attention_qk_norm_rope(
         q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
         context_lens, scale,
