@@ -117,9 +117,13 @@ def test_batch1_decode_takes_the_fused_gemv_and_keeps_its_tokens(op, tiny_checkp
     the greedy tokens equal those of the engine with the op off (two kernels)."""
     from kernellab.kernels.compile_check import record_launches
     from kernellab.kernels.testing import patch_interpreter
+    from kernellab.runtime import dispatch
     from kernellab.runtime.request.sampling import SamplingParams
 
     patch_interpreter()
+    table = dispatch.load_status()
+    # a rejected op (decode_attention_o_proj) runs only when allowed, as benchmarks/gpu/knob_ab.py's "on" allows it
+    monkeypatch.setattr(dispatch, "load_status", lambda: {**table, op: {"status": "accepted"}})
     flag, per_step = FUSED_GEMV[op]
     tokens, fused = {}, {}
     for disabled in ((), (op,)):
