@@ -212,6 +212,10 @@ ROPE_FP_FUSION = False
 # (nine slices) 0.843 against 0.858 ms at 4 (H100, both orders; results/gpu/engine_h200_dev/
 # knob_ab_k7_h100_ba95c7e_log.txt); 64 would take 255 registers and spill (sm_90 compile). A knob, read at launch.
 SEQ_MERGE_SLICES = 16
+# The split-KV decode attention cuts contexts until its grid has about this many programs an SM (``num_splits``):
+# at batch 1 on 132 SMs and Qwen3-0.6B's 8 KV heads, 2 gives 32 slices of 64 tokens at context 2,048, 1 gives 16 of
+# 128. A knob, read at launch.
+PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -783,9 +787,9 @@ def heads_per_program(kv_heads: int, group: int, most: int = 16, rows: int = 16)
 
 
 def num_splits(batch: int, kv_heads: int, max_context: int, block_n: int, device: torch.device) -> int:
-    """Slices per sequence: enough programs for ~2 per SM, never a slice shorter than one tile."""
+    """Slices per sequence: enough programs for ~``PROGRAMS_PER_SM`` per SM, never a slice shorter than one tile."""
     programs = batch * kv_heads
-    target = 2 * num_sms(device)
+    target = max(1, round(PROGRAMS_PER_SM * num_sms(device)))
     if programs >= target:
         return 1
     return max(1, min(cdiv(target, programs), cdiv(max_context, block_n)))
