@@ -214,7 +214,10 @@ ROPE_FP_FUSION = False
 SEQ_MERGE_SLICES = 16
 # The split-KV decode attention cuts contexts until its grid has about this many programs an SM (``num_splits``):
 # at batch 1 on 132 SMs and Qwen3-0.6B's 8 KV heads, 2 gives 32 slices of 64 tokens at context 2,048, 1 gives 16 of
-# 128. A knob, read at launch.
+# 128. 1 was slower on the H100 (batch-1 ITL 0.955 against 0.906 ms at context 2,048, 0.871 against 0.835 at
+# 1,024: more programs each reading less beat the slice-by-slice merge;
+# results/gpu/engine_h200_dev/knob_ab_programs_per_sm_p2_h100_2fc2cd6.json); more than 2 cuts no finer at a 4,096-token
+# bound (slices are whole 64-token tiles). A knob, read at launch.
 PROGRAMS_PER_SM = 2
 
 
