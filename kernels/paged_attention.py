@@ -219,6 +219,14 @@ SEQ_MERGE_SLICES = 16
 # results/gpu/engine_h200_dev/knob_ab_programs_per_sm_p2_h100_2fc2cd6.json); more than 2 cuts no finer at a 4,096-token
 # bound (slices are whole 64-token tiles). A knob, read at launch.
 PROGRAMS_PER_SM = 2
+# Whether a slice of the fused (QK-norm + RoPE) form with no tokens to read still waits for its producer (the QKV
+# projection) before it exits. Not needed for order: every sequence has an active slice, which waits, so the grid
+# still ends after its producer. But a waiting idle slice holds its SM's registers (20K at Qwen3-0.6B's shapes) for
+# the whole QKV projection: at batch 1 and context 128, 232 of the 256 programs are idle, and the output
+# projection's PDL programs can only be resident, and fetch their weights before their own wait, where registers
+# are free (the rejected decode_attention_o_proj showed that residency costing 2-6 %). False lets idle slices exit
+# at once. Unmeasured; a knob, read at launch.
+IDLE_SLICES_WAIT = True
 
 
 @triton.jit
@@ -496,6 +504,7 @@ def _paged_decode_kernel(
     I8_MMA: tl.constexpr = False,
     DEFER: tl.constexpr = 0,
     SEQ_S: tl.constexpr = 2,
+    IDLE_WAIT: tl.constexpr = True,
 ):
     if PDL:  # see _common.use_pdl; every program waits, even a slice that exits at once (the chain's order)
         gdc_launch_dependents()
@@ -641,7 +650,7 @@ def _paged_decode_kernel(
             cnt_ptr + b * n_kv_heads + hk, out_ptr, stride_ob, stride_oh, acc_ws_ptr, ml_ws_ptr, GROUP, D_PAD, S_PAD,
             SPLIT, DEFER, SEQ_S,
         )  # fmt: skip
-    if ROPE and PDL:  # noqa: SIM102 (a constexpr guard) — an idle slice still waits: the grid ends after its producer
+    if ROPE and PDL and IDLE_WAIT:  # noqa: SIM102 (a constexpr guard) — an idle slice waits for the producer too
         if split >= n_active:
             gdc_wait()
 
@@ -1070,6 +1079,7 @@ def _decode(
         I8_MMA=i8_mma,
         DEFER=defer_s if defer else 0,
         SEQ_S=seq_s,
+        IDLE_WAIT=IDLE_SLICES_WAIT,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,

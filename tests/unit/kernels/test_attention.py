@@ -294,3 +294,29 @@ def test_sequential_merge_bound_changes_only_the_sum_order(gen, monkeypatch):
             outs[bound] = paged_decode_attention(q, kc.nan_to_num(), vc.nan_to_num(), wide, ctx, D**-0.5)
         assert [la["constexprs"]["SEQ_S"] for la in launches] == [bound]
     assert_close(outs[8], outs[4], 1e-6, 1e-6, "merge order")
+
+
+def test_idle_slices_wait_is_a_knob_read_at_launch(gen, monkeypatch):
+    """``paged_attention.IDLE_SLICES_WAIT`` reaches the fused decode attention's launch, and the output does not
+    depend on it (on the interpreter no program waits for anything: the A/B of its effect runs on the GPU)."""
+    from kernellab.kernels import paged_attention as pa
+
+    Hq, Hk, D, bs = 4, 2, 32, 16
+    dt = torch.bfloat16
+    cos_sin = ops.rope_cos_sin_cache(D, 1024, 1e6).to(dt)
+    nw = torch.ones(D).to(dt)
+    _, kc, vc, tables, ctx = _paged_case([100], Hq, Hk, D, bs, dt, gen)
+    wide = torch.full((1, 32), -1, dtype=torch.int32)
+    wide[:, : tables.shape[1]] = tables
+    qkv = torch.randn(1, (Hq + 2 * Hk) * D, generator=gen).to(dt)
+    q, k, v = (x.view(1, -1, D) for x in qkv.split([Hq * D, Hk * D, Hk * D], dim=-1))
+    slots = torch.tensor([int(tables[0, 99 // bs]) * bs + 99 % bs])
+    outs = {}
+    for wait in (True, False):
+        monkeypatch.setattr(pa, "IDLE_SLICES_WAIT", wait)
+        with record_launches() as launches:
+            outs[wait] = pa.paged_decode_attention_qk_norm_rope(
+                q, k, v, nw, nw, 1e-6, cos_sin, kc.nan_to_num(), vc.nan_to_num(), slots, wide, ctx, D**-0.5
+            )
+        assert [la["constexprs"]["IDLE_WAIT"] for la in launches] == [wait]
+    assert torch.equal(outs[True], outs[False])

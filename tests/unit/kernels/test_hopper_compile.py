@@ -162,6 +162,8 @@ def _with_hopper_variants(launches: list[dict]) -> list[dict]:
         if launch["kernel"] != "_paged_decode_kernel":
             continue
         c = launch["constexprs"]
+        if c["ROPE"] and c["PDL"]:  # idle slices exiting without waiting (paged_attention.IDLE_SLICES_WAIT)
+            extra.append({**launch, "constexprs": {**c, "IDLE_WAIT": not c["IDLE_WAIT"]}})
         if launch["signature"]["k_cache_ptr"] == "*i8" and c["WIDEN_F16"]:  # int8 tiles widened by byte permutes
             extra.append({**launch, "constexprs": {**c, "I8_ASM": True}})
     return launches + extra
