@@ -124,8 +124,9 @@ __all__ = [
 MAX_M = 16
 # A one-sequence decode attention leaves its output unmerged when its context took from two up to this many slices,
 # and the output projection's GEMV merges them as it loads x (``paged_attention.decode_attention_o_proj``); more
-# slices and the attention merges them itself. At most ``paged_attention.SEQ_MERGE_SLICES``. Read at each launch (a knob of ``benchmarks/gpu/knob_ab.py``): each
-# GEMV program re-reads every deferred slice's partials (S · Hq · D fp32 from L2), so the bound is measured.
+# slices and the attention merges them itself. At most ``paged_attention.SEQ_MERGE_SLICES``. Read at each launch
+# (a knob of ``benchmarks/gpu/knob_ab.py``): each GEMV program re-reads every deferred slice's partials
+# (S · Hq · D fp32 from L2), so the bound is measured.
 DEFER_MAX_SLICES = 4
 # The merging GEMV's register cap (``maxnreg``; None: the compiler's choice, 128 at Qwen3-0.6B's o_proj). Its PDL
 # launch starts while the attention's programs still hold their SMs (two of 20K registers each, idle slices

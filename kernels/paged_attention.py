@@ -1088,14 +1088,4 @@ def _decode(
     )
     if not defer:
         return out, None
-    return out, (
-        acc_ws,
-        ml_ws,
-        context_lens,
-        n_split,
-        min_tokens,
-        block_n,
-        D,
-        d_pad,
-        min(_gemv_module.DEFER_MAX_SLICES, s_pad),
-    )
+    return out, (acc_ws, ml_ws, context_lens, n_split, min_tokens, block_n, D, d_pad, defer_s)
