@@ -48,9 +48,10 @@ import itertools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._common import cdiv, next_pow2, require
+from ._common import cdiv, next_pow2, require, use_pdl
 
 __all__ = ["PREFILL_LAUNCH", "PREFILL_TILES", "causal_attention", "packed_causal_attention", "varlen_causal_attention"]
 
@@ -61,6 +62,11 @@ _LOG2E = 1.4426950408889634
 # the difference (60.4 µs without); the warp-specialised key loop changed nothing.
 PREFILL_TILES = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}  # the packed form's too
 PREFILL_LAUNCH = {**PREFILL_TILES, "tma": True, "heavy_first": True}
+# Whether the descriptor forms launch with programmatic dependent launch on Hopper (``_common.use_pdl``): read at
+# each launch, so a CUDA graph keeps what was in force at capture (``benchmarks/gpu/knob_ab.py --ttft`` A/Bs it). The
+# QK-norm + RoPE + KV-write kernel before the attention is a PDL kernel, so a PDL attention's launch and ramp-up
+# overlap its tail; every program waits (``griddepcontrol.wait``) before its first load.
+PREFILL_PDL = False
 
 
 @triton.jit
@@ -305,9 +311,13 @@ def _causal_attention_desc_kernel(
     STAGES: tl.constexpr,
     WS: tl.constexpr,
     HEAVY_FIRST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # grid (Hq, query tiles): the heads of one query tile are launched together, and with HEAVY_FIRST the last
     # tiles, which walk the most keys, go first, so the short ones fill the machine's tail
+    if PDL:  # see _common.use_pdl: q, k and v are the previous kernel's output
+        gdc_launch_dependents()
+        gdc_wait()
     h = tl.program_id(0)
     pid_m = tl.program_id(1)
     if HEAVY_FIRST:
@@ -338,7 +348,11 @@ def _packed_causal_attention_kernel(
     S_PAD: tl.constexpr,
     IEEE: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # as in _causal_attention_desc_kernel
+        gdc_launch_dependents()
+        gdc_wait()
     # grid (Hq, an upper bound of the query tiles of all prompts): program t of a head finds its prompt b and its
     # tile from the device offsets (a CUDA graph's host offsets are only its bucket's), each prompt's tiles
     # numbered from its last (the longest walk) to its first; programs past the last tile return
@@ -438,6 +452,7 @@ def causal_attention(
         require(_descriptor_ready(q, k, v, out), _DESCRIPTOR_LAYOUT)
         # Triton 3.6's warp-specialization pass fails on sm_90 with 4 warps (tests/unit/kernels/test_hopper_compile)
         require(not warp_specialize or num_warps >= 8, "a warp-specialised key loop needs num_warps >= 8")
+        pdl = PREFILL_PDL and use_pdl(q)
         _causal_attention_desc_kernel[(Hq, cdiv(Tq, block_m))](
             _desc(q, Tq, block_m, D),
             _desc(k, Tk, block_n, D),
@@ -454,8 +469,10 @@ def causal_attention(
             STAGES=num_stages,
             WS=warp_specialize,
             HEAVY_FIRST=heavy_first,
+            PDL=pdl,
             num_warps=num_warps,
             num_stages=num_stages,
+            launch_pdl=pdl,
         )
         return out
     _causal_attention_kernel[(cdiv(Tq, block_m), Hq)](
@@ -515,6 +532,7 @@ def packed_causal_attention(
     if n_seqs < 1 or Tq == 0:
         return out
     tiles = cdiv(max_tokens, block_m) + n_seqs  # Σ cdiv(n_b, block_m) ≤ cdiv(Σ n_b, block_m) + prompts
+    pdl = PREFILL_PDL and use_pdl(q)
     _packed_causal_attention_kernel[(Hq, tiles)](
         _desc(q, Tq, block_m, D),
         _desc(k, k.shape[0], block_n, D),
@@ -532,8 +550,10 @@ def packed_causal_attention(
         S_PAD=max(16, next_pow2(n_seqs)),
         IEEE=q.dtype == torch.float32,
         STAGES=num_stages,
+        PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        launch_pdl=pdl,
     )
     return out
 

@@ -9,6 +9,7 @@ built with the constant set (graphs captured with it), and the rounds alternate 
   prompt of that length);
 - with ``--decode-batches``, the decode step at those batch sizes (``engine_decode_step``: 40-token prompts,
   128 tokens each);
+- with ``--ttft``, the time to first token of a fresh prompt of each length (``engine_ttft``, median of 10);
 - the greedy tokens of one request must be the same from every engine.
 
     python3 benchmarks/gpu/knob_ab.py --out "$OUT/knob" \\
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import statistics
 import time
 from pathlib import Path
 
@@ -53,6 +55,9 @@ def main() -> int:
     ap.add_argument("--sep", default=",", help="the separator of --values (';' for dicts)")
     ap.add_argument("--contexts", default="128,2048", type=lambda s: [int(v) for v in s.split(",")])
     ap.add_argument("--decode-batches", default="", type=lambda s: [int(v) for v in s.split(",") if v])
+    ap.add_argument(
+        "--ttft", default="", type=lambda s: [int(v) for v in s.split(",") if v], help="prompt lengths: TTFT too"
+    )
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument(
@@ -61,7 +66,7 @@ def main() -> int:
     args = ap.parse_args()
     args.values = [parse_value(v.strip()) for v in args.values.split(args.sep)]
     from kernellab.bench.engine_ab import interleaved_rounds, itl_figures, median_summary, same_greedy_tokens
-    from kernellab.bench.latency import engine_decode_step
+    from kernellab.bench.latency import engine_decode_step, engine_ttft
     from kernellab.bench.offline import gate_offline_setup
     from kernellab.results import provenance, write
     from kernellab.runtime.config import EngineConfig
@@ -111,11 +116,15 @@ def main() -> int:
         setattr(module, const, standing)
     print(f"{len(engines)} engines ready in {time.perf_counter() - t:.1f}s ({args.knob} = {list(engines)})", flush=True)
     contexts = args.contexts if gpu else [c for c in args.contexts if c < 400] or [64]
+    if not gpu:
+        args.ttft = [min(n, 256) for n in args.ttft]
 
     def measure(eng) -> dict:
         row = itl_figures(eng, contexts, 64 if gpu else 12)
         for b in args.decode_batches:
             row[f"decode_step_ms@{b}"] = engine_decode_step(eng, b, new_tokens=128 if gpu else 8)["step_ms"]
+        for n in args.ttft:
+            row[f"ttft_ms_p50@{n}"] = round(statistics.median(engine_ttft(eng, n, reps=10 if gpu else 2)) * 1e3, 4)
         return row
 
     names = list(engines)
@@ -132,7 +141,8 @@ def main() -> int:
         "engine": eng_cfg,
         "disabled_in_every_engine": list(args.disable),
         "workload": "one greedy sequence, 64 tokens after a random prompt of each context; decode steps of "
-        "40-token prompts × 128 tokens at each batch; interleaved rounds, one engine per value",
+        "40-token prompts × 128 tokens at each batch; TTFT of fresh prompts of each --ttft length; interleaved "
+        "rounds, one engine per value",
         "same_tokens": same,
         # what each engine ran on (dispatch.describe_fast_path): a knob that turns a path off shows here
         "fast_path": {name: describe_fast_path(eng.runner.fast_path) for name, eng in engines.items()},

@@ -80,11 +80,18 @@ def trace_anatomy(fn, label: str) -> dict:
     start, end = kernels[0][0], max(k[1] for k in kernels)
     busy = _union_ms([(s, e) for s, e, _ in kernels] + copies)
     gaps = []
-    cur = kernels[0][1]
+    pairs: dict[str, list[float]] = {}  # "previous -> next" kernel: [boundaries, µs idle] (gaps under 100 µs)
+    cur, prev = kernels[0][1], kernels[0][2]
     for s, e, name in kernels[1:]:
+        gap = max(s - cur, 0.0)
         if s > cur:
             gaps.append((s - cur, name))
-        cur = max(cur, e)
+        if gap < 100:  # larger ones are the host between two requests, not a boundary inside one
+            agg = pairs.setdefault(f"{_short(prev)} -> {_short(name)}", [0, 0.0])
+            agg[0] += 1
+            agg[1] += gap
+        if e >= cur:
+            cur, prev = e, name
     gaps.sort(reverse=True)
     first_launch = min((e["ts"] for e in launches), default=None)
     row = {
@@ -96,12 +103,23 @@ def trace_anatomy(fn, label: str) -> dict:
         "idle_gaps_ms": round(sum(g for g, _ in gaps) / 1e3, 3),
         "gaps_over_5us": sum(1 for g, _ in gaps if g > 5),
         "largest_gaps_us": [[round(g, 1), n[:60]] for g, n in gaps[:6]],
+        # where the idle time between kernels sits: each kind of boundary's count, total and mean gap (µs), the
+        # costliest first (a PDL-launched kernel that starts before its predecessor ends counts a gap of 0)
+        "gaps_by_boundary": [
+            {"boundary": k, "count": n, "total_us": round(t, 1), "mean_us": round(t / n, 2)}
+            for k, (n, t) in sorted(pairs.items(), key=lambda kv: -kv[1][1])[:16]
+        ],
         "graph_launches": len(launches),
         "graph_launch_call_us": [round(e["dur"], 1) for e in launches[:10]],
         "launch_to_first_kernel_us": round(start - first_launch, 1) if first_launch is not None else None,
         "sync_calls": len(syncs),
     }
     return row
+
+
+def _short(name: str) -> str:
+    """A kernel's name without its template arguments and signature (``nvjet_…`` GEMMs keep their tile)."""
+    return name.split("(")[0].split("<")[0][:48]
 
 
 class _Timed:
@@ -373,6 +391,9 @@ def main() -> int:
     }
     if args.traces:
         sections["trace_ttft2048"] = lambda: trace_anatomy(lambda: engine_ttft(eng, 2048, reps=1, seed=9), "ttft2048")
+        sections["trace_prefill_graph"] = lambda: trace_anatomy(
+            lambda: replay_only(eng.runner.graphs, ("prefill", 2048), reps=3), "prefill graph 2048, 3 replays"
+        )
         sections["trace_decode_window"] = lambda: trace_anatomy(_decode_steps(eng, 128, 16), "itl128: 16 tokens")
     for name, fn in sections.items():
         try:

@@ -208,6 +208,8 @@ def test_every_recorded_launch_compiles_for_sm90():
         "_qk_rope_kernel",
         "_store_kv_kernel",
         "_paged_decode_kernel",
+        "_causal_attention_desc_kernel",  # the prefill attention's descriptor forms (attention.PREFILL_PDL)
+        "_packed_causal_attention_kernel",
     }, sorted(with_pdl)
     splits = {
         (launch["constexprs"]["SPLIT"], launch["constexprs"]["FP8"])
