@@ -37,10 +37,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._common import cdiv, require, rows_2d
+from ._common import cdiv, num_sms, require, rows_2d, use_pdl
 
-__all__ = ["bucket_config", "linear"]
+__all__ = ["DESC_GLU_TILES", "DESC_TILES", "bucket_config", "linear", "linear_desc"]
+
+# The descriptor form's default tiles (``linear_desc``), plain and with the SwiGLU epilogue (BLOCK_N there is each
+# half's: a program computes BLOCK_N gate and BLOCK_N up columns). Picked by ``benchmarks/gpu/gemm_sweep.py``.
+DESC_TILES = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+DESC_GLU_TILES = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
 
 
 @triton.jit
@@ -127,6 +134,129 @@ def linear(
         weight.stride(0),
         out2.stride(0),
         IEEE=x.dtype == torch.float32,
+        **cfg,
+    )
+    return out
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _gemm_desc_kernel(
+    a_desc,
+    b_desc,
+    c_desc,
+    M,
+    N,
+    K,
+    up_row,
+    programs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    STAGES: tl.constexpr,
+    GLU: tl.constexpr,
+    IEEE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # tiles in grouped order, each program walking tiles pid, pid + programs, ... (one each when the grid has
+    # every tile; persistent when it has one program an SM). GLU: weight rows [n, n + BLOCK_N) are the gate's and
+    # rows up_row + n ... the up projection's; the output is silu(gate) · up, N columns (gate rows past N read
+    # the up rows, but their columns are outside c_desc and never stored; up rows past the weight load as zeros)
+    if PDL:  # see _common.use_pdl: x is the previous kernel's output
+        gdc_launch_dependents()
+        gdc_wait()
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n
+    for tile in tl.range(tl.program_id(0), num_m * num_n, programs):  # programs: the grid size
+        first_m = (tile // group) * GROUP_M
+        group_m = tl.minimum(num_m - first_m, GROUP_M)
+        om = (first_m + (tile % group) % group_m) * BLOCK_M
+        on = ((tile % group) // group_m) * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N if GLU else 16], dtype=tl.float32)
+        for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            a = a_desc.load([om, k])
+            acc = _dot(a, b_desc.load([on, k]).T, acc, IEEE)
+            if GLU:
+                acc_up = _dot(a, b_desc.load([up_row + on, k]).T, acc_up, IEEE)
+        if GLU:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        c_desc.store([om, on], acc.to(c_desc.dtype))
+
+
+def linear_desc(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    glu: bool = False,
+    out: torch.Tensor | None = None,
+    config: dict | None = None,
+    persistent: bool = False,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """The Hopper form: tiles through tensor descriptors (TMA on the GPU), software-pipelined ``num_stages``
+    deep. ``x @ weight.T`` for ``x: (..., K)``, ``weight: (N, K)``; with ``glu`` the MLP's SwiGLU in the epilogue:
+    ``weight: (2I, K)`` stacked gate over up (the engine's gate/up projection), returning ``silu(x @ gateᵀ) ·
+    (x @ upᵀ): (..., I)`` from the fp32 accumulators (``ops.silu_and_mul(ops.linear(x, weight))`` rounds the
+    projection to x's dtype first). ``persistent``: one program an SM walking the tiles; ``pdl``: launched with
+    programmatic dependent launch where the GPU has it. Rows of x and weight must start 16-byte aligned."""
+    require(weight.dtype == x.dtype, "weight and x must share a dtype")
+    require(weight.dim() == 2 and weight.shape[1] == x.shape[-1], "weight must be (N, K)")
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    x2 = rows_2d(x)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    M, K = x2.shape
+    rows = weight.shape[0]
+    require(not glu or rows % 2 == 0, "a gate/up weight has an even number of rows")
+    N = rows // 2 if glu else rows
+    esize = x.element_size()
+    require(
+        (K * esize) % 16 == 0
+        and (N * esize) % 16 == 0
+        and (x2.stride(0) * esize) % 16 == 0
+        and (weight.stride(0) * esize) % 16 == 0,
+        "the descriptor form needs 16-byte-aligned rows",
+    )
+    if out is None:
+        out = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
+    require(out.shape == (*x.shape[:-1], N) and out.dtype == x.dtype and out.is_contiguous(), "bad out")
+    out2 = out.view(-1, N)
+    if M == 0 or N == 0:
+        return out
+    cfg = dict(config or (DESC_GLU_TILES if glu else DESC_TILES))
+    bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
+    stages = cfg.pop("num_stages")
+    tiles = cdiv(M, bm) * cdiv(N, bn)
+    grid = (min(tiles, num_sms(x.device)) if persistent else tiles,)
+    launch_pdl = pdl and use_pdl(x)
+    _gemm_desc_kernel[grid](
+        TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [bm, bk]),
+        TensorDescriptor(weight, [rows, K], [weight.stride(0), 1], [bn, bk]),
+        TensorDescriptor(out2, [M, N], [N, 1], [bm, bn]),
+        M,
+        N,
+        K,
+        N if glu else 0,
+        grid[0],
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        STAGES=stages,
+        GLU=glu,
+        IEEE=x.dtype == torch.float32,
+        PDL=launch_pdl,
+        num_stages=stages,
+        launch_pdl=launch_pdl,
         **cfg,
     )
     return out

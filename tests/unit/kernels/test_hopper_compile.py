@@ -137,6 +137,8 @@ def _exercise(gen: torch.Generator) -> None:
                 block_m=block_m, block_n=block_n, num_warps=warps, tma=True, heavy_first=True, warp_specialize=ws,
             )  # fmt: skip
         gemm.linear(rnd(70, 64, dtype=dtype), rnd(96, 64, dtype=dtype))
+        for glu, persistent in ((False, False), (True, True)):  # the descriptor form at its default tiles
+            gemm.linear_desc(rnd(130, 64, dtype=dtype), rnd(512, 64, dtype=dtype), glu=glu, persistent=persistent)
     for bits, fn in ((8, quant_gemv.linear_w8a16), (4, quant_gemv.linear_w4a16)):
         qw = quant_gemv.quantize_weight(rnd(64, 128, dtype=torch.float32), bits=bits)
         for rows in (1, 4):
@@ -195,6 +197,7 @@ def test_every_recorded_launch_compiles_for_sm90():
         "_causal_attention_desc_kernel",
         "_packed_causal_attention_kernel",
         "_gemm_kernel",
+        "_gemm_desc_kernel",
     }, sorted(kernels)
     assert any(launch["constexprs"].get("GLU") for launch in launches)
     norm_gemvs = [launch for launch in launches if launch["kernel"] == "_gemv_kernel" and launch["constexprs"]["NORM"]]
@@ -210,6 +213,7 @@ def test_every_recorded_launch_compiles_for_sm90():
         "_paged_decode_kernel",
         "_causal_attention_desc_kernel",  # the prefill attention's descriptor forms (attention.PREFILL_PDL)
         "_packed_causal_attention_kernel",
+        "_gemm_desc_kernel",
     }, sorted(with_pdl)
     splits = {
         (launch["constexprs"]["SPLIT"], launch["constexprs"]["FP8"])

@@ -198,3 +198,41 @@ def test_gemv_fp32_out_holds_the_rounded_projection(dtype, config, gen):
     y16, _ = gemv.add_rms_norm_linear(x, res, nw, 1e-6, w)
     y32, _ = gemv.add_rms_norm_linear(x, res, nw, 1e-6, w, out=poisoned((1, N), torch.float32, "cpu"))
     torch.testing.assert_close(y32, y16.float(), atol=0, rtol=0)
+
+
+DESC_TEST_TILES = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 2}
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize(
+    "M,N,K,dtype,atol,rtol",
+    [
+        (70, 96, 48, torch.float32, 1e-4, 1e-4),  # partial row and column tiles, K a multiple of BLOCK_K
+        (33, 40, 72, torch.float32, 1e-4, 1e-4),  # a K tail (the descriptor's bounds read zeros)
+        (70, 96, 48, torch.bfloat16, 5e-2, 2e-2),
+    ],
+)
+def test_gemm_desc(M, N, K, dtype, atol, rtol, persistent, gen):
+    x, w = torch.randn(M, K, generator=gen).to(dtype), torch.randn(N, K, generator=gen).to(dtype)
+    y = gemm.linear_desc(x, w, config=DESC_TEST_TILES, persistent=persistent)
+    assert_close(y, ops.linear(x.float(), w.float()).to(dtype), atol, rtol, "gemm desc")
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("dtype,atol,rtol", [(torch.float32, 1e-3, 1e-4), (torch.bfloat16, 1e-1, 2e-2)])
+def test_gemm_desc_swiglu_epilogue(dtype, atol, rtol, persistent, gen):
+    """The gate/up projection with SwiGLU in the epilogue equals ``silu_and_mul(linear(x, W))`` up to the rounding
+    of the projection (the reference rounds gate and up to x's dtype first; the epilogue works on fp32); 48
+    output columns cut by 32-wide tiles, so one tile's gate rows run into the up rows (never stored)."""
+    M, inter, K = 70, 48, 64
+    x, w = torch.randn(M, K, generator=gen).to(dtype), torch.randn(2 * inter, K, generator=gen).to(dtype)
+    y = gemm.linear_desc(x, w, glu=True, config=DESC_TEST_TILES, persistent=persistent)
+    assert y.shape == (M, inter)
+    ref = ops.silu_and_mul(ops.linear(x.float(), w.float()))
+    assert_close(y, ref.to(dtype), atol, rtol, "gemm desc swiglu")
+
+
+def test_gemm_desc_refuses_unaligned_rows(gen):
+    x, w = torch.randn(4, 12, generator=gen).to(torch.bfloat16), torch.randn(8, 12, generator=gen).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="16-byte"):
+        gemm.linear_desc(x, w)
