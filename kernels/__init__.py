@@ -34,6 +34,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "argmax": ("argmax", "argmax"),
     "l2_prefetch": ("prefetch", "l2_prefetch"),
     "varlen_causal_attention": ("attention", "varlen_causal_attention"),
+    "gate_up_swiglu": ("gemm", "gate_up_swiglu"),
 }
 
 # Kernels outside the engine: the teaching chapters that tie or lose to torch on the H200 (add, add_silu,

@@ -53,6 +53,7 @@ class Ops:
     l2_prefetch: Callable[..., None]
     paged_prefill_attention: Op
     varlen_causal_attention: Op
+    gate_up_swiglu: Op
     enabled: tuple[str, ...] = ()
     torch_reasons: dict[str, str] = field(default_factory=dict)  # a replaceable op on torch → why
 
@@ -61,7 +62,9 @@ def ops_on_path(qk_norm: bool) -> tuple[str, ...]:
     """The replaceable ops a decoder calls (``runtime/model.py``): Qwen3's QK-norm fuses RoPE and the KV write
     into one op; the Llama family calls RoPE and the KV write separately."""
     rope_kv = ("qk_norm_rope_store_kv",) if qk_norm else ("rotary_embedding", "store_kv")
-    mlp = ("silu_and_mul", "linear", "silu_and_mul_linear")  # the fused op at one row (batch-1 decode)
+    # the fused ops: at one row (batch-1 decode) the SwiGLU in the down GEMV; in steps of many rows (prefill) in
+    # the gate/up GEMM's epilogue
+    mlp = ("silu_and_mul", "linear", "silu_and_mul_linear", "gate_up_swiglu")
     norms = ("rms_norm", "add_rms_norm", "add_rms_norm_linear")  # the last: at one row, the norm in the GEMV
     # Qwen3's decode steps: the QK-norm + RoPE + KV write inside the decode attention (one launch fewer a layer)
     # and at batch 1 with the output projection, which merges a few-slice attention's slices as it loads them

@@ -26,6 +26,11 @@ FUSED_DECODE_MAX_ROWS = 16
 PREFETCH_NEXT_QKV = True
 PREFETCH_LINES = False
 PREFETCH_SIDE_STREAM = True
+# Steps of at least this many rows run the MLP's gate/up projection with the SwiGLU in its epilogue
+# (``gate_up_swiglu``, where enabled): on the H100 1.18-1.19× cuBLAS + ``silu_and_mul`` at 2,048 and 4,096 rows,
+# 0.96× at 512 (``kernels/gemm.py: gate_up_swiglu``). Read when a step runs, so a CUDA graph keeps the form its
+# bucket was captured with.
+GATE_UP_SWIGLU_MIN_ROWS = 1024
 
 if TYPE_CHECKING:
     from kernellab.runtime.quant import Int4Pair, Int4Weight
@@ -296,10 +301,18 @@ class CausalLM(nn.Module):
         """Layer ``index`` after its output projection (``hidden``): residual add, norm and the MLP. Returns
         ``(mlp output, residual)``."""
         layer = self.decoder_layers[index]
-        gate_up, residual = self._add_norm_linear(
-            hidden, residual, layer.post_attention_layernorm, layer.mlp.gate_up_proj
-        )
-        return self._mlp(gate_up, layer.mlp), residual
+        mlp = layer.mlp
+        if (
+            hidden.shape[0] >= GATE_UP_SWIGLU_MIN_ROWS
+            and "gate_up_swiglu" in self.ops.enabled
+            and mlp.gate_up_proj.int4 is None
+        ):  # a prefill step's many rows: the SwiGLU in the gate/up GEMM's epilogue
+            x, residual = self.ops.add_rms_norm(
+                hidden, residual, layer.post_attention_layernorm.weight, self.cfg.rms_norm_eps
+            )
+            return self._linear(self.ops.gate_up_swiglu(x, mlp.gate_up_proj.weight), mlp.down_proj), residual
+        gate_up, residual = self._add_norm_linear(hidden, residual, layer.post_attention_layernorm, mlp.gate_up_proj)
+        return self._mlp(gate_up, mlp), residual
 
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.ops.add_rms_norm(hidden, residual, self.model.norm.weight, self.cfg.rms_norm_eps)[0]

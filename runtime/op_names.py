@@ -22,4 +22,5 @@ REPLACEABLE = (
     "argmax",
     "l2_prefetch",
     "varlen_causal_attention",
+    "gate_up_swiglu",
 )

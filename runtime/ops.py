@@ -49,6 +49,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The MLP's gate/up projection and its SwiGLU: ``silu_and_mul(linear(x, weight))`` for ``weight: (2I, K)``
+    stacked gate over up → ``(M, I)``."""
+    return silu_and_mul(linear(x, weight))
+
+
 def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The MLP's SwiGLU and down projection: ``linear(silu_and_mul(gate_up), weight)``."""
     return linear(silu_and_mul(gate_up), weight)

@@ -45,6 +45,8 @@ def make_inputs(op: str, seed: int, model: str | None = None) -> dict:
         return {"a": (rnd(1, H), rnd(1, H), rnd(H, scale=0.1) + 1, 1e-6, rnd(3 * H, H, scale=0.02))}
     if op == "linear":
         return {"a": (rnd(1, H), rnd(3 * H, H, scale=0.02))}
+    if op == "gate_up_swiglu":  # a 2,048-token prompt's MLP: the normalised rows, the gate/up weight
+        return {"a": (rnd(2048, H), rnd(2 * INTER, H, scale=0.03))}
     if op == "l2_prefetch":  # a batch-1 layer's weights after its QKV projection: o, gate/up, down, next QKV
         return {"a": (rnd(H, HQ * D), rnd(2 * INTER, H), rnd(H, INTER), rnd((HQ + 2 * HK) * D, H))}
     if op == "argmax":

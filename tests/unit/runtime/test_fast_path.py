@@ -59,7 +59,7 @@ def test_a_kernel_off_the_graph_path_names_itself_as_the_reason():
     qwen = fast_path(ops, True, cuda, True, 8)
     assert qwen["cuda_graphs"] and qwen["decode_window"] == 8
     assert qwen["torch_ops"] == dict.fromkeys(
-        ("rms_norm", "varlen_causal_attention"), "no status at kernels='accepted'"
+        ("rms_norm", "varlen_causal_attention", "gate_up_swiglu"), "no status at kernels='accepted'"
     )
     llama = fast_path(ops, False, cuda, True, 8)
     assert not llama["cuda_graphs"] and llama["decode_window"] == 1
@@ -288,3 +288,35 @@ def test_logits_of_the_rows_that_sample_are_the_full_forwards(tiny_checkpoints):
     # 5 decode steps: 4 norm GEMVs each (two layers' input and post-attention norms), and the final norm's kernel
     assert (norm_gemvs, norms) == (20, 5)
     assert checked_tokens == tokens and len(tokens) == 6
+
+
+@pytest.mark.skipif(not os.environ.get("TRITON_INTERPRET"), reason="runs the Triton kernels under the interpreter")
+def test_prefill_mlp_takes_the_swiglu_epilogue_and_keeps_its_tokens(tiny_checkpoints, monkeypatch):
+    """A prefill step of the tiny 2-layer Qwen3 with ``gate_up_swiglu`` (its row threshold lowered to the prompt):
+    each layer's gate/up projection is the descriptor GEMM with the SwiGLU epilogue, no ``silu_and_mul`` kernel runs
+    for the prompt, and the greedy tokens equal those of the engine with the op off (cuBLAS's place taken by torch
+    on the CPU, then the SwiGLU kernel). The decode steps below the threshold keep their own path."""
+    from kernellab.kernels.compile_check import record_launches
+    from kernellab.kernels.testing import patch_interpreter
+    from kernellab.runtime import dispatch
+    from kernellab.runtime import model as model_mod
+    from kernellab.runtime.request.sampling import SamplingParams
+
+    patch_interpreter()
+    op = "gate_up_swiglu"
+    table = dispatch.load_status()
+    monkeypatch.setattr(dispatch, "load_status", lambda: {**table, op: {"status": "accepted"}})
+    monkeypatch.setattr(model_mod, "GATE_UP_SWIGLU_MIN_ROWS", 32)
+    tokens, glu = {}, {}
+    for disabled in ((), (op,)):
+        eng = triton_qwen3(tiny_checkpoints, disabled)
+        assert (op in eng.runner.model.ops.enabled) == (not disabled)
+        eng.add_request("r", list(range(5, 75)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        out = []
+        with record_launches() as launches:
+            while eng.has_unfinished_requests():
+                out += [t for o in eng.step() for t in o.new_token_ids]
+        tokens[disabled] = out
+        glu[disabled] = sum(1 for x in launches if x["kernel"] == "_gemm_desc_kernel" and x["constexprs"]["GLU"])
+    assert glu == {(): 2, (op,): 0}  # the 70-row prefill, one launch a layer
+    assert tokens[()] == tokens[(op,)] and len(tokens[()]) == 4
