@@ -35,6 +35,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "l2_prefetch": ("prefetch", "l2_prefetch"),
     "varlen_causal_attention": ("attention", "varlen_causal_attention"),
     "gate_up_swiglu": ("gemm", "gate_up_swiglu"),
+    "qkv_proj_norm_rope_store_kv": ("gemm", "qkv_proj_norm_rope_store_kv"),
 }
 
 # Kernels outside the engine: the teaching chapters that tie or lose to torch on the H200 (add, add_silu,

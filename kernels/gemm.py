@@ -42,12 +42,24 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import cdiv, num_sms, require, rows_2d, use_pdl
 
-__all__ = ["DESC_GLU_TILES", "DESC_TILES", "bucket_config", "gate_up_swiglu", "linear", "linear_desc"]
+__all__ = [
+    "DESC_GLU_TILES",
+    "DESC_QKV_TILES",
+    "DESC_TILES",
+    "bucket_config",
+    "gate_up_swiglu",
+    "linear",
+    "linear_desc",
+    "qkv_proj_norm_rope_store_kv",
+]
 
 # The descriptor form's default tiles (``linear_desc``), plain and with the SwiGLU epilogue (BLOCK_N there is each
 # half's: a program computes BLOCK_N gate and BLOCK_N up columns). Picked by ``benchmarks/gpu/gemm_sweep.py``.
 DESC_TILES = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
 DESC_GLU_TILES = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+# The QKV projection with the QK-norm + RoPE + KV write in the epilogue: 256 columns are two heads of 128
+# (the sweep's fastest plain tile at Qwen3-0.6B's QKV shape, 0.93x cuBLAS at 2,048 rows on the H100).
+DESC_QKV_TILES = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
 
 
 @triton.jit
@@ -285,3 +297,189 @@ def gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
         return ops.gate_up_swiglu(x, weight)
     return linear_desc(x, weight, glu=True, persistent=True, pdl=True)
+
+
+@triton.jit
+def _gemm_qkv_rope_kernel(
+    a_desc,
+    b_desc,
+    c_desc,
+    pos_ptr,
+    cs_ptr,
+    qw_ptr,
+    kw_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    M,
+    N,
+    K,
+    eps,
+    q_cols,
+    kv_cols,
+    block_size,
+    stride_cs,
+    stride_cb,
+    stride_co,
+    stride_ch,
+    programs,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    STAGES: tl.constexpr,
+    IEEE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # The QKV projection ``x @ Wᵀ`` (N = q_cols + 2·kv_cols columns: q heads, k heads, v heads, D each) with
+    # Qwen3's attention prologue in the epilogue, a tile of BLOCK_N // D whole heads of one kind at a time: the
+    # accumulator is rounded to the activation dtype (what the GEMM would store), then q and k heads are
+    # RMS-normalised over D and rotated exactly as ``rope._norm_rope_heads`` does (every rounding of the eager
+    # reference, so with fp fusion off the values equal the two-kernel path's for equal GEMM outputs); every
+    # head is stored back into the QKV rows (q, k rotated in place; v as computed), k and v also into the
+    # paged caches at ``slot_ptr`` (slots < 0: padding rows, not cached).
+    if PDL:  # see _common.use_pdl: x is the previous kernel's output
+        gdc_launch_dependents()
+        gdc_wait()
+    HEADS: tl.constexpr = BLOCK_N // D
+    HALF: tl.constexpr = D // 2
+    act_ty = c_desc.dtype
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n
+    for tile in tl.range(tl.program_id(0), num_m * num_n, programs):  # programs: the grid size
+        first_m = (tile // group) * GROUP_M
+        group_m = tl.minimum(num_m - first_m, GROUP_M)
+        om = (first_m + (tile % group) % group_m) * BLOCK_M
+        on = ((tile % group) // group_m) * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            acc = _dot(a_desc.load([om, k]), b_desc.load([on, k]).T, acc, IEEE)
+        y = acc.to(act_ty)
+        rows = om + tl.arange(0, BLOCK_M)
+        if on < q_cols + kv_cols:  # q or k heads: norm, then RoPE
+            w_ptr = qw_ptr if on < q_cols else kw_ptr
+            yf = tl.reshape(y.to(tl.float32), [BLOCK_M, HEADS, D])
+            rstd = tl.math.rsqrt(tl.sum(yf * yf, axis=2) / D + eps)[:, :, None]
+            w = tl.load(w_ptr + tl.arange(0, D)).to(tl.float32)[None, None, :]
+            yn = ((yf * rstd).to(act_ty).to(tl.float32) * w).to(act_ty).to(tl.float32)
+            x1, x2 = tl.split(tl.permute(tl.reshape(yn, [BLOCK_M, HEADS, 2, HALF]), (0, 1, 3, 2)))
+            pos = tl.load(pos_ptr + rows, mask=rows < M, other=0).to(tl.int64)
+            hd = tl.arange(0, HALF)
+            cs = cs_ptr + pos[:, None] * stride_cs + hd[None, :]
+            cos = tl.load(cs).to(act_ty).to(tl.float32)[:, None, :]
+            sin = tl.load(cs + HALF).to(act_ty).to(tl.float32)[:, None, :]
+            o1 = ((x1 * cos).to(act_ty).to(tl.float32) - (x2 * sin).to(act_ty).to(tl.float32)).to(act_ty)
+            o2 = ((x2 * cos).to(act_ty).to(tl.float32) + (x1 * sin).to(act_ty).to(tl.float32)).to(act_ty)
+            y = tl.reshape(tl.permute(tl.join(o1, o2), (0, 1, 3, 2)), [BLOCK_M, BLOCK_N])
+        c_desc.store([om, on], y)
+        if on >= q_cols:  # k or v heads: into the cache too
+            is_k = on < q_cols + kv_cols
+            cache = k_cache_ptr if is_k else v_cache_ptr
+            head0 = (on - q_cols - (0 if is_k else kv_cols)) // D
+            slot = tl.load(slot_ptr + rows, mask=rows < M, other=-1).to(tl.int64)
+            cols = tl.arange(0, BLOCK_N)
+            dst = (
+                cache
+                + ((slot // block_size) * stride_cb + (slot % block_size) * stride_co)[:, None]
+                + ((head0 + cols // D) * stride_ch + cols % D)[None, :]
+            )
+            tl.store(dst, y, mask=(slot >= 0)[:, None])
+
+
+def qkv_proj_norm_rope_store_kv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    positions: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """The op ``qkv_proj_norm_rope_store_kv`` (reference ``ops.qkv_proj_norm_rope_store_kv``): Qwen3's QKV
+    projection of a prefill step's rows with the QK-norm, RoPE and the KV-cache write in its epilogue, one kernel
+    instead of cuBLAS's GEMM and ``qk_norm_rope_store_kv``. Returns the ``(M, (Hq + 2·Hk)·D)`` rows, q and k
+    rotated in place, which the prefill attention reads as strided views. Persistent tiles of two heads at
+    ``DESC_QKV_TILES`` (``config``: others, for tests), launched with PDL. Takes the reference's two steps where the epilogue cannot: a cache in
+    another dtype than x's (the 8-bit caches), V transposed within its blocks, heads that a 256-column tile does not
+    hold whole, unaligned rows."""
+    from kernellab.runtime import ops
+
+    from .kv_cache import check_layout
+
+    M, K = x.shape
+    D = k_cache.shape[-1]
+    q_cols, kv_cols = num_heads * D, num_kv_heads * D
+    N = q_cols + 2 * kv_cols
+    cfg = dict(config or DESC_QKV_TILES)
+    bn = max(cfg.pop("BLOCK_N"), D)
+    esize = x.element_size()
+    fused = (
+        k_cache.dtype == x.dtype
+        and v_cache.dtype == x.dtype
+        and not check_layout(k_cache, v_cache)
+        and weight.shape == (N, K)
+        and q_cols % bn == 0
+        and kv_cols % bn == 0
+        and bn % D == 0
+        and D & (D - 1) == 0
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+        and (K * esize) % 16 == 0
+        and (x.stride(0) * esize) % 16 == 0
+        and cos_sin_cache.stride(1) == 1
+    )
+    if not fused:
+        return ops.qkv_proj_norm_rope_store_kv(
+            x, weight, positions, q_norm_weight, k_norm_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping,
+            num_heads, num_kv_heads,
+        )  # fmt: skip
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    bm, bk, stages = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_K"), cfg.pop("num_stages")
+    tiles = cdiv(M, bm) * cdiv(N, bn)
+    grid = (min(tiles, num_sms(x.device)),)
+    pdl = use_pdl(x)
+    _gemm_qkv_rope_kernel[grid](
+        TensorDescriptor(x, [M, K], [x.stride(0), 1], [bm, bk]),
+        TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [bn, bk]),
+        TensorDescriptor(out, [M, N], [N, 1], [bm, bn]),
+        positions,
+        cos_sin_cache,
+        q_norm_weight,
+        k_norm_weight,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        M,
+        N,
+        K,
+        eps,
+        q_cols,
+        kv_cols,
+        k_cache.shape[1],
+        cos_sin_cache.stride(0),
+        *k_cache.stride()[:3],
+        grid[0],
+        D=D,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        STAGES=stages,
+        IEEE=x.dtype == torch.float32,
+        PDL=pdl,
+        num_stages=stages,
+        enable_fp_fusion=False,  # every rounding of the reference's norm and rotation (kernels/rope.py: Precision)
+        launch_pdl=pdl,
+        **cfg,
+    )
+    return out

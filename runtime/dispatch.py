@@ -54,6 +54,7 @@ class Ops:
     paged_prefill_attention: Op
     varlen_causal_attention: Op
     gate_up_swiglu: Op
+    qkv_proj_norm_rope_store_kv: Op
     enabled: tuple[str, ...] = ()
     torch_reasons: dict[str, str] = field(default_factory=dict)  # a replaceable op on torch → why
 
@@ -61,7 +62,8 @@ class Ops:
 def ops_on_path(qk_norm: bool) -> tuple[str, ...]:
     """The replaceable ops a decoder calls (``runtime/model.py``): Qwen3's QK-norm fuses RoPE and the KV write
     into one op; the Llama family calls RoPE and the KV write separately."""
-    rope_kv = ("qk_norm_rope_store_kv",) if qk_norm else ("rotary_embedding", "store_kv")
+    # Qwen3's prefill steps: the same inside the QKV projection's epilogue
+    rope_kv = ("qk_norm_rope_store_kv", "qkv_proj_norm_rope_store_kv") if qk_norm else ("rotary_embedding", "store_kv")
     # the fused ops: at one row (batch-1 decode) the SwiGLU in the down GEMV; in steps of many rows (prefill) in
     # the gate/up GEMM's epilogue
     mlp = ("silu_and_mul", "linear", "silu_and_mul_linear", "gate_up_swiglu")

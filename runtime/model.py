@@ -31,6 +31,10 @@ PREFETCH_SIDE_STREAM = True
 # 0.96× at 512 (``kernels/gemm.py: gate_up_swiglu``). Read when a step runs, so a CUDA graph keeps the form its
 # bucket was captured with.
 GATE_UP_SWIGLU_MIN_ROWS = 1024
+# Qwen3 steps of at least this many rows run the QKV projection with the QK-norm, RoPE and KV write in its
+# epilogue (``qkv_proj_norm_rope_store_kv``, where enabled, with the Triton prefill attention reading q, k and v as
+# views of the projection's rows): one kernel instead of cuBLAS's GEMM and ``qk_norm_rope_store_kv``.
+QKV_ROPE_MIN_ROWS = 1024
 
 if TYPE_CHECKING:
     from kernellab.runtime.quant import Int4Pair, Int4Weight
@@ -212,7 +216,22 @@ class CausalLM(nn.Module):
         """Layer ``index`` up to attention: (residual add and) norm, the QKV projection, RoPE (Qwen3: with its QK
         norm) and the KV-cache write at ``meta.slot_mapping``. Returns ``(q, k, v, residual)``, heads unflattened."""
         cfg, ops = self.cfg, self.ops
-        attn = self.decoder_layers[index].self_attn
+        layer = self.decoder_layers[index]
+        attn = layer.self_attn
+        if self._qkv_epilogue(hidden, kv):
+            eps = cfg.rms_norm_eps
+            if residual is None:
+                x, residual = ops.rms_norm(hidden, layer.input_layernorm.weight, eps), hidden
+            else:
+                x, residual = ops.add_rms_norm(hidden, residual, layer.input_layernorm.weight, eps)
+            qkv = ops.qkv_proj_norm_rope_store_kv(
+                x, attn.qkv_proj.weight, meta.positions, attn.q_norm.weight, attn.k_norm.weight, eps,
+                self.cos_sin_cache, kv.k, kv.v, meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads,
+            )  # fmt: skip
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            heads = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
+            q, k, v = (t.view(-1, h, cfg.head_dim) for t, h in zip((q, k, v), heads, strict=True))
+            return q, k, v, residual
         q, k, v, residual = self._qkv(index, hidden, residual)
         scales = {"k_scales": kv.k_scales, "v_scales": kv.v_scales}
         if cfg.qk_norm:
@@ -242,6 +261,21 @@ class CausalLM(nn.Module):
             q, k = ops.rotary_embedding(meta.positions, q, k, self.cos_sin_cache)
             ops.store_kv(k, v, kv.k, kv.v, meta.slot_mapping, **scales)
         return q, k, v, residual
+
+    def _qkv_epilogue(self, hidden: torch.Tensor, kv: LayerKV) -> bool:
+        """Whether this step's QKV projection takes Qwen3's QK-norm, RoPE and KV write in its epilogue: enough rows
+        (``QKV_ROPE_MIN_ROWS``; a piecewise graph's bucket decides it at capture), the op enabled, a cache in the
+        model's dtype, dense weights, and the Triton prefill attention, which reads q, k and v where the projection
+        left them (the other attention paths read them as views too, as v already is with it)."""
+        ops = self.ops
+        return (
+            self.cfg.qk_norm
+            and hidden.shape[0] >= QKV_ROPE_MIN_ROWS
+            and "qkv_proj_norm_rope_store_kv" in ops.enabled
+            and "varlen_causal_attention" in ops.enabled
+            and kv.k_scales is None
+            and self.decoder_layers[0].self_attn.qkv_proj.int4 is None
+        )
 
     def _fused_decode(self, meta: AttentionMetadata, rows: int, kv: LayerKV) -> bool:
         """Whether this step's attention takes the QK-norm, RoPE and KV write inside (decode rows only, Qwen3, the

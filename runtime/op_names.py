@@ -23,4 +23,5 @@ REPLACEABLE = (
     "l2_prefetch",
     "varlen_causal_attention",
     "gate_up_swiglu",
+    "qkv_proj_norm_rope_store_kv",
 )

@@ -408,6 +408,34 @@ def qk_norm_rope_store_kv(
     return q, k
 
 
+def qkv_proj_norm_rope_store_kv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    positions: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """Qwen3's QKV projection and attention prologue: ``linear(x, weight)`` → ``(M, (Hq + 2·Hk)·D)`` rows whose q
+    and k heads are replaced by ``qk_norm_rope``'s, k and v written to the caches (``store_kv``); v as projected."""
+    D = k_cache.shape[-1]
+    qkv = linear(x, weight)
+    q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
+    q, k, v = q.view(-1, num_heads, D), k.view(-1, num_kv_heads, D), v.view(-1, num_kv_heads, D)
+    q2, k2 = qk_norm_rope_store_kv(
+        positions, q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping
+    )
+    q.copy_(q2)
+    k.copy_(k2)
+    return qkv
+
+
 def paged_decode_attention_qk_norm_rope(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -77,6 +77,39 @@ def _cfg(t: tuple) -> tuple[dict, bool]:
     )
 
 
+def qkv_rope(record, x: torch.Tensor, w: torch.Tensor, M: int, N: int, K: int, flops: float) -> None:
+    """cuBLAS's QKV GEMM + the Triton ``qk_norm_rope_store_kv`` (the engine's prefill path today) against the GEMM
+    with both in its epilogue (``gemm.qkv_proj_norm_rope_store_kv``), Qwen3-0.6B's 16 / 8 heads of 128 into a
+    bf16 cache; the error is against the two-kernel path's output."""
+    from kernellab.kernels import gemm, rope
+    from kernellab.runtime import ops
+
+    hq, hk, d, bs = 16, 8, 128, 16
+    dev = x.device
+    pos = torch.randint(0, 4096, (M,), device=dev)
+    cs = ops.rope_cos_sin_cache(d, 4096, 1e6, device=dev)
+    qw, kw = torch.rand(d, device=dev, dtype=x.dtype) + 0.5, torch.rand(d, device=dev, dtype=x.dtype) + 0.5
+    blocks = M // bs + 8
+    kc, vc = (torch.zeros(blocks, bs, hk, d, device=dev, dtype=x.dtype) for _ in range(2))
+    slots = torch.randperm(blocks * bs, device=dev)[:M]
+
+    def two_kernels(whole: bool = False):
+        qkv = torch.nn.functional.linear(x, w)
+        q, k, v = (t.view(M, -1, d) for t in qkv.split([hq * d, hk * d, hk * d], dim=-1))
+        q2, k2 = rope.qk_norm_rope_store_kv(pos, q, k, v, qw, kw, 1e-6, cs, kc, vc, slots)
+        if not whole:  # what the engine runs (timed)
+            return q2
+        return torch.cat([q2.reshape(M, -1), k2.reshape(M, -1), qkv[:, (hq + hk) * d :]], dim=1)
+
+    ref = two_kernels(whole=True).float()
+    chain = record("qkv+rope", M, N, K, "cublas+qk_norm_rope_store_kv", two_kernels, two_kernels().float(), flops, 0)
+    record(
+        "qkv+rope", M, N, K, "fused",
+        lambda: gemm.qkv_proj_norm_rope_store_kv(x, w, pos, qw, kw, 1e-6, cs, kc, vc, slots, hq, hk),
+        ref, flops, chain,
+    )  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -128,6 +161,8 @@ def main() -> int:
                     lambda xs=xs, w=w, cfg=cfg, p=persistent: gemm.linear_desc(xs, w, config=cfg, persistent=p),
                     ref, flops, base,
                 )  # fmt: skip
+            if shape == "qkv":  # the projection and Qwen3's attention prologue as the engine runs it, then fused
+                qkv_rope(record, xs, w, M, N, K, flops)
             if shape != "gate_up":
                 continue
             # the MLP's first half as the engine runs it, then fused

@@ -59,6 +59,18 @@ def make_inputs(op: str, seed: int, model: str | None = None) -> dict:
         }
     num_blocks = BATCH * CTX // BS + 8
     cache = lambda: torch.zeros(num_blocks, BS, HK, D, dtype=torch.bfloat16, device="cuda")  # noqa: E731
+    if op == "qkv_proj_norm_rope_store_kv":  # a 2,048-token prompt's QKV projection and attention prologue
+        n = 2048
+        kc, vc = cache(), cache()
+        kc2, vc2 = cache(), cache()
+        x, w = rnd(n, H), rnd((HQ + 2 * HK) * D, H, scale=0.03)
+        pos = torch.randint(0, 4096, (n,), generator=g, device="cuda")
+        sl = torch.randperm(num_blocks * BS, generator=g, device="cuda")[:n]
+        w1, w2 = rnd(D, scale=0.1) + 1, rnd(D, scale=0.1) + 1
+        return {
+            "a": (x, w, pos, w1, w2, 1e-6, cos_sin, kc, vc, sl, HQ, HK),
+            "k": (x, w, pos, w1, w2, 1e-6, cos_sin, kc2, vc2, sl, HQ, HK),
+        }
     slots = torch.randperm(num_blocks * BS, generator=g, device="cuda")[:T]
     if op == "store_kv":
         k, v = rnd(T, HK, D), rnd(T, HK, D)

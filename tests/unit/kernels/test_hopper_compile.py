@@ -139,6 +139,14 @@ def _exercise(gen: torch.Generator) -> None:
         gemm.linear(rnd(70, 64, dtype=dtype), rnd(96, 64, dtype=dtype))
         for glu, persistent in ((False, False), (True, True)):  # the descriptor form at its default tiles
             gemm.linear_desc(rnd(130, 64, dtype=dtype), rnd(512, 64, dtype=dtype), glu=glu, persistent=persistent)
+        # Qwen3-0.6B's QKV projection with the QK-norm, RoPE and KV write in its epilogue (heads of 128)
+        Hq, Hk, D = 4, 2, 128
+        kc = torch.zeros(8, BS, Hk, D, dtype=dtype)
+        gemm.qkv_proj_norm_rope_store_kv(
+            rnd(40, 64, dtype=dtype), rnd((Hq + 2 * Hk) * D, 64, dtype=dtype), torch.arange(40), rnd(D, dtype=dtype),
+            rnd(D, dtype=dtype), 1e-6, ops.rope_cos_sin_cache(D, 64, 1e6, device="cpu"), kc, kc.clone(),
+            torch.arange(40), Hq, Hk,
+        )  # fmt: skip
     for bits, fn in ((8, quant_gemv.linear_w8a16), (4, quant_gemv.linear_w4a16)):
         qw = quant_gemv.quantize_weight(rnd(64, 128, dtype=torch.float32), bits=bits)
         for rows in (1, 4):
@@ -198,6 +206,7 @@ def test_every_recorded_launch_compiles_for_sm90():
         "_packed_causal_attention_kernel",
         "_gemm_kernel",
         "_gemm_desc_kernel",
+        "_gemm_qkv_rope_kernel",
     }, sorted(kernels)
     assert any(launch["constexprs"].get("GLU") for launch in launches)
     norm_gemvs = [launch for launch in launches if launch["kernel"] == "_gemv_kernel" and launch["constexprs"]["NORM"]]
@@ -214,6 +223,7 @@ def test_every_recorded_launch_compiles_for_sm90():
         "_causal_attention_desc_kernel",  # the prefill attention's descriptor forms (attention.PREFILL_PDL)
         "_packed_causal_attention_kernel",
         "_gemm_desc_kernel",
+        "_gemm_qkv_rope_kernel",
     }, sorted(with_pdl)
     splits = {
         (launch["constexprs"]["SPLIT"], launch["constexprs"]["FP8"])

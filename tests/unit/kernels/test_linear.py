@@ -236,3 +236,59 @@ def test_gemm_desc_refuses_unaligned_rows(gen):
     x, w = torch.randn(4, 12, generator=gen).to(torch.bfloat16), torch.randn(8, 12, generator=gen).to(torch.bfloat16)
     with pytest.raises(ValueError, match="16-byte"):
         gemm.linear_desc(x, w)
+
+
+QKV_TEST_TILES = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 2}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_qkv_projection_with_the_rope_epilogue_equals_the_two_kernels(dtype, gen):
+    """The QKV GEMM with Qwen3's QK-norm, RoPE and KV write in its epilogue: for the same projection (the
+    descriptor GEMM's, same tiles) every value and cache row equals what the engine's two-kernel path stores
+    (``rope.qk_norm_rope_store_kv`` on that projection), a padding row (slot -1) is not cached, and against the
+    torch reference (cuBLAS's place) it agrees to the dtype's rounding."""
+    from kernellab.kernels import rope
+
+    Hq, Hk, D, K, M, bs, blocks = 4, 2, 32, 64, 70, 16, 16
+    N = (Hq + 2 * Hk) * D
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    w = (torch.randn(N, K, generator=gen) * 0.2).to(dtype)
+    pos = torch.randint(0, 100, (M,), generator=gen)
+    cs = ops.rope_cos_sin_cache(D, 128, 1e6)
+    qw, kw = (torch.rand(D, generator=gen) + 0.5).to(dtype), (torch.rand(D, generator=gen) + 0.5).to(dtype)
+    slots = torch.randperm(blocks * bs, generator=gen)[:M]
+    slots[3] = -1
+    cache = lambda: torch.zeros(blocks, bs, Hk, D, dtype=dtype)  # noqa: E731
+    kc, vc, kc2, vc2, kc3, vc3 = (cache() for _ in range(6))
+    y = gemm.qkv_proj_norm_rope_store_kv(x, w, pos, qw, kw, 1e-6, cs, kc, vc, slots, Hq, Hk, config=QKV_TEST_TILES)
+    assert y.shape == (M, N)
+    lin = gemm.linear_desc(x, w, config=QKV_TEST_TILES)
+    q, k, v = (t.view(M, -1, D) for t in lin.split([Hq * D, Hk * D, Hk * D], dim=-1))
+    q2, k2 = rope.qk_norm_rope_store_kv(pos, q, k, v, qw, kw, 1e-6, cs, kc2, vc2, slots)
+    two_kernels = torch.cat([q2.reshape(M, -1), k2.reshape(M, -1), lin[:, (Hq + Hk) * D :]], dim=1)
+    if dtype == torch.bfloat16:
+        assert torch.equal(y, two_kernels) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    else:  # fp32: the norm's sum of squares in another order
+        assert_close(y, two_kernels, 1e-5, 1e-5, "qkv epilogue")
+        assert_close(kc, kc2, 1e-5, 1e-5, "k cache")
+    assert kc.view(-1, Hk, D)[slots[slots >= 0]].abs().sum() > 0
+    assert kc.view(-1, Hk, D).abs().sum(dim=(1, 2)).count_nonzero() == M - 1  # the padding row left no trace
+    ref = ops.qkv_proj_norm_rope_store_kv(x, w, pos, qw, kw, 1e-6, cs, kc3, vc3, slots, Hq, Hk)
+    tol = (0.2, 0.05) if dtype == torch.bfloat16 else (1e-4, 1e-4)
+    assert_close(y, ref, *tol, "qkv epilogue vs reference")
+    assert_close(kc, kc3, *tol, "k cache vs reference")
+
+
+def test_qkv_projection_takes_the_reference_where_a_tile_cannot_hold_whole_heads(gen):
+    """At the default 256-column tiles a model with 128 q columns cannot keep each tile to one kind of head: the op
+    takes the projection and the two-step reference, and says nothing else (same values, same cache)."""
+    Hq, Hk, D, K, M = 4, 2, 32, 64, 8
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+    w = (torch.randn((Hq + 2 * Hk) * D, K, generator=gen) * 0.2).to(torch.bfloat16)
+    pos, cs = torch.arange(M), ops.rope_cos_sin_cache(D, 64, 1e6)
+    qw = kw = torch.ones(D, dtype=torch.bfloat16)
+    slots = torch.arange(M)
+    kc, vc, kc2, vc2 = (torch.zeros(4, 16, Hk, D, dtype=torch.bfloat16) for _ in range(4))
+    y = gemm.qkv_proj_norm_rope_store_kv(x, w, pos, qw, kw, 1e-6, cs, kc, vc, slots, Hq, Hk)
+    ref = ops.qkv_proj_norm_rope_store_kv(x, w, pos, qw, kw, 1e-6, cs, kc2, vc2, slots, Hq, Hk)
+    assert torch.equal(y, ref) and torch.equal(kc, kc2) and torch.equal(vc, vc2)

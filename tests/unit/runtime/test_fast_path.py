@@ -59,7 +59,8 @@ def test_a_kernel_off_the_graph_path_names_itself_as_the_reason():
     qwen = fast_path(ops, True, cuda, True, 8)
     assert qwen["cuda_graphs"] and qwen["decode_window"] == 8
     assert qwen["torch_ops"] == dict.fromkeys(
-        ("rms_norm", "varlen_causal_attention", "gate_up_swiglu"), "no status at kernels='accepted'"
+        ("rms_norm", "varlen_causal_attention", "gate_up_swiglu", "qkv_proj_norm_rope_store_kv"),
+        "no status at kernels='accepted'",
     )
     llama = fast_path(ops, False, cuda, True, 8)
     assert not llama["cuda_graphs"] and llama["decode_window"] == 1
@@ -319,4 +320,41 @@ def test_prefill_mlp_takes_the_swiglu_epilogue_and_keeps_its_tokens(tiny_checkpo
         tokens[disabled] = out
         glu[disabled] = sum(1 for x in launches if x["kernel"] == "_gemm_desc_kernel" and x["constexprs"]["GLU"])
     assert glu == {(): 2, (op,): 0}  # the 70-row prefill, one launch a layer
+    assert tokens[()] == tokens[(op,)] and len(tokens[()]) == 4
+
+
+@pytest.mark.skipif(not os.environ.get("TRITON_INTERPRET"), reason="runs the Triton kernels under the interpreter")
+def test_prefill_qkv_takes_the_rope_epilogue_and_keeps_its_tokens(tiny_checkpoints, monkeypatch):
+    """A prefill step of the tiny 2-layer Qwen3 with ``qkv_proj_norm_rope_store_kv`` (row threshold lowered to the
+    prompt, tiles of two of its 32-wide heads): each layer's QKV projection carries the QK-norm, RoPE and KV write,
+    the prompt runs no ``qk_norm_rope_store_kv`` kernel, and the greedy tokens, decoded from the cache it wrote,
+    equal those of the engine with the op off."""
+    from kernellab.kernels import gemm
+    from kernellab.kernels.compile_check import record_launches
+    from kernellab.kernels.testing import patch_interpreter
+    from kernellab.runtime import dispatch
+    from kernellab.runtime import model as model_mod
+    from kernellab.runtime.request.sampling import SamplingParams
+
+    patch_interpreter()
+    op = "qkv_proj_norm_rope_store_kv"
+    table = dispatch.load_status()
+    monkeypatch.setattr(dispatch, "load_status", lambda: {**table, op: {"status": "accepted"}})
+    monkeypatch.setattr(model_mod, "QKV_ROPE_MIN_ROWS", 32)
+    tiles = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 2}
+    monkeypatch.setattr(gemm, "DESC_QKV_TILES", tiles)
+    tokens, fused, rope = {}, {}, {}
+    for disabled in ((), (op,)):
+        eng = triton_qwen3(tiny_checkpoints, disabled)
+        assert (op in eng.runner.model.ops.enabled) == (not disabled)
+        eng.add_request("r", list(range(5, 75)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        out = []
+        with record_launches() as launches:
+            while eng.has_unfinished_requests():
+                out += [t for o in eng.step() for t in o.new_token_ids]
+        tokens[disabled] = out
+        fused[disabled] = sum(1 for x in launches if x["kernel"] == "_gemm_qkv_rope_kernel")
+        rope[disabled] = sum(1 for x in launches if x["kernel"] == "_qk_rope_kernel")
+    assert fused == {(): 2, (op,): 0}  # the 70-row prefill, one launch a layer
+    assert rope[()] == rope[(op,)] - 2  # the prompt's two rope launches are gone; decode steps keep theirs
     assert tokens[()] == tokens[(op,)] and len(tokens[()]) == 4
