@@ -331,6 +331,8 @@ def _gemm_qkv_rope_kernel(
     STAGES: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
+    ROPE: tl.constexpr = True,
+    CACHE: tl.constexpr = True,
 ):
     # The QKV projection ``x @ Wᵀ`` (N = q_cols + 2·kv_cols columns: q heads, k heads, v heads, D each) with
     # Qwen3's attention prologue in the epilogue, a tile of BLOCK_N // D whole heads of one kind at a time: the
@@ -358,7 +360,7 @@ def _gemm_qkv_rope_kernel(
             acc = _dot(a_desc.load([om, k]), b_desc.load([on, k]).T, acc, IEEE)
         y = acc.to(act_ty)
         rows = om + tl.arange(0, BLOCK_M)
-        if on < q_cols + kv_cols:  # q or k heads: norm, then RoPE
+        if ROPE and on < q_cols + kv_cols:  # q or k heads: norm, then RoPE (ROPE off: the sweep's timing split)
             w_ptr = qw_ptr if on < q_cols else kw_ptr
             yf = tl.reshape(y.to(tl.float32), [BLOCK_M, HEADS, D])
             rstd = tl.math.rsqrt(tl.sum(yf * yf, axis=2) / D + eps)[:, :, None]
@@ -374,7 +376,7 @@ def _gemm_qkv_rope_kernel(
             o2 = ((x2 * cos).to(act_ty).to(tl.float32) + (x1 * sin).to(act_ty).to(tl.float32)).to(act_ty)
             y = tl.reshape(tl.permute(tl.join(o1, o2), (0, 1, 3, 2)), [BLOCK_M, BLOCK_N])
         c_desc.store([om, on], y)
-        if on >= q_cols:  # k or v heads: into the cache too
+        if CACHE and on >= q_cols:  # k or v heads: into the cache too
             is_k = on < q_cols + kv_cols
             cache = k_cache_ptr if is_k else v_cache_ptr
             head0 = (on - q_cols - (0 if is_k else kv_cols)) // D
@@ -403,12 +405,15 @@ def qkv_proj_norm_rope_store_kv(
     num_kv_heads: int,
     *,
     config: dict | None = None,
+    persistent: bool = True,
+    epilogue: tuple[bool, bool] = (True, True),
 ) -> torch.Tensor:
     """The op ``qkv_proj_norm_rope_store_kv`` (reference ``ops.qkv_proj_norm_rope_store_kv``): Qwen3's QKV
     projection of a prefill step's rows with the QK-norm, RoPE and the KV-cache write in its epilogue, one kernel
     instead of cuBLAS's GEMM and ``qk_norm_rope_store_kv``. Returns the ``(M, (Hq + 2·Hk)·D)`` rows, q and k
     rotated in place, which the prefill attention reads as strided views. Persistent tiles of two heads at
-    ``DESC_QKV_TILES`` (``config``: others, for tests), launched with PDL. Takes the reference's two steps where the epilogue cannot: a cache in
+    ``DESC_QKV_TILES`` (``config``, ``persistent``: others, for tests and the sweep; ``epilogue``: (norm + RoPE,
+    cache write), both off only to time the parts, ``benchmarks/gpu/gemm_sweep.py``), launched with PDL. Takes the reference's two steps where the epilogue cannot: a cache in
     another dtype than x's (the 8-bit caches), V transposed within its blocks, heads that a 256-column tile does not
     hold whole, unaligned rows."""
     from kernellab.runtime import ops
@@ -447,7 +452,7 @@ def qkv_proj_norm_rope_store_kv(
         return out
     bm, bk, stages = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_K"), cfg.pop("num_stages")
     tiles = cdiv(M, bm) * cdiv(N, bn)
-    grid = (min(tiles, num_sms(x.device)),)
+    grid = (min(tiles, num_sms(x.device)) if persistent else tiles,)
     pdl = use_pdl(x)
     _gemm_qkv_rope_kernel[grid](
         TensorDescriptor(x, [M, K], [x.stride(0), 1], [bm, bk]),
@@ -477,6 +482,8 @@ def qkv_proj_norm_rope_store_kv(
         STAGES=stages,
         IEEE=x.dtype == torch.float32,
         PDL=pdl,
+        ROPE=epilogue[0],
+        CACHE=epilogue[1],
         num_stages=stages,
         enable_fp_fusion=False,  # every rounding of the reference's norm and rotation (kernels/rope.py: Precision)
         launch_pdl=pdl,

@@ -50,6 +50,23 @@ GLU = {  # BLOCK_N is each half's (gate and up)
 }
 
 
+QKV_VARIANTS = {  # the fused QKV + QK-norm + RoPE + KV-write GEMM: epilogue parts off (timing), other tiles
+    "fused-no-rope": {"epilogue": (False, True)},
+    "fused-no-cache": {"epilogue": (True, False)},
+    "fused-plain": {"epilogue": (False, False)},
+    "fused-tiled": {"persistent": False},
+    "fused-s4-128x256": {
+        "config": {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+    },
+    "fused-64x256": {
+        "config": {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    },
+    "fused-128x128": {
+        "config": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+    },
+}
+
+
 def timed(fn: Callable[[], object], reps: int = 20) -> float:
     """Median µs of one call, replayed from a CUDA graph."""
     for _ in range(3):
@@ -108,6 +125,15 @@ def qkv_rope(record, x: torch.Tensor, w: torch.Tensor, M: int, N: int, K: int, f
         lambda: gemm.qkv_proj_norm_rope_store_kv(x, w, pos, qw, kw, 1e-6, cs, kc, vc, slots, hq, hk),
         ref, flops, chain,
     )  # fmt: skip
+    # where the epilogue's time goes, and other tiles (the parts switched off give wrong values: timing only)
+    plain = torch.nn.functional.linear(x, w).float()
+    for name, kw_ in QKV_VARIANTS.items():
+        parts = kw_.get("epilogue", (True, True))
+        record(
+            "qkv+rope", M, N, K, name,
+            lambda kw_=kw_: gemm.qkv_proj_norm_rope_store_kv(x, w, pos, qw, kw, 1e-6, cs, kc, vc, slots, hq, hk, **kw_),
+            ref if parts[0] else plain, flops, chain,
+        )  # fmt: skip
 
 
 def main() -> int:
