@@ -172,6 +172,16 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _tile_origin(tile, num_m, num_n, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The first row and column of output tile ``tile`` in grouped order: ``GROUP_M`` row tiles walk the columns
+    together, so consecutive tiles share weight tiles in L2."""
+    group = GROUP_M * num_n
+    first_m = (tile // group) * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    return (first_m + (tile % group) % group_m) * BLOCK_M, ((tile % group) // group_m) * BLOCK_N
+
+
+@triton.jit
 def _gemm_desc_kernel(
     a_desc,
     b_desc,
@@ -199,12 +209,8 @@ def _gemm_desc_kernel(
         gdc_wait()
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_n
     for tile in tl.range(tl.program_id(0), num_m * num_n, programs):  # programs: the grid size
-        first_m = (tile // group) * GROUP_M
-        group_m = tl.minimum(num_m - first_m, GROUP_M)
-        om = (first_m + (tile % group) % group_m) * BLOCK_M
-        on = ((tile % group) // group_m) * BLOCK_N
+        om, on = _tile_origin(tile, num_m, num_n, GROUP_M, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N if GLU else 16], dtype=tl.float32)
         for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
@@ -362,12 +368,8 @@ def _gemm_qkv_rope_kernel(
     act_ty = c_desc.dtype
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_n
     for tile in tl.range(tl.program_id(0), num_m * num_n, programs):  # programs: the grid size
-        first_m = (tile // group) * GROUP_M
-        group_m = tl.minimum(num_m - first_m, GROUP_M)
-        om = (first_m + (tile % group) % group_m) * BLOCK_M
-        on = ((tile % group) // group_m) * BLOCK_N
+        om, on = _tile_origin(tile, num_m, num_n, GROUP_M, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             acc = _dot(a_desc.load([om, k]), b_desc.load([on, k]).T, acc, IEEE)

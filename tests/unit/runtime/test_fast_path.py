@@ -291,34 +291,45 @@ def test_logits_of_the_rows_that_sample_are_the_full_forwards(tiny_checkpoints):
     assert checked_tokens == tokens and len(tokens) == 6
 
 
+def greedy_on_and_off(tiny_checkpoints, op: str, max_tokens: int, count) -> tuple[dict, dict]:
+    """The tiny Qwen3's greedy tokens for one 70-token prompt with ``op`` enabled (key ``()``) and disabled (key
+    ``(op,)``), and ``count(launches)`` over each run's recorded kernel launches."""
+    from kernellab.kernels.compile_check import record_launches
+    from kernellab.runtime.request.sampling import SamplingParams
+
+    tokens, counts = {}, {}
+    for disabled in ((), (op,)):
+        eng = triton_qwen3(tiny_checkpoints, disabled)
+        assert (op in eng.runner.model.ops.enabled) == (not disabled)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        eng.add_request("r", list(range(5, 75)), params)
+        out = []
+        with record_launches() as launches:
+            while eng.has_unfinished_requests():
+                out += [t for o in eng.step() for t in o.new_token_ids]
+        tokens[disabled], counts[disabled] = out, count(launches)
+    return tokens, counts
+
+
 @pytest.mark.skipif(not os.environ.get("TRITON_INTERPRET"), reason="runs the Triton kernels under the interpreter")
 def test_prefill_mlp_takes_the_swiglu_epilogue_and_keeps_its_tokens(tiny_checkpoints, monkeypatch):
     """A prefill step of the tiny 2-layer Qwen3 with ``gate_up_swiglu`` (its row threshold lowered to the prompt):
-    each layer's gate/up projection is the descriptor GEMM with the SwiGLU epilogue, no ``silu_and_mul`` kernel runs
-    for the prompt, and the greedy tokens equal those of the engine with the op off (cuBLAS's place taken by torch
-    on the CPU, then the SwiGLU kernel). The decode steps below the threshold keep their own path."""
-    from kernellab.kernels.compile_check import record_launches
+    each layer's gate/up projection is the descriptor GEMM with the SwiGLU epilogue, and the greedy tokens equal
+    those of the engine with the op off (the projection, then the SwiGLU kernel). The decode steps below the
+    threshold keep their own path."""
     from kernellab.kernels.testing import patch_interpreter
     from kernellab.runtime import dispatch
     from kernellab.runtime import model as model_mod
-    from kernellab.runtime.request.sampling import SamplingParams
 
     patch_interpreter()
     op = "gate_up_swiglu"
     table = dispatch.load_status()
     monkeypatch.setattr(dispatch, "load_status", lambda: {**table, op: {"status": "accepted"}})
     monkeypatch.setattr(model_mod, "GATE_UP_SWIGLU_MIN_ROWS", 32)
-    tokens, glu = {}, {}
-    for disabled in ((), (op,)):
-        eng = triton_qwen3(tiny_checkpoints, disabled)
-        assert (op in eng.runner.model.ops.enabled) == (not disabled)
-        eng.add_request("r", list(range(5, 75)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-        out = []
-        with record_launches() as launches:
-            while eng.has_unfinished_requests():
-                out += [t for o in eng.step() for t in o.new_token_ids]
-        tokens[disabled] = out
-        glu[disabled] = sum(1 for x in launches if x["kernel"] == "_gemm_desc_kernel" and x["constexprs"]["GLU"])
+    tokens, glu = greedy_on_and_off(
+        tiny_checkpoints, op, 4,
+        lambda launches: sum(1 for x in launches if x["kernel"] == "_gemm_desc_kernel" and x["constexprs"]["GLU"]),
+    )  # fmt: skip
     assert glu == {(): 2, (op,): 0}  # the 70-row prefill, one launch a layer
     assert tokens[()] == tokens[(op,)] and len(tokens[()]) == 4
 
@@ -330,11 +341,9 @@ def test_prefill_qkv_takes_the_rope_epilogue_and_keeps_its_tokens(tiny_checkpoin
     the prompt runs no ``qk_norm_rope_store_kv`` kernel, and the greedy tokens, decoded from the cache it wrote,
     equal those of the engine with the op off."""
     from kernellab.kernels import gemm
-    from kernellab.kernels.compile_check import record_launches
     from kernellab.kernels.testing import patch_interpreter
     from kernellab.runtime import dispatch
     from kernellab.runtime import model as model_mod
-    from kernellab.runtime.request.sampling import SamplingParams
 
     patch_interpreter()
     op = "qkv_proj_norm_rope_store_kv"
@@ -343,18 +352,14 @@ def test_prefill_qkv_takes_the_rope_epilogue_and_keeps_its_tokens(tiny_checkpoin
     monkeypatch.setattr(model_mod, "QKV_ROPE_MIN_ROWS", 32)
     tiles = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 2}
     monkeypatch.setattr(gemm, "DESC_QKV_TILES", tiles)
-    tokens, fused, rope = {}, {}, {}
-    for disabled in ((), (op,)):
-        eng = triton_qwen3(tiny_checkpoints, disabled)
-        assert (op in eng.runner.model.ops.enabled) == (not disabled)
-        eng.add_request("r", list(range(5, 75)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-        out = []
-        with record_launches() as launches:
-            while eng.has_unfinished_requests():
-                out += [t for o in eng.step() for t in o.new_token_ids]
-        tokens[disabled] = out
-        fused[disabled] = sum(1 for x in launches if x["kernel"] == "_gemm_qkv_rope_kernel")
-        rope[disabled] = sum(1 for x in launches if x["kernel"] == "_qk_rope_kernel")
-    assert fused == {(): 2, (op,): 0}  # the 70-row prefill, one launch a layer
-    assert rope[()] == rope[(op,)] - 2  # the prompt's two rope launches are gone; decode steps keep theirs
+    tokens, kernels = greedy_on_and_off(
+        tiny_checkpoints, op, 4,
+        lambda launches: (
+            sum(1 for x in launches if x["kernel"] == "_gemm_qkv_rope_kernel"),
+            sum(1 for x in launches if x["kernel"] == "_qk_rope_kernel"),
+        ),
+    )  # fmt: skip
+    (fused, rope), (fused_off, rope_off) = kernels[()], kernels[(op,)]
+    assert (fused, fused_off) == (2, 0)  # the 70-row prefill, one launch a layer
+    assert rope == rope_off - 2  # the prompt's two rope launches are gone; decode steps keep theirs
     assert tokens[()] == tokens[(op,)] and len(tokens[()]) == 4
