@@ -123,6 +123,9 @@ VARIANTS = {
     "normtorch": {"KERNELLAB_DISABLED_KERNELS": "rms_norm"},
     # the worker's fenced output writes in slices of 16 messages, first tokens first (no gain on the CI box)
     "slice16": {"KERNELLAB_OUTPUT_WRITE_SLICE": "16"},
+    # prefill steps' MLP as cuBLAS's gate/up GEMM + the SwiGLU kernel, not the GEMM with the SwiGLU epilogue
+    # (gate_up_swiglu, accepted on 2026-12-06 from engine A/Bs): its effect on the stack's mixed steps
+    "noswiglu": {"KERNELLAB_DISABLED_KERNELS": "gate_up_swiglu"},
 }
 GATEWAY_VARIANTS = {
     "slowpath": {"KERNELLAB_GATEWAY_FAST_PATH": "0"},  # generation routes through FastAPI
