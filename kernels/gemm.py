@@ -199,6 +199,8 @@ def _gemm_desc_kernel(
     GLU: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
+    FLATTEN: tl.constexpr = False,
+    WS: tl.constexpr = False,
 ):
     # tiles in grouped order, each program walking tiles pid, pid + programs, ... (one each when the grid has
     # every tile; persistent when it has one program an SM). GLU: weight rows [n, n + BLOCK_N) are the gate's and
@@ -209,7 +211,9 @@ def _gemm_desc_kernel(
         gdc_wait()
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), num_m * num_n, programs):  # programs: the grid size
+    # programs: the grid size. FLATTEN: the compiler pipelines the K loop across tiles, so a persistent program
+    # loads its next tile while it runs this one's epilogue; WS: producer warps issue those loads
+    for tile in tl.range(tl.program_id(0), num_m * num_n, programs, flatten=FLATTEN, warp_specialize=WS):
         om, on = _tile_origin(tile, num_m, num_n, GROUP_M, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N if GLU else 16], dtype=tl.float32)
@@ -232,13 +236,17 @@ def linear_desc(
     config: dict | None = None,
     persistent: bool = False,
     pdl: bool = False,
+    flatten: bool = False,
+    warp_specialize: bool = False,
 ) -> torch.Tensor:
     """The Hopper form: tiles through tensor descriptors (TMA on the GPU), software-pipelined ``num_stages``
     deep. ``x @ weight.T`` for ``x: (..., K)``, ``weight: (N, K)``; with ``glu`` the MLP's SwiGLU in the epilogue:
     ``weight: (2I, K)`` stacked gate over up (the engine's gate/up projection), returning ``silu(x @ gateᵀ) ·
     (x @ upᵀ): (..., I)`` from the fp32 accumulators (``ops.silu_and_mul(ops.linear(x, weight))`` rounds the
     projection to x's dtype first). ``persistent``: one program an SM walking the tiles; ``pdl``: launched with
-    programmatic dependent launch where the GPU has it. Rows of x and weight must start 16-byte aligned."""
+    programmatic dependent launch where the GPU has it; ``flatten`` / ``warp_specialize``: the tile loop's
+    software pipelining across tiles / producer warps (``benchmarks/gpu/gemm_sweep.py`` times them). Rows of x and
+    weight must start 16-byte aligned."""
     require(weight.dtype == x.dtype, "weight and x must share a dtype")
     require(weight.dim() == 2 and weight.shape[1] == x.shape[-1], "weight must be (N, K)")
     if weight.stride(1) != 1:
@@ -286,6 +294,8 @@ def linear_desc(
         GLU=glu,
         IEEE=x.dtype == torch.float32,
         PDL=launch_pdl,
+        FLATTEN=flatten,
+        WS=warp_specialize,
         num_stages=stages,
         launch_pdl=launch_pdl,
         **cfg,
@@ -350,6 +360,8 @@ def _gemm_qkv_rope_kernel(
     STAGES: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
+    FLATTEN: tl.constexpr = False,
+    WS: tl.constexpr = False,
     ROPE: tl.constexpr = True,
     CACHE: tl.constexpr = True,
 ):
@@ -368,7 +380,9 @@ def _gemm_qkv_rope_kernel(
     act_ty = c_desc.dtype
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), num_m * num_n, programs):  # programs: the grid size
+    # programs: the grid size. FLATTEN: the compiler pipelines the K loop across tiles, so a persistent program
+    # loads its next tile while it runs this one's epilogue; WS: producer warps issue those loads
+    for tile in tl.range(tl.program_id(0), num_m * num_n, programs, flatten=FLATTEN, warp_specialize=WS):
         om, on = _tile_origin(tile, num_m, num_n, GROUP_M, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
@@ -422,6 +436,8 @@ def qkv_proj_norm_rope_store_kv(
     config: dict | None = None,
     persistent: bool = True,
     epilogue: tuple[bool, bool] = (True, True),
+    flatten: bool = False,
+    warp_specialize: bool = False,
 ) -> torch.Tensor:
     """The op ``qkv_proj_norm_rope_store_kv`` (reference ``ops.qkv_proj_norm_rope_store_kv``): Qwen3's QKV
     projection of a prefill step's rows with the QK-norm, RoPE and the KV-cache write in its epilogue, one kernel
@@ -499,6 +515,8 @@ def qkv_proj_norm_rope_store_kv(
         PDL=pdl,
         ROPE=epilogue[0],
         CACHE=epilogue[1],
+        FLATTEN=flatten,
+        WS=warp_specialize,
         num_stages=stages,
         enable_fp_fusion=False,  # every rounding of the reference's norm and rotation (kernels/rope.py: Precision)
         launch_pdl=pdl,

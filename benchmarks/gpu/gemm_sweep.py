@@ -38,6 +38,9 @@ PLAIN = {  # name: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, persistent
     "t64x256x64w4s4": (64, 256, 64, 4, 4, False),
     "p128x256x64w8s3": (128, 256, 64, 8, 3, True),
     "p128x128x64w8s4": (128, 128, 64, 8, 4, True),
+    # the tile loop pipelined across tiles (flatten) and with producer warps (warp_specialize)
+    "p128x256x64w8s3-flat": (128, 256, 64, 8, 3, True, {"flatten": True}),
+    "p128x256x64w8s3-flat-ws": (128, 256, 64, 8, 3, True, {"flatten": True, "warp_specialize": True}),
 }
 GLU = {  # BLOCK_N is each half's (gate and up)
     "g128x128x64w8s3": (128, 128, 64, 8, 3, False),
@@ -47,6 +50,9 @@ GLU = {  # BLOCK_N is each half's (gate and up)
     "g64x128x64w4s4": (64, 128, 64, 4, 4, False),
     "gp128x128x64w8s3": (128, 128, 64, 8, 3, True),
     "gp128x64x64w4s4": (128, 64, 64, 4, 4, True),
+    "gp128x128x64w8s3-flat": (128, 128, 64, 8, 3, True, {"flatten": True}),
+    "gp128x128x64w8s3-flat-ws": (128, 128, 64, 8, 3, True, {"flatten": True, "warp_specialize": True}),
+    "gp128x128x64w8s3-ws": (128, 128, 64, 8, 3, True, {"warp_specialize": True}),
 }
 
 
@@ -55,6 +61,7 @@ QKV_VARIANTS = {  # the fused QKV + QK-norm + RoPE + KV-write GEMM: epilogue par
     "fused-no-cache": {"epilogue": (True, False)},
     "fused-plain": {"epilogue": (False, False)},
     "fused-tiled": {"persistent": False},
+    "fused-ws": {"warp_specialize": True},  # (flatten does not compile with this epilogue's branches)
     "fused-s4-128x256": {
         "config": {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
     },
@@ -87,11 +94,11 @@ def timed(fn: Callable[[], object], reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _cfg(t: tuple) -> tuple[dict, bool]:
-    bm, bn, bk, warps, stages, persistent = t
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps, "num_stages": stages}, (
-        persistent
-    )
+def _cfg(t: tuple) -> tuple[dict, dict]:
+    """(tile config, ``linear_desc`` keyword arguments) of a sweep entry."""
+    bm, bn, bk, warps, stages, persistent, *flags = t
+    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps, "num_stages": stages}
+    return cfg, {"persistent": persistent, **(flags[0] if flags else {})}
 
 
 def qkv_rope(record, x: torch.Tensor, w: torch.Tensor, M: int, N: int, K: int, flops: float) -> None:
@@ -140,6 +147,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--m", default="512,2048,4096", type=lambda s: [int(v) for v in s.split(",")])
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="of " + ", ".join(SHAPES))
     args = ap.parse_args()
     from kernellab.kernels import gemm, swiglu
     from kernellab.results import provenance, write
@@ -175,16 +183,18 @@ def main() -> int:
     for M in args.m:
         x = torch.randn(M, 1024, device=dev, dtype=torch.bfloat16)
         for shape, (N, K) in SHAPES.items():
+            if shape not in args.shapes.split(","):
+                continue
             xs = x if K == 1024 else torch.randn(M, K, device=dev, dtype=torch.bfloat16)
             w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * K**-0.5
             ref = xs.float() @ w.float().T
             flops = 2.0 * M * N * K
             base = record(shape, M, N, K, "cublas", lambda xs=xs, w=w: torch.nn.functional.linear(xs, w), ref, flops, 0)
             for name, t in PLAIN.items():
-                cfg, persistent = _cfg(t)
+                cfg, kw = _cfg(t)
                 record(
                     shape, M, N, K, name,
-                    lambda xs=xs, w=w, cfg=cfg, p=persistent: gemm.linear_desc(xs, w, config=cfg, persistent=p),
+                    lambda xs=xs, w=w, cfg=cfg, kw=kw: gemm.linear_desc(xs, w, config=cfg, **kw),
                     ref, flops, base,
                 )  # fmt: skip
             if shape == "qkv":  # the projection and Qwen3's attention prologue as the engine runs it, then fused
@@ -198,12 +208,10 @@ def main() -> int:
                 lambda xs=xs, w=w: swiglu.silu_and_mul(torch.nn.functional.linear(xs, w)), glu_ref, flops, 0,
             )  # fmt: skip
             for name, t in GLU.items():
-                cfg, persistent = _cfg(t)
+                cfg, kw = _cfg(t)
                 record(
                     "gate_up+swiglu", M, N, K, name,
-                    lambda xs=xs, w=w, cfg=cfg, p=persistent: gemm.linear_desc(
-                        xs, w, glu=True, config=cfg, persistent=p
-                    ),
+                    lambda xs=xs, w=w, cfg=cfg, kw=kw: gemm.linear_desc(xs, w, glu=True, config=cfg, **kw),
                     glu_ref, flops, chain,
                 )  # fmt: skip
     best = {}
