@@ -73,6 +73,10 @@ DESC_GLU_TILES = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "
 # The QKV projection with the QK-norm + RoPE + KV write in the epilogue: 256 columns are two heads of 128
 # (the sweep's fastest plain tile at Qwen3-0.6B's QKV shape, 0.93x cuBLAS at 2,048 rows on the H100).
 DESC_QKV_TILES = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+# Whether that kernel's persistent tile loop is flattened (the K loop pipelined across tiles, so the next tile's
+# loads overlap this one's epilogue; the epilogue then runs without branches). Read at each call, so a CUDA graph
+# keeps what was in force at capture (``benchmarks/gpu/knob_ab.py`` A/Bs it).
+QKV_FLATTEN = False
 
 
 @triton.jit
@@ -375,8 +379,6 @@ def _gemm_qkv_rope_kernel(
     if PDL:  # see _common.use_pdl: x is the previous kernel's output
         gdc_launch_dependents()
         gdc_wait()
-    HEADS: tl.constexpr = BLOCK_N // D
-    HALF: tl.constexpr = D // 2
     act_ty = c_desc.dtype
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -389,34 +391,48 @@ def _gemm_qkv_rope_kernel(
             acc = _dot(a_desc.load([om, k]), b_desc.load([on, k]).T, acc, IEEE)
         y = acc.to(act_ty)
         rows = om + tl.arange(0, BLOCK_M)
-        if ROPE and on < q_cols + kv_cols:  # q or k heads: norm, then RoPE (ROPE off: the sweep's timing split)
+        pos = tl.load(pos_ptr + rows, mask=rows < M, other=0).to(tl.int64)
+        is_q, is_k = on < q_cols, (on >= q_cols) & (on < q_cols + kv_cols)
+        if FLATTEN:  # no branch in a flattened loop (sm_90 refuses one): every tile rotates, q and k tiles keep it
+            if ROPE:  # (ROPE, CACHE off: the sweep's timing split)
+                wq = tl.load(qw_ptr + tl.arange(0, D))
+                w = tl.where(is_q, wq, tl.load(kw_ptr + tl.arange(0, D))).to(tl.float32)
+                rot = _norm_rope_tile(y, w, pos, cs_ptr, stride_cs, eps, BLOCK_M, BLOCK_N, D)
+                y = tl.where(is_q | is_k, rot, y)
+        elif ROPE and on < q_cols + kv_cols:  # q or k heads: norm, then RoPE
             w_ptr = qw_ptr if on < q_cols else kw_ptr
-            yf = tl.reshape(y.to(tl.float32), [BLOCK_M, HEADS, D])
-            rstd = tl.math.rsqrt(tl.sum(yf * yf, axis=2) / D + eps)[:, :, None]
-            w = tl.load(w_ptr + tl.arange(0, D)).to(tl.float32)[None, None, :]
-            yn = ((yf * rstd).to(act_ty).to(tl.float32) * w).to(act_ty).to(tl.float32)
-            x1, x2 = tl.split(tl.permute(tl.reshape(yn, [BLOCK_M, HEADS, 2, HALF]), (0, 1, 3, 2)))
-            pos = tl.load(pos_ptr + rows, mask=rows < M, other=0).to(tl.int64)
-            hd = tl.arange(0, HALF)
-            cs = cs_ptr + pos[:, None] * stride_cs + hd[None, :]
-            cos = tl.load(cs).to(act_ty).to(tl.float32)[:, None, :]
-            sin = tl.load(cs + HALF).to(act_ty).to(tl.float32)[:, None, :]
-            o1 = ((x1 * cos).to(act_ty).to(tl.float32) - (x2 * sin).to(act_ty).to(tl.float32)).to(act_ty)
-            o2 = ((x2 * cos).to(act_ty).to(tl.float32) + (x1 * sin).to(act_ty).to(tl.float32)).to(act_ty)
-            y = tl.reshape(tl.permute(tl.join(o1, o2), (0, 1, 3, 2)), [BLOCK_M, BLOCK_N])
+            w = tl.load(w_ptr + tl.arange(0, D)).to(tl.float32)
+            y = _norm_rope_tile(y, w, pos, cs_ptr, stride_cs, eps, BLOCK_M, BLOCK_N, D)
         c_desc.store([om, on], y)
-        if CACHE and on >= q_cols:  # k or v heads: into the cache too
-            is_k = on < q_cols + kv_cols
-            cache = k_cache_ptr if is_k else v_cache_ptr
-            head0 = (on - q_cols - (0 if is_k else kv_cols)) // D
+        if CACHE:  # k or v heads: into the cache too (masked stores: no branch)
             slot = tl.load(slot_ptr + rows, mask=rows < M, other=-1).to(tl.int64)
             cols = tl.arange(0, BLOCK_N)
-            dst = (
-                cache
-                + ((slot // block_size) * stride_cb + (slot % block_size) * stride_co)[:, None]
-                + ((head0 + cols // D) * stride_ch + cols % D)[None, :]
-            )
-            tl.store(dst, y, mask=(slot >= 0)[:, None])
+            row_off = ((slot // block_size) * stride_cb + (slot % block_size) * stride_co)[:, None]
+            keep = (slot >= 0)[:, None]
+            k_head, v_head = (on - q_cols) // D, (on - q_cols - kv_cols) // D
+            k_dst = k_cache_ptr + row_off + ((k_head + cols // D) * stride_ch + cols % D)[None, :]
+            v_dst = v_cache_ptr + row_off + ((v_head + cols // D) * stride_ch + cols % D)[None, :]
+            tl.store(k_dst, y, mask=keep & is_k)
+            tl.store(v_dst, y, mask=keep & (on >= q_cols + kv_cols))
+
+
+@triton.jit
+def _norm_rope_tile(y, w, pos, cs_ptr, stride_cs, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Qwen3's QK-norm and RoPE on a ``[BLOCK_M, BLOCK_N]`` tile of whole heads of D (``y`` in the activation
+    dtype; ``w`` the norm weight, fp32; ``pos`` each row's position), with ``rope._norm_rope_heads``' roundings."""
+    HEADS: tl.constexpr = BLOCK_N // D
+    HALF: tl.constexpr = D // 2
+    act_ty = y.dtype
+    yf = tl.reshape(y.to(tl.float32), [BLOCK_M, HEADS, D])
+    rstd = tl.math.rsqrt(tl.sum(yf * yf, axis=2) / D + eps)[:, :, None]
+    yn = ((yf * rstd).to(act_ty).to(tl.float32) * w[None, None, :]).to(act_ty).to(tl.float32)
+    x1, x2 = tl.split(tl.permute(tl.reshape(yn, [BLOCK_M, HEADS, 2, HALF]), (0, 1, 3, 2)))
+    cs = cs_ptr + pos[:, None] * stride_cs + tl.arange(0, HALF)[None, :]
+    cos = tl.load(cs).to(act_ty).to(tl.float32)[:, None, :]
+    sin = tl.load(cs + HALF).to(act_ty).to(tl.float32)[:, None, :]
+    o1 = ((x1 * cos).to(act_ty).to(tl.float32) - (x2 * sin).to(act_ty).to(tl.float32)).to(act_ty)
+    o2 = ((x2 * cos).to(act_ty).to(tl.float32) + (x1 * sin).to(act_ty).to(tl.float32)).to(act_ty)
+    return tl.reshape(tl.permute(tl.join(o1, o2), (0, 1, 3, 2)), [BLOCK_M, BLOCK_N])
 
 
 def qkv_proj_norm_rope_store_kv(
@@ -436,7 +452,7 @@ def qkv_proj_norm_rope_store_kv(
     config: dict | None = None,
     persistent: bool = True,
     epilogue: tuple[bool, bool] = (True, True),
-    flatten: bool = False,
+    flatten: bool | None = None,
     warp_specialize: bool = False,
 ) -> torch.Tensor:
     """The op ``qkv_proj_norm_rope_store_kv`` (reference ``ops.qkv_proj_norm_rope_store_kv``): Qwen3's QKV
@@ -515,7 +531,7 @@ def qkv_proj_norm_rope_store_kv(
         PDL=pdl,
         ROPE=epilogue[0],
         CACHE=epilogue[1],
-        FLATTEN=flatten,
+        FLATTEN=QKV_FLATTEN if flatten is None else flatten,
         WS=warp_specialize,
         num_stages=stages,
         enable_fp_fusion=False,  # every rounding of the reference's norm and rotation (kernels/rope.py: Precision)

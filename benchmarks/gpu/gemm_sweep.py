@@ -61,7 +61,9 @@ QKV_VARIANTS = {  # the fused QKV + QK-norm + RoPE + KV-write GEMM: epilogue par
     "fused-no-cache": {"epilogue": (True, False)},
     "fused-plain": {"epilogue": (False, False)},
     "fused-tiled": {"persistent": False},
-    "fused-ws": {"warp_specialize": True},  # (flatten does not compile with this epilogue's branches)
+    "fused-ws": {"warp_specialize": True},
+    "fused-flat": {"flatten": True},  # the branch-free epilogue
+    "fused-flat-ws": {"flatten": True, "warp_specialize": True},
     "fused-s4-128x256": {
         "config": {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
     },

@@ -145,7 +145,7 @@ def _exercise(gen: torch.Generator) -> None:
         gemm.qkv_proj_norm_rope_store_kv(
             rnd(40, 64, dtype=dtype), rnd((Hq + 2 * Hk) * D, 64, dtype=dtype), torch.arange(40), rnd(D, dtype=dtype),
             rnd(D, dtype=dtype), 1e-6, ops.rope_cos_sin_cache(D, 64, 1e6, device="cpu"), kc, kc.clone(),
-            torch.arange(40), Hq, Hk,
+            torch.arange(40), Hq, Hk, flatten=dtype == torch.bfloat16,  # the branch-free epilogue, flattened
         )  # fmt: skip
     for bits, fn in ((8, quant_gemv.linear_w8a16), (4, quant_gemv.linear_w4a16)):
         qw = quant_gemv.quantize_weight(rnd(64, 128, dtype=torch.float32), bits=bits)

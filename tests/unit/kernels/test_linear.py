@@ -241,9 +241,11 @@ def test_gemm_desc_refuses_unaligned_rows(gen):
 QKV_TEST_TILES = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 2}
 
 
+@pytest.mark.parametrize("flatten", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_qkv_projection_with_the_rope_epilogue_equals_the_two_kernels(dtype, gen):
-    """The QKV GEMM with Qwen3's QK-norm, RoPE and KV write in its epilogue: for the same projection (the
+def test_qkv_projection_with_the_rope_epilogue_equals_the_two_kernels(dtype, flatten, gen):
+    """The QKV GEMM with Qwen3's QK-norm, RoPE and KV write in its epilogue (branchy, or branch-free for a
+    flattened tile loop): for the same projection (the
     descriptor GEMM's, same tiles) every value and cache row equals what the engine's two-kernel path stores
     (``rope.qk_norm_rope_store_kv`` on that projection), a padding row (slot -1) is not cached, and against the
     torch reference (cuBLAS's place) it agrees to the dtype's rounding."""
@@ -260,7 +262,9 @@ def test_qkv_projection_with_the_rope_epilogue_equals_the_two_kernels(dtype, gen
     slots[3] = -1
     cache = lambda: torch.zeros(blocks, bs, Hk, D, dtype=dtype)  # noqa: E731
     kc, vc, kc2, vc2, kc3, vc3 = (cache() for _ in range(6))
-    y = gemm.qkv_proj_norm_rope_store_kv(x, w, pos, qw, kw, 1e-6, cs, kc, vc, slots, Hq, Hk, config=QKV_TEST_TILES)
+    y = gemm.qkv_proj_norm_rope_store_kv(
+        x, w, pos, qw, kw, 1e-6, cs, kc, vc, slots, Hq, Hk, config=QKV_TEST_TILES, flatten=flatten
+    )
     assert y.shape == (M, N)
     lin = gemm.linear_desc(x, w, config=QKV_TEST_TILES)
     q, k, v = (t.view(M, -1, D) for t in lin.split([Hq * D, Hk * D, Hk * D], dim=-1))
