@@ -231,6 +231,19 @@ def _gemm_desc_kernel(
         c_desc.store([om, on], acc.to(c_desc.dtype))
 
 
+def _desc_rows_ok(x2: torch.Tensor, weight: torch.Tensor, n_out: int) -> bool:
+    """Whether tensor descriptors can read ``x2: (M, K)`` and ``weight: (·, K)`` and write ``n_out`` columns: unit
+    strides along K, every row starting 16-byte aligned."""
+    esize = x2.element_size()
+    return (
+        x2.stride(1) == 1
+        and weight.stride(1) == 1
+        and all(v * esize % 16 == 0 for v in (x2.shape[1], n_out, x2.stride(0), weight.stride(0)))
+        and x2.data_ptr() % 16 == 0
+        and weight.data_ptr() % 16 == 0
+    )
+
+
 def linear_desc(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -262,14 +275,7 @@ def linear_desc(
     rows = weight.shape[0]
     require(not glu or rows % 2 == 0, "a gate/up weight has an even number of rows")
     N = rows // 2 if glu else rows
-    esize = x.element_size()
-    require(
-        (K * esize) % 16 == 0
-        and (N * esize) % 16 == 0
-        and (x2.stride(0) * esize) % 16 == 0
-        and (weight.stride(0) * esize) % 16 == 0,
-        "the descriptor form needs 16-byte-aligned rows",
-    )
+    require(_desc_rows_ok(x2, weight, N), "the descriptor form needs 16-byte-aligned rows")
     if out is None:
         out = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     require(out.shape == (*x.shape[:-1], N) and out.dtype == x.dtype and out.is_contiguous(), "bad out")
@@ -316,16 +322,7 @@ def gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     On the H100 at Qwen3-0.6B's MLP (``benchmarks/gpu/gemm_sweep.py``, c3748e1): 42.2 µs against 49.9 for cuBLAS +
     ``silu_and_mul`` at 2,048 rows (1.18×), 82.9 against 98.6 at 4,096 (1.19×), 15.7 against 15.1 at 512 (0.96×),
     so the engine calls it from ``model.GATE_UP_SWIGLU_MIN_ROWS`` rows up."""
-    esize = x.element_size()
-    aligned = (
-        x.stride(-1) == 1
-        and weight.stride(1) == 1
-        and (x.shape[-1] * esize) % 16 == 0
-        and (weight.shape[0] // 2 * esize) % 16 == 0
-        and x.data_ptr() % 16 == 0
-        and weight.data_ptr() % 16 == 0
-    )
-    if not aligned or weight.shape[0] % 2:
+    if weight.shape[0] % 2 or not _desc_rows_ok(rows_2d(x), weight, weight.shape[0] // 2):
         from kernellab.runtime import ops
 
         return ops.gate_up_swiglu(x, weight)
@@ -460,9 +457,9 @@ def qkv_proj_norm_rope_store_kv(
     instead of cuBLAS's GEMM and ``qk_norm_rope_store_kv``. Returns the ``(M, (Hq + 2·Hk)·D)`` rows, q and k
     rotated in place, which the prefill attention reads as strided views. Persistent tiles of two heads at
     ``DESC_QKV_TILES`` (``config``, ``persistent``: others, for tests and the sweep; ``epilogue``: (norm + RoPE,
-    cache write), both off only to time the parts, ``benchmarks/gpu/gemm_sweep.py``), launched with PDL. Takes the reference's two steps where the epilogue cannot: a cache in
-    another dtype than x's (the 8-bit caches), V transposed within its blocks, heads that a 256-column tile does not
-    hold whole, unaligned rows."""
+    cache write), both off only to time the parts, ``benchmarks/gpu/gemm_sweep.py``), launched with PDL. Takes the
+    reference's two steps where the epilogue cannot: a cache in another dtype than x's (the 8-bit caches), V
+    transposed within its blocks, heads that a 256-column tile does not hold whole, unaligned rows."""
     from kernellab.runtime import ops
 
     from .kv_cache import check_layout
@@ -473,7 +470,6 @@ def qkv_proj_norm_rope_store_kv(
     N = q_cols + 2 * kv_cols
     cfg = dict(config or DESC_QKV_TILES)
     bn = max(cfg.pop("BLOCK_N"), D)
-    esize = x.element_size()
     fused = (
         k_cache.dtype == x.dtype
         and v_cache.dtype == x.dtype
@@ -483,10 +479,7 @@ def qkv_proj_norm_rope_store_kv(
         and kv_cols % bn == 0
         and bn % D == 0
         and D & (D - 1) == 0
-        and x.stride(1) == 1
-        and weight.stride(1) == 1
-        and (K * esize) % 16 == 0
-        and (x.stride(0) * esize) % 16 == 0
+        and _desc_rows_ok(x, weight, N)
         and cos_sin_cache.stride(1) == 1
     )
     if not fused:

@@ -135,13 +135,20 @@ class CausalLM(nn.Module):
         """``(lin(norm(hidden + residual)), hidden + residual)``, or with no residual (a model's first layer)
         ``(lin(norm(hidden)), hidden)``; one row (batch-1 decode): the norm inside the projection's GEMV, where that
         op is enabled."""
-        eps = self.cfg.rms_norm_eps
         if self._norm_in_gemv(hidden, lin):
-            return self.ops.add_rms_norm_linear(hidden, residual, norm.weight, eps, lin.weight)
-        if residual is None:
-            return self._linear(self.ops.rms_norm(hidden, norm.weight, eps), lin), hidden
-        x, residual = self.ops.add_rms_norm(hidden, residual, norm.weight, eps)
+            return self.ops.add_rms_norm_linear(hidden, residual, norm.weight, self.cfg.rms_norm_eps, lin.weight)
+        x, residual = self._add_norm(hidden, residual, norm)
         return self._linear(x, lin), residual
+
+    def _add_norm(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: Norm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(hidden + residual), hidden + residual)``, or with no residual (a model's first layer)
+        ``(norm(hidden), hidden)``."""
+        eps = self.cfg.rms_norm_eps
+        if residual is None:
+            return self.ops.rms_norm(hidden, norm.weight, eps), hidden
+        return self.ops.add_rms_norm(hidden, residual, norm.weight, eps)
 
     def _norm_in_gemv(self, hidden: torch.Tensor, lin: Linear) -> bool:
         """Whether a norm feeding ``lin`` runs inside its GEMV: one row (batch-1 decode), the op enabled, dense."""
@@ -167,15 +174,19 @@ class CausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer ``index``'s (residual add and) input norm and QKV projection: ``(q, k, v, residual)``, heads
         unflattened, views of the one fused projection row."""
-        cfg = self.cfg
         layer = self.decoder_layers[index]
         qkv, residual = self._add_norm_linear(hidden, residual, layer.input_layernorm, layer.self_attn.qkv_proj)
         if qkv.shape[0] == 1 and self._prefetching and "l2_prefetch" in self.ops.enabled:
             self._prefetch(qkv, self._weights_after_qkv(index))
+        return (*self._heads(qkv), residual)
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v of the fused projection's rows, heads unflattened (views)."""
+        cfg = self.cfg
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         heads = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
         q, k, v = (x.view(-1, h, cfg.head_dim) for x, h in zip((q, k, v), heads, strict=True))
-        return q, k, v, residual
+        return q, k, v
 
     def _prefetch(self, after: torch.Tensor, weights: list[torch.Tensor]) -> None:
         """``l2_prefetch`` of ``weights`` once ``after`` (the QKV projection) is computed: in the stream's PDL chain,
@@ -218,20 +229,13 @@ class CausalLM(nn.Module):
         cfg, ops = self.cfg, self.ops
         layer = self.decoder_layers[index]
         attn = layer.self_attn
-        if self._qkv_epilogue(hidden, kv):
-            eps = cfg.rms_norm_eps
-            if residual is None:
-                x, residual = ops.rms_norm(hidden, layer.input_layernorm.weight, eps), hidden
-            else:
-                x, residual = ops.add_rms_norm(hidden, residual, layer.input_layernorm.weight, eps)
+        if self._qkv_epilogue(hidden, kv, attn.qkv_proj):
+            x, residual = self._add_norm(hidden, residual, layer.input_layernorm)
             qkv = ops.qkv_proj_norm_rope_store_kv(
-                x, attn.qkv_proj.weight, meta.positions, attn.q_norm.weight, attn.k_norm.weight, eps,
+                x, attn.qkv_proj.weight, meta.positions, attn.q_norm.weight, attn.k_norm.weight, cfg.rms_norm_eps,
                 self.cos_sin_cache, kv.k, kv.v, meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads,
             )  # fmt: skip
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            heads = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
-            q, k, v = (t.view(-1, h, cfg.head_dim) for t, h in zip((q, k, v), heads, strict=True))
-            return q, k, v, residual
+            return (*self._heads(qkv), residual)
         q, k, v, residual = self._qkv(index, hidden, residual)
         scales = {"k_scales": kv.k_scales, "v_scales": kv.v_scales}
         if cfg.qk_norm:
@@ -262,7 +266,7 @@ class CausalLM(nn.Module):
             ops.store_kv(k, v, kv.k, kv.v, meta.slot_mapping, **scales)
         return q, k, v, residual
 
-    def _qkv_epilogue(self, hidden: torch.Tensor, kv: LayerKV) -> bool:
+    def _qkv_epilogue(self, hidden: torch.Tensor, kv: LayerKV, qkv_proj: Linear) -> bool:
         """Whether this step's QKV projection takes Qwen3's QK-norm, RoPE and KV write in its epilogue: enough rows
         (``QKV_ROPE_MIN_ROWS``; a piecewise graph's bucket decides it at capture), the op enabled, a cache in the
         model's dtype, dense weights, and the Triton prefill attention, which reads q, k and v where the projection
@@ -274,7 +278,7 @@ class CausalLM(nn.Module):
             and "qkv_proj_norm_rope_store_kv" in ops.enabled
             and "varlen_causal_attention" in ops.enabled
             and kv.k_scales is None
-            and self.decoder_layers[0].self_attn.qkv_proj.int4 is None
+            and qkv_proj.int4 is None
         )
 
     def _fused_decode(self, meta: AttentionMetadata, rows: int, kv: LayerKV) -> bool:
@@ -341,9 +345,7 @@ class CausalLM(nn.Module):
             and "gate_up_swiglu" in self.ops.enabled
             and mlp.gate_up_proj.int4 is None
         ):  # a prefill step's many rows: the SwiGLU in the gate/up GEMM's epilogue
-            x, residual = self.ops.add_rms_norm(
-                hidden, residual, layer.post_attention_layernorm.weight, self.cfg.rms_norm_eps
-            )
+            x, residual = self._add_norm(hidden, residual, layer.post_attention_layernorm)
             return self._linear(self.ops.gate_up_swiglu(x, mlp.gate_up_proj.weight), mlp.down_proj), residual
         gate_up, residual = self._add_norm_linear(hidden, residual, layer.post_attention_layernorm, mlp.gate_up_proj)
         return self._mlp(gate_up, mlp), residual
