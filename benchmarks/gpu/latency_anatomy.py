@@ -182,6 +182,97 @@ def ttft_parts(eng, prompt_len: int, reps: int = 12) -> dict:
     }
 
 
+class _Stamped:
+    """Wraps a callable: appends ``(label + ">", host time)`` on entry and ``(label + "<", host time)`` on return to
+    ``stamps``; with ``events``, a CUDA event is recorded at each as well (what the device has reached by then)."""
+
+    def __init__(self, fn, label: str, stamps: list, events: bool = False):
+        self.fn, self.label, self.stamps, self.events = fn, label, stamps, events
+
+    def _stamp(self, tag: str) -> None:
+        ev = None
+        if self.events:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+        self.stamps.append((self.label + tag, time.perf_counter(), ev))
+
+    def __call__(self, *a, **kw):
+        self._stamp(">")
+        try:
+            return self.fn(*a, **kw)
+        finally:
+            self._stamp("<")
+
+
+def ttft_timeline(eng, prompt_len: int, reps: int = 12) -> dict:
+    """One fresh prompt of ``prompt_len`` tokens, stamped through the engine's path: host time (µs from the
+    add_request call) at entry (``>``) and return (``<``) of add_request, schedule, the runner's execute, the graph
+    replay's input fill, the replay call itself, the sampler and its argmax launch, the token-advancing step and the
+    loop's end; CUDA events around the replay and after the argmax give the device's side: when the graph began
+    (the event before the replay completes once the device has run everything queued before it, the input copy),
+    when it ended, and when the argmax ended. Medians over ``reps`` requests; what sits between the host's stamp
+    before the replay and the device's graph start is the replay call's launch latency, what sits between the
+    argmax's end on the device and the sampler's return is the token's way back."""
+    from kernellab.runtime.request.sampling import SamplingParams
+
+    runner, sched = eng.runner, eng.scheduler
+    graphs = runner.graphs
+    bucket = graphs.prefill_bucket(prompt_len)
+    if bucket is None:
+        return {"prompt_tokens": prompt_len, "error": "no prefill graph of this length"}
+    graph = graphs.graphs[("prefill", bucket)]
+    stamps: list = []
+    patches = [
+        (eng, "add_request", False),
+        (sched, "schedule", False),
+        (runner, "execute", False),
+        (graphs, "prefill", False),
+        (graph, "replay", True),
+        (runner, "sampler", False),
+        (runner.sampler, "argmax", True),
+        (eng, "_advance", False),
+    ]
+    saved = []
+    for obj, name, ev in patches:
+        fn = getattr(obj, name)
+        saved.append((obj, name, name in vars(obj), fn))
+        setattr(obj, name, _Stamped(fn, name, stamps, ev))
+    gen = torch.Generator().manual_seed(5)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    rows: dict[str, list[float]] = {}
+    try:
+        for i in range(reps + 2):
+            prompt = torch.randint(0, 10000, (prompt_len,), generator=gen).tolist()
+            torch.cuda.synchronize()
+            stamps.clear()
+            e0 = torch.cuda.Event(enable_timing=True)
+            e0.record()
+            t0 = time.perf_counter()
+            eng.add_request(f"tl{i}", prompt, params)
+            while eng.has_unfinished_requests():
+                eng.step()
+            t_end = time.perf_counter()
+            torch.cuda.synchronize()
+            if i < 2:
+                continue
+            rows.setdefault("loop_end", []).append((t_end - t0) * 1e6)
+            seen: dict[str, int] = {}
+            for label, t, ev in stamps:
+                k = seen[label] = seen.get(label, 0) + 1
+                key = label if k == 1 else f"{label}#{k}"
+                rows.setdefault(key, []).append((t - t0) * 1e6)
+                if ev is not None:
+                    rows.setdefault("device:" + key, []).append(e0.elapsed_time(ev) * 1e3)
+    finally:
+        for obj, name, own, fn in saved:
+            if own:
+                setattr(obj, name, fn)
+            else:
+                delattr(obj, name)
+    med = {k: round(statistics.median(v), 1) for k, v in rows.items()}
+    return {"prompt_tokens": prompt_len, "bucket": bucket, "us_p50": dict(sorted(med.items(), key=lambda kv: kv[1]))}
+
+
 def replay_only(graphs, key, reps: int = 20) -> dict:
     """A captured graph on its own: the replay call's host time, and wall time to its end from an idle device."""
     graph = graphs.graphs[key]
@@ -384,6 +475,8 @@ def main() -> int:
     sections = {
         "ttft2048": lambda: ttft_parts(eng, 2048),
         "ttft32": lambda: ttft_parts(eng, 32),
+        "timeline2048": lambda: ttft_timeline(eng, 2048),
+        "timeline32": lambda: ttft_timeline(eng, 32),
         "replay_prefill2048": lambda: replay_only(eng.runner.graphs, ("prefill", 2048)),
         "replay_decode1": lambda: replay_only(eng.runner.graphs, ("decode", 1)),
         "itl_parts128": lambda: itl_parts(eng, 128),

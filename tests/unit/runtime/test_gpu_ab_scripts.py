@@ -98,3 +98,16 @@ def test_the_kv_dtype_profile_times_and_profiles_each_cache(tmp_path):
         first, decode = cache["profile"]["first_step"], cache["profile"]["decode"]
         assert decode["calls"] == 3 and decode["running"] > 0  # the full batch, every prompt in
         assert 0 < len(first["top"]) <= 5 and first["total_ms"] >= first["top"][0]["ms"] > 0
+
+
+def test_the_tree_ab_runs_each_tree_in_its_own_process_in_alternating_order(tmp_path):
+    data = run(
+        "tree_ab.py",
+        tmp_path,
+        *("--trees", f"old={ROOT},new={ROOT}", "--ttft", "48", "--contexts", "64", "--rounds", "2"),
+    )
+    assert validate(data) == "kernellab.bench.tree_ab/v1"
+    assert data["same_tokens"] and set(data["trees"]) == {"old", "new"}
+    assert [(r["tree"], r["round"]) for r in data["runs"]] == [("old", 0), ("new", 0), ("new", 1), ("old", 1)]
+    assert set(data["summary"]) == {"itl_ms_p50@64", "ttft_ms_p50@48"}
+    assert all(r["ttft_ms_p50@48"] > 0 for r in data["runs"])
