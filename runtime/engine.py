@@ -270,7 +270,7 @@ class LLMEngine:
         self.prompt_tokens += sum(n for s, n in out.scheduled if s.num_computed_tokens < s.num_prompt_tokens)
         if out.window > 1 and self.async_scheduling:
             return results + self._collect((out, self.runner.launch_window(out)))
-        sampled, logprobs = self.runner.execute(out)
+        sampled, logprobs = self.runner.execute(out, lambda: self.scheduler.register_launched(out))
         return results + self._advance(out, sampled, logprobs)
 
     def _collect(self, window: tuple[SchedulerOutput, Any]) -> list[RequestOutput]:

@@ -284,7 +284,7 @@ class GraphRunner:
         t = self.host_tables.numpy()
         for i, row in enumerate(tables):
             t[i, : len(row)] = row
-        self.inputs[:, :bs].copy_(self.host[:, :bs], non_blocking=True)
+        copy_rows(self.inputs, self.host, range(4), bs)
         self.tables[:bs].copy_(self.host_tables[:bs], non_blocking=True)
         self.graphs[("decode", bs)].replay()
         return self.logits[("decode", bs)][:n]
@@ -384,7 +384,8 @@ class GraphRunner:
         host[0, n:bucket] = 0
         host[2, n:bucket] = -1  # padding tokens come after the prompt: causal attention keeps them out of it
         host[3, 0] = n - 1
-        self.inputs[:, :bucket].copy_(self.host[:, :bucket], non_blocking=True)
+        copy_rows(self.inputs, self.host, range(3), bucket)
+        copy_rows(self.inputs, self.host, range(3, 4), 1)  # the logits row: the graph reads inputs[3, :1] only
         self.graphs[("prefill", bucket)].replay()
         return self.logits[("prefill", bucket)]
 
@@ -396,7 +397,7 @@ class GraphRunner:
         assert bucket is not None  # the runner replays only a captured size (it asked fresh_bucket)
         t, s = bucket
         fill_fresh_inputs(self.host.numpy(), self.host_fresh.numpy(), rows, cu, logits_rows, t, s)
-        self.inputs[:3, :t].copy_(self.host[:3, :t], non_blocking=True)
+        copy_rows(self.inputs, self.host, range(3), t)
         self.fresh_inputs[: 2 * s + 1].copy_(self.host_fresh[: 2 * s + 1], non_blocking=True)
         self.fresh_cu[: s + 1].copy_(self.fresh_inputs[: s + 1])
         self.fresh_rows[:s].copy_(self.fresh_inputs[s + 1 : 2 * s + 1])
@@ -412,12 +413,22 @@ class GraphRunner:
         assert bucket is not None  # the runner replays only a captured size (it asked chunk_bucket)
         b, c = bucket
         fill_chunk_inputs(self.host.numpy(), self.host_ctx.numpy(), ids, start, context_slots, b, c)
-        self.inputs[:, :b].copy_(self.host[:, :b], non_blocking=True)
+        copy_rows(self.inputs, self.host, range(3), b)
+        copy_rows(self.inputs, self.host, range(3, 4), 1)  # the logits row: the graph reads inputs[3, :1] only
         self.ctx[: c + 4].copy_(self.host_ctx[: c + 4], non_blocking=True)
         self.ctx_cu.copy_(self.ctx[c : c + 4])
         self.graphs[("chunk", b, c)].replay()
         self.chunk_replays += 1
         return self.logits[("chunk", b, c)]
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor, rows: range, n: int) -> None:
+    """``dst[r, :n] = src[r, :n]`` for each of ``rows`` (pinned host → device, asynchronous), one contiguous copy a
+    row. A block of rows of the ``(4, N)`` buffers is not contiguous, and torch copies such a block through a
+    pageable host temporary (the copy waits for its staging) and a device kernel: 0.15 ms of host time before a
+    2,048-token prompt's graph could start (H100, ``latency_anatomy.py``'s timeline at 6b1d491)."""
+    for r in rows:
+        dst[r, :n].copy_(src[r, :n], non_blocking=True)
 
 
 def prefill_metadata(inputs: torch.Tensor, n: int, gather: ContextGather | None = None) -> AttentionMetadata:
@@ -617,7 +628,7 @@ class PiecewiseGraphs:
         host[:3, :t] = rows
         host[:3, t:b] = 0
         host[2, t:b] = -1
-        self.inputs[:3, :b].copy_(self.host[:3, :b], non_blocking=True)
+        copy_rows(self.inputs, self.host, range(3), b)
         if self.copied is not None:
             self.copied.record()
         return b

@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,7 +60,11 @@ def _slots(table: list[int], start: int, n: int, bs: int) -> np.ndarray:
     more."""
     if n < 64:
         return np.array([slot_of(table, p, bs) for p in range(start, start + n)], dtype=np.int64)
-    return slot_of(np.asarray(table, dtype=np.int64), np.arange(start, start + n), bs)
+    # each block's slots in one broadcast, then the range's: ~2x the per-position index arithmetic's speed
+    b0 = start // bs
+    blocks = np.asarray(table[b0 : -(-(start + n) // bs)], dtype=np.int64)
+    off = start - b0 * bs
+    return (blocks[:, None] * bs + np.arange(bs, dtype=np.int64)).reshape(-1)[off : off + n]
 
 
 def host_gate_for(device: torch.device) -> HostGate | None:
@@ -403,10 +408,13 @@ class ModelRunner:
         self.max_window = min(steps, self.graphs.max_steps)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[list[list[int]], dict[str, TokenLogprob]]:
+    def execute(
+        self, out: SchedulerOutput, before_wait: Callable[[], None] | None = None
+    ) -> tuple[list[list[int]], dict[str, TokenLogprob]]:
         """Run the step (or the decode window ``out.window``); returns each scheduled entry's sampled tokens, in
         ``out.scheduled`` order ([] for a non-final prefill chunk, one token, or up to ``out.allowed[i]`` in a
-        window), and logprobs by request id where asked for (single steps only)."""
+        window), and logprobs by request id where asked for (single steps only). ``before_wait`` (single steps):
+        host work to run once the step is launched, before waiting for its tokens (the sampler calls it)."""
         if out.window > 1:
             return self.window_tokens(self.launch_window(out)), {}
         graphs = self.graphs if self.use_graphs else None
@@ -431,7 +439,9 @@ class ModelRunner:
             assert logits is not None  # computed whenever a row samples
             # The sampler's host work (grammar masks) runs before it touches the logits: on a GPU, while the forward
             # launched above still runs.
-            tokens, logprobs = self.sampler(logits, sampling)
+            tokens, logprobs = self.sampler(logits, sampling, before_wait)
+        elif before_wait is not None:
+            before_wait()
         by_seq = {id(s): t for s, t in zip(sampling, tokens, strict=True)}
         sampled = [[by_seq[id(seq)]] if id(seq) in by_seq else [] for seq, _ in out.scheduled]
         lp = {s.request_id: lp for s, lp in zip(sampling, logprobs, strict=True)} if logprobs else {}

@@ -47,9 +47,12 @@ def shim(root: Path) -> Path:
 
 
 def tree_commit(root: Path) -> str:
-    """The tree's commit: a ``COMMIT`` file (an archive's), else git's HEAD, with ``+dirty`` for local changes."""
+    """The tree's commit: a ``COMMIT`` file (an archive's), else git's HEAD with ``+dirty`` for local changes, else
+    ``KERNELLAB_COMMIT`` (the device machine's copy of the working tree has no git)."""
     if (root / "COMMIT").is_file():
         return (root / "COMMIT").read_text().strip()
+    if not (root / ".git").exists():
+        return os.environ.get("KERNELLAB_COMMIT", "unknown")
     env = {**os.environ, "GIT_DIR": str(root / ".git")}
     try:
         sha = subprocess.run(

@@ -84,8 +84,14 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.block_table or seq.wants_prompt_logprobs:
             return hits
         n = (seq.num_tokens - 1) // self.block_size
-        chain = self.hash_chain(seq, n)
+        # The chain grows in doubling runs as far as the lookup gets: a fresh prompt hashes its first block here
+        # and the rest once its prefill is launched (``cache_full_blocks(seq, upto)``, while the device computes),
+        # not all of them before the device can start.
+        chain, want = seq.hash_chain, 1
         for i in range(n):
+            if i >= len(chain):
+                self.hash_chain(seq, min(n, i + want))
+                want *= 2
             h, tokens = chain[i]
             block_id = self.cached.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
@@ -113,8 +119,8 @@ class BlockManager:
             self._ref(block_id)
         seq.block_table.extend(computed_blocks)
         seq.num_computed_tokens += len(computed_blocks) * bs
-        for _ in range(max(0, need)):
-            seq.block_table.append(self._take_free())
+        if need > 0:
+            seq.block_table.extend(self._take_free_n(need))
         return True
 
     def _ref(self, block_id: int) -> None:
@@ -123,13 +129,22 @@ class BlockManager:
             del self.free[block_id]
         block.ref_count += 1
 
-    def _take_free(self) -> int:
-        block_id, _ = self.free.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.hash is not None and self.cached.get(block.hash) == block_id:
-            del self.cached[block.hash]  # evict the oldest cached block
-        block.hash, block.token_ids, block.ref_count = None, (), 1
-        return block_id
+    def _take_free_n(self, n: int) -> list[int]:
+        """The ``n`` blocks at the front of the free queue, referenced once; a cached one leaves the hash index
+        (the oldest cached block is evicted first)."""
+        free, blocks, cached = self.free, self.blocks, self.cached
+        taken = []
+        for _ in range(n):
+            block_id, _ = free.popitem(last=False)
+            block = blocks[block_id]
+            h = block.hash
+            if h is not None:
+                if cached.get(h) == block_id:
+                    del cached[h]
+                block.hash, block.token_ids = None, ()
+            block.ref_count = 1
+            taken.append(block_id)
+        return taken
 
     def free_sequence(self, seq: Sequence) -> None:
         """Release a sequence's blocks now; tail blocks are freed first so they are evicted first."""
@@ -141,23 +156,28 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register blocks that are full and computed, so later requests can share them."""
+    def cache_full_blocks(self, seq: Sequence, upto: int | None = None) -> None:
+        """Register blocks that are full and computed, so later requests can share them. ``upto``: the tokens whose
+        KV is computed or being computed by a step already launched on the device (default: the computed ones).
+        Registering a launched step's blocks before its results are read is safe: a request that hits them is
+        scheduled after that read, and its step runs after this one on the device's stream; the engine does so
+        while the device computes (``LLMEngine.step``), so the hashing is not in the time to first token."""
         if not self.enable_prefix_caching:
             return
         hashes = seq.block_hashes
-        n = seq.num_computed_tokens // self.block_size
+        n = (seq.num_computed_tokens if upto is None else upto) // self.block_size
         if len(hashes) >= n:
             return
         chain = self.hash_chain(seq, n)
+        blocks, cached, table = self.blocks, self.cached, seq.block_table
         for i in range(len(hashes), n):
             h, tokens = chain[i]
             hashes.append(h)
-            block = self.blocks[seq.block_table[i]]
-            if block.hash is not None or h in self.cached:
+            block = blocks[table[i]]
+            if block.hash is not None or h in cached:
                 continue  # already registered (a prefix hit), or an identical block exists: keep this one private
             block.hash, block.token_ids = h, tokens
-            self.cached[h] = block.block_id
+            cached[h] = block.block_id
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix and put the free queue back in block order, as a fresh pool: what a

@@ -7,7 +7,10 @@ engine lives: a request reader in its own process did so in the H200 A/B of docs
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
+
+import numpy as np
 
 from kernellab.runtime.request.errors import ContextLengthError, InvalidRequestError
 from kernellab.runtime.request.sampling import SamplingParams
@@ -15,10 +18,20 @@ from kernellab.runtime.request.token_ids import TokenIds
 
 
 def valid_token_ids(tokens: list[int], vocab: int) -> bool:
-    """Integers (not bools) in ``[0, vocab)``. Checked per distinct type, then with ``min``/``max``: a per-token
-    generator cost ~1.5 ms for 32 prompts of 512 tokens, on the worker's step thread between two steps."""
-    kinds = set(map(type, tokens))
-    return all(issubclass(k, int) and k is not bool for k in kinds) and min(tokens) >= 0 and max(tokens) < vocab
+    """Integers (not bools) in ``[0, vocab)``. A C array of int64 takes integers only (a float, a string or None
+    raises, as does an integer past int64), numpy takes the minimum and maximum; a bool would pass as 0 or 1, so
+    the ids' types are scanned only when such a value is there: ~40 µs for a 2,048-token prompt against ~90 for
+    a type scan and Python's ``min``/``max``, inside a lone request's time to first token (a per-token generator
+    once cost ~1.5 ms for 32 prompts of 512 tokens, on the worker's step thread between two steps)."""
+    try:
+        ids = np.frombuffer(array("q", tokens), dtype=np.int64)
+    except (TypeError, OverflowError):
+        return False
+    if not ids.size:
+        return True
+    if ids.min() < 0 or ids.max() >= vocab:
+        return False
+    return not (ids <= 1).any() or bool not in set(map(type, tokens))
 
 
 @dataclass(frozen=True)

@@ -217,6 +217,14 @@ class Scheduler:
             allowed.append(a)
         return allowed
 
+    def register_launched(self, out: SchedulerOutput) -> None:
+        """The prompt blocks a launched step fills, into the prefix cache before its tokens are read (the engine
+        calls this while the device computes; ``BlockManager.cache_full_blocks``): ``advance`` then finds them
+        registered. Prefill chunks only: a decode row fills a block once in ``block_size`` steps."""
+        for seq, n in out.scheduled:
+            if n > 1 and not seq.is_finished:
+                self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
+
     def advance(self, seq: Sequence, computed: int, token: int | None) -> bool:
         """``seq`` computed ``computed`` more tokens' KV and sampled ``token`` (None: a prefill chunk that does not
         reach the prompt's end). Appends it and ends the sequence on EOS, a stop token or its length. Returns

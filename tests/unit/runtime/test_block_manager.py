@@ -157,17 +157,17 @@ def test_slot_of_maps_positions_through_the_block_table():
 
 def test_a_sequences_block_hashes_are_computed_once_and_survive_preemption():
     """The prefix lookup and the registration after the prefill share one hash chain per sequence (it is a function
-    of the tokens alone): the registration extends it by the blocks the lookup could not see, a preempted sequence
+    of the tokens alone): the registration extends it by the blocks the lookup did not reach, a preempted sequence
     keeps it, and what is registered is the chain a fresh computation gives."""
     from kernellab.runtime.request.block_manager import chain_hash
 
     bm = BlockManager(16, BS)
     a = seq("a", list(range(13)))  # 3 full blocks and one token
     assert admit(bm, a)
-    assert len(a.hash_chain) == 3  # the lookup hashed the blocks before the last token
+    assert len(a.hash_chain) == 1  # the lookup stopped at its first miss (a fresh pool): one block hashed
     first = list(a.hash_chain)
     compute(bm, a)
-    assert a.hash_chain == first  # nothing recomputed
+    assert len(a.hash_chain) == 3 and a.hash_chain[0] is first[0]  # the registration extended it, recomputed none
     expected, prev = [], None
     for i in range(3):
         prev = chain_hash(prev, tuple(range(i * BS, (i + 1) * BS)))
@@ -183,3 +183,24 @@ def test_a_sequences_block_hashes_are_computed_once_and_survive_preemption():
     hits = bm.get_computed_blocks(a)
     assert len(hits) == 3 and len(a.hash_chain) == 4  # its freed blocks still hold its prefix
     bm.check_integrity([])
+
+
+def test_the_lookup_hashes_as_far_as_the_cached_prefix_goes_and_finds_all_of_it():
+    """The lookup's hash chain grows in doubling runs: a long cached prefix is found whole (every block), a fresh
+    prompt's lookup hashes only its first block, and blocks registered ahead (a launched step's, ``upto``) are hits
+    for the next request."""
+    bm = BlockManager(64, BS)
+    a = seq("a", list(range(4 * 37 + 2)))  # 37 full blocks and two tokens
+    assert admit(bm, a)
+    assert len(a.hash_chain) == 1
+    bm.cache_full_blocks(a, upto=a.num_tokens)  # what the engine does once the prefill is launched
+    assert len(a.block_hashes) == 37 and a.num_computed_tokens == 0
+    compute(bm, a)  # the step's tokens read: nothing left to register
+    assert len(a.block_hashes) == 37
+    b = seq("b", [*range(4 * 37 + 2), 999])
+    hits = bm.get_computed_blocks(b)
+    assert hits == a.block_table[:37] and len(b.hash_chain) == 37
+    c = seq("c", [*range(4 * 20), *[7] * 40])  # shares 20 blocks, then differs
+    hits = bm.get_computed_blocks(c)
+    assert hits == a.block_table[:20] and 21 <= len(c.hash_chain) <= 2 * 21
+    bm.check_integrity([a])

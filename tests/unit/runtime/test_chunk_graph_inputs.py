@@ -47,3 +47,23 @@ def test_padded_chunk_inputs_give_the_eager_logits(tiny_checkpoints):
     padded = model.compute_logits(model(inputs[0, :b], graph_meta, kv)[graph_meta.logits_indices])
     torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-5)
     eng.abort("chat")
+
+
+def test_a_chunks_kv_slots_are_its_positions_through_the_block_table():
+    from kernellab.runtime.request.block_manager import slot_of
+
+    table, bs = [9, 3, 40, 7, 12, 5, 30, 2], 16
+    for start, n in [(0, 128), (0, 64), (5, 70), (16, 100), (33, 64), (0, 20), (7, 3)]:
+        want = [slot_of(table, p, bs) for p in range(start, start + n)]
+        assert _slots(table, start, n, bs).tolist() == want, (start, n)
+
+
+def test_copy_rows_copies_the_named_rows_prefix_and_leaves_the_rest():
+    from kernellab.runtime.graphs import copy_rows
+
+    host = torch.arange(4 * 10, dtype=torch.int64).view(4, 10)
+    dev = torch.full((4, 10), -7, dtype=torch.int64)
+    copy_rows(dev, host, range(3), 6)
+    copy_rows(dev, host, range(3, 4), 1)
+    assert torch.equal(dev[:3, :6], host[:3, :6]) and dev[3, 0] == host[3, 0]
+    assert (dev[:3, 6:] == -7).all() and (dev[3, 1:] == -7).all()

@@ -29,9 +29,11 @@ class ScriptedRunner:
                 return 1
         return self.width
 
-    def execute(self, out):
+    def execute(self, out, before_wait=None):
         if out.window > 1:
             return self.window_tokens(self.launch_window(out)), {}
+        if before_wait is not None:  # the engine's block registration while the device would compute
+            before_wait()
         rows = [[self.script[s.request_id][s.num_output_tokens]] if out.samples(s, n) else [] for s, n in out.scheduled]
         return rows, {}
 
