@@ -35,6 +35,11 @@ GATE_UP_SWIGLU_MIN_ROWS = 1024
 # epilogue (``qkv_proj_norm_rope_store_kv``, where enabled, with the Triton prefill attention reading q, k and v as
 # views of the projection's rows): one kernel instead of cuBLAS's GEMM and ``qk_norm_rope_store_kv``.
 QKV_ROPE_MIN_ROWS = 1024
+# A step of fresh prompt rows only whose logits are taken at a few rows (a prompt's last token): its last layer
+# computes every row's K/V (the cache needs them) but attention, output projection and MLP for those rows alone
+# (``CausalLM._layers``): at 2,048 tokens, one attention row instead of 2,048 and GEMVs instead of GEMMs. Read when
+# a step runs, so a CUDA graph keeps the form it was captured with.
+PRUNE_LAST_LAYER = True
 
 if TYPE_CHECKING:
     from kernellab.runtime.quant import Int4Pair, Int4Weight
@@ -330,6 +335,24 @@ class CausalLM(nn.Module):
         o = paged_attention(self.ops, q, k, v, kv.k, kv.v, meta, self.scale, k_scales=kv.k_scales, v_scales=kv.v_scales)
         return o.reshape(-1, self.cfg.q_size)
 
+    def _attend_rows(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of the step's ``rows`` alone → ``(R, q_size)``, each row a fresh prompt's (no cached context,
+        no decode rows in the step): its keys are this step's rows from its prompt's first (``row - position``) to
+        itself. In fp32 (scores, softmax and ``P·V``), rounded to q's dtype at the end, as the attention kernels
+        keep their scores. Every index stays on the device, so a CUDA graph captures it with its rows as inputs."""
+        cfg = self.cfg
+        hk, d = cfg.num_kv_heads, cfg.head_dim
+        qr = q.index_select(0, rows).float().view(rows.shape[0], hk, -1, d)  # (R, Hk, G, D)
+        s = torch.einsum("rkgd,tkd->rkgt", qr, k.float()) * self.scale  # (R, Hk, G, T)
+        t = torch.arange(k.shape[0], device=k.device)
+        first = rows - positions.index_select(0, rows)
+        keep = (t[None, :] <= rows[:, None]) & (t[None, :] >= first[:, None])  # (R, T)
+        p = torch.softmax(s.masked_fill(~keep[:, None, None, :], float("-inf")), dim=-1)
+        o = torch.einsum("rkgt,tkd->rkgd", p, v.float())
+        return o.reshape(rows.shape[0], cfg.q_size).to(q.dtype)
+
     def o_proj_weight(self, index: int) -> torch.Tensor:
         return self.decoder_layers[index].self_attn.o_proj.weight
 
@@ -372,8 +395,9 @@ class CausalLM(nn.Module):
         """fp32 logits of the step's ``rows`` (``meta.logits_indices``; None: every row, as a decode step needs):
         the final norm runs on those rows only (a prefill's last token, not its 2,048). The values of
         ``compute_logits(forward(…)[rows])``."""
-        hidden, residual = self._layers(input_ids, meta, kv_caches)
-        if rows is not None:
+        prune = rows is not None and PRUNE_LAST_LAYER and meta.num_decode_tokens == 0 and meta.prefill_gather is None
+        hidden, residual = self._layers(input_ids, meta, kv_caches, rows=rows if prune else None)
+        if rows is not None and not prune:
             hidden, residual = hidden[rows], residual[rows]
         return self.compute_logits(self.final_norm(hidden, residual))
 
@@ -383,19 +407,29 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[LayerKV],
         collect: list | None = None,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every decoder layer: the last one's output and the residual stream, before the final norm."""
+        """Every decoder layer: the last one's output and the residual stream, before the final norm. ``rows``
+        (a step of fresh prompt rows only, whose logits are needed at those rows): the last layer writes every
+        row's K/V, then attends, projects and runs its MLP for those rows alone (``_attend_rows``), and returns
+        theirs."""
         hidden = self.embed(input_ids)
         residual: torch.Tensor | None = None
         fused = self._fused_decode(meta, input_ids.shape[0], kv_caches[0])
         self._prefetching = input_ids.shape[0] == 1
+        last = len(kv_caches) - 1
         try:
             for i, kv in enumerate(kv_caches):
                 if fused:
                     hidden, residual = self.decode_attention(i, hidden, residual, meta, kv)
                 else:
                     q, k, v, residual = self.pre_attention(i, hidden, residual, meta, kv)
-                    hidden = self._linear(self.attend(q, k, v, meta, kv), self.decoder_layers[i].self_attn.o_proj)
+                    if i == last and rows is not None and collect is None:
+                        o = self._attend_rows(q, k, v, rows, meta.positions)
+                        residual = residual.index_select(0, rows)
+                    else:
+                        o = self.attend(q, k, v, meta, kv)
+                    hidden = self._linear(o, self.decoder_layers[i].self_attn.o_proj)
                 hidden, residual = self.post_attention(i, hidden, residual)
                 if collect is not None:
                     collect.append(hidden + residual)

@@ -1,0 +1,50 @@
+"""The last layer of a step of fresh prompts runs attention, output projection and MLP for the rows whose logits
+are taken only (``model.PRUNE_LAST_LAYER``): the same logits as every row's forward, for one prompt and for several
+in one step, on Qwen3 and Llama checkpoints (CPU, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernellab.runtime import model as model_mod
+from kernellab.runtime.engine import LLMEngine
+from kernellab.runtime.request.sampling import SamplingParams
+
+
+def step_logits(eng: LLMEngine, prune: bool) -> torch.Tensor:
+    out = eng.scheduler.schedule()
+    runner = eng.runner
+    ids, meta, _, _ = runner.prepare(out)
+    saved = model_mod.PRUNE_LAST_LAYER
+    model_mod.PRUNE_LAST_LAYER = prune
+    try:
+        return runner.model.logits(ids, meta, runner.kv_caches, meta.logits_indices)
+    finally:
+        model_mod.PRUNE_LAST_LAYER = saved
+        for seq, _ in out.scheduled:  # back to waiting, blocks freed: the next call schedules the same step
+            eng.scheduler._preempt(seq)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("lengths", [(37,), (5, 40, 17)])
+def test_pruned_last_layer_gives_every_rows_logits(tiny_checkpoints, family, lengths):
+    eng = LLMEngine(
+        model=str(tiny_checkpoints[family]), device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=256
+    )
+    eng.block_manager.enable_prefix_caching = False
+    gen = torch.Generator().manual_seed(len(lengths))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for i, n in enumerate(lengths):
+        eng.add_request(f"r{i}", torch.randint(0, 500, (n,), generator=gen).tolist(), params)
+    calls = []
+    attend_rows = eng.runner.model._attend_rows
+    eng.runner.model._attend_rows = lambda *a: calls.append(a[3].tolist()) or attend_rows(*a)
+    full = step_logits(eng, prune=False)
+    assert not calls
+    pruned = step_logits(eng, prune=True)
+    ends = torch.tensor(lengths).cumsum(0) - 1
+    assert sorted(calls) == [sorted(ends.tolist())]  # the last layer attended the prompts' last rows only
+    assert full.shape == pruned.shape == (len(lengths), eng.model_config.vocab_size)
+    torch.testing.assert_close(pruned, full, rtol=1e-4, atol=1e-4)
+    assert torch.equal(pruned.argmax(-1), full.argmax(-1))
