@@ -20,8 +20,8 @@ from kernellab.runtime.request.token_ids import TokenIds
 def valid_token_ids(tokens: list[int], vocab: int) -> bool:
     """Integers (not bools) in ``[0, vocab)``. A C array of int64 takes integers only (a float, a string or None
     raises, as does an integer past int64), numpy takes the minimum and maximum; a bool would pass as 0 or 1, so
-    the ids' types are scanned only when such a value is there: ~40 µs for a 2,048-token prompt against ~90 for
-    a type scan and Python's ``min``/``max``, inside a lone request's time to first token (a per-token generator
+    only the ids of those values have their types looked at: ~35 µs for a 2,048-token prompt against ~90 for a
+    type scan and Python's ``min``/``max``, inside a lone request's time to first token (a per-token generator
     once cost ~1.5 ms for 32 prompts of 512 tokens, on the worker's step thread between two steps)."""
     try:
         ids = np.frombuffer(array("q", tokens), dtype=np.int64)
@@ -31,7 +31,7 @@ def valid_token_ids(tokens: list[int], vocab: int) -> bool:
         return True
     if ids.min() < 0 or ids.max() >= vocab:
         return False
-    return not (ids <= 1).any() or bool not in set(map(type, tokens))
+    return not any(type(tokens[i]) is bool for i in np.flatnonzero(ids <= 1).tolist())
 
 
 @dataclass(frozen=True)

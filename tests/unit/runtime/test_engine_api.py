@@ -139,7 +139,7 @@ def test_bad_prompts(engine):
     with pytest.raises(ContextLengthError) as exc:
         engine.add_request("mt", [1] * 10, SamplingParams(max_tokens=250))
     assert exc.value.param == "max_tokens"
-    for bad in ([10**6], [1, -1], [1, True], [1, 2.0], [1, "2"], [1, None]):
+    for bad in ([10**6], [1, -1], [1, True], [5, False], [1, 2.0], [1, "2"], [1, None], [2**70], [7, 0, 1, 9, True]):
         with pytest.raises(InvalidRequestError, match="token ids"):
             engine.add_request("vocab", bad, SamplingParams())
     with pytest.raises(InvalidRequestError, match="token ids"):
