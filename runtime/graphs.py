@@ -129,6 +129,12 @@ class GraphRunner:
         self.host = torch.zeros((4, n), dtype=torch.int64, pin_memory=cuda)
         self.inputs = torch.zeros((4, n), dtype=torch.int64, device=device)
         self.inputs[3].fill_(1)
+        # A fresh prompt's graph reads its four rows from a (4, bucket) block of its own (``_prefill_rows``), so they
+        # cross from the host in one contiguous copy: copying the (4, bucket) slice of ``inputs`` took torch a
+        # pageable temporary and a device kernel, or four copies, each CUDA call 30 µs of host time on the lent
+        # H100 (``latency_anatomy.py``'s timeline at 6b1d491 and 06e7fe6), all before the device could start.
+        self.prefill_host = torch.zeros(4 * max(self.prefill_buckets, default=1), dtype=torch.int64, pin_memory=cuda)
+        self.prefill_inputs = torch.zeros(self.prefill_host.shape, dtype=torch.int64, device=device)
         self.host_tables = torch.zeros((self.decode_buckets[-1], self.width), dtype=torch.int32, pin_memory=cuda)
         self.tables = torch.zeros((self.decode_buckets[-1], self.width), dtype=torch.int32, device=device)
         # Multi-step decode: per step k, rows (positions, slots, context_lens) planned on the host up front, in
@@ -176,8 +182,12 @@ class GraphRunner:
             max_decode_context=self.width * self.block_size,
         )
 
+    def _prefill_rows(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s (ids, positions, slots, logits row) block: ``(4, b)``, contiguous."""
+        return self.prefill_inputs[: 4 * b].view(4, b)
+
     def _prefill_meta(self, n: int) -> AttentionMetadata:
-        return prefill_metadata(self.inputs, n)
+        return prefill_metadata(self._prefill_rows(n), n)
 
     def _chunk_meta(self, n: int, c: int) -> AttentionMetadata:
         return chunk_metadata(self.inputs, self.ctx, self.ctx_cu, n, c)
@@ -187,7 +197,7 @@ class GraphRunner:
 
     def _capture(self, key: tuple, meta: AttentionMetadata) -> None:
         n = key[1]
-        ids = self.inputs[0, :n]
+        ids = self._prefill_rows(n)[0] if key[0] == "prefill" else self.inputs[0, :n]
         rows = None if key[0] == "decode" else meta.logits_indices  # a decode step's logits are all its rows'
         for _ in range(2):  # warm up: Triton compilation and autotuning happen outside the capture
             self.model.logits(ids, meta, self.kv_caches, rows)
@@ -200,11 +210,25 @@ class GraphRunner:
         self.metas[key] = meta
 
     @torch.inference_mode()
-    def eager(self) -> None:
+    def eager(self, prefill: bool = False) -> None:
         """No capture (a CPU): decode buckets only, each an ``EagerReplay`` of the forward ``_capture`` would
-        capture; the other kinds of graph are left out (their steps run as without graphs)."""
+        capture; with ``prefill`` the fresh prompts' buckets too (over their own input blocks, as captured); the
+        other kinds of graph are left out (their steps run as without graphs)."""
         self.inputs[2].fill_(-1)
-        self.prefill_buckets = self.chunk_buckets = self.fresh_token_buckets = self.fresh_seq_buckets = ()
+        self.chunk_buckets = self.fresh_token_buckets = self.fresh_seq_buckets = ()
+        if not prefill:
+            self.prefill_buckets = ()
+        for n in self.prefill_buckets:
+            key, meta, rows = ("prefill", n), self._prefill_meta(n), self._prefill_rows(n)
+            rows.zero_()
+            rows[2].fill_(-1)  # the first run writes no KV
+
+            def prefill_forward(meta=meta, rows=rows) -> torch.Tensor:
+                return self.model.logits(rows[0], meta, self.kv_caches, meta.logits_indices)
+
+            self.logits[key] = prefill_forward()
+            self.graphs[key] = EagerReplay(prefill_forward, self.logits[key])  # type: ignore[assignment]
+            self.metas[key] = meta
         for bs in self.decode_buckets:
             key, meta = ("decode", bs), self._decode_meta(bs)
 
@@ -226,6 +250,9 @@ class GraphRunner:
             for bs in self.decode_buckets:
                 argmax(self.logits[("decode", bs)])
         for n in reversed(self.prefill_buckets):
+            rows = self._prefill_rows(n)
+            rows.zero_()
+            rows[2].fill_(-1)  # as inputs[2]: the warm-ups and the capture write no KV
             self._capture(("prefill", n), self._prefill_meta(n))
         try:
             for c in reversed(self.context_buckets):
@@ -284,7 +311,7 @@ class GraphRunner:
         t = self.host_tables.numpy()
         for i, row in enumerate(tables):
             t[i, : len(row)] = row
-        copy_rows(self.inputs, self.host, range(4), bs)
+        self.inputs[:, :bs].copy_(self.host[:, :bs], non_blocking=True)
         self.tables[:bs].copy_(self.host_tables[:bs], non_blocking=True)
         self.graphs[("decode", bs)].replay()
         return self.logits[("decode", bs)][:n]
@@ -377,15 +404,15 @@ class GraphRunner:
         n = len(ids)
         bucket = self.prefill_bucket(n)
         assert bucket is not None  # the runner replays only a captured size (it asked prefill_bucket)
-        host = self.host.numpy()
+        staged = self.prefill_host[: 4 * bucket]
+        host = staged.view(4, bucket).numpy()
         host[0, :n] = ids
-        host[1, :bucket] = np.arange(bucket)
+        host[1] = np.arange(bucket)
         host[2, :n] = slots
-        host[0, n:bucket] = 0
-        host[2, n:bucket] = -1  # padding tokens come after the prompt: causal attention keeps them out of it
+        host[0, n:] = 0
+        host[2, n:] = -1  # padding tokens come after the prompt: causal attention keeps them out of it
         host[3, 0] = n - 1
-        copy_rows(self.inputs, self.host, range(3), bucket)
-        copy_rows(self.inputs, self.host, range(3, 4), 1)  # the logits row: the graph reads inputs[3, :1] only
+        self.prefill_inputs[: 4 * bucket].copy_(staged, non_blocking=True)
         self.graphs[("prefill", bucket)].replay()
         return self.logits[("prefill", bucket)]
 
@@ -397,7 +424,7 @@ class GraphRunner:
         assert bucket is not None  # the runner replays only a captured size (it asked fresh_bucket)
         t, s = bucket
         fill_fresh_inputs(self.host.numpy(), self.host_fresh.numpy(), rows, cu, logits_rows, t, s)
-        copy_rows(self.inputs, self.host, range(3), t)
+        self.inputs[:3, :t].copy_(self.host[:3, :t], non_blocking=True)
         self.fresh_inputs[: 2 * s + 1].copy_(self.host_fresh[: 2 * s + 1], non_blocking=True)
         self.fresh_cu[: s + 1].copy_(self.fresh_inputs[: s + 1])
         self.fresh_rows[:s].copy_(self.fresh_inputs[s + 1 : 2 * s + 1])
@@ -413,22 +440,12 @@ class GraphRunner:
         assert bucket is not None  # the runner replays only a captured size (it asked chunk_bucket)
         b, c = bucket
         fill_chunk_inputs(self.host.numpy(), self.host_ctx.numpy(), ids, start, context_slots, b, c)
-        copy_rows(self.inputs, self.host, range(3), b)
-        copy_rows(self.inputs, self.host, range(3, 4), 1)  # the logits row: the graph reads inputs[3, :1] only
+        self.inputs[:, :b].copy_(self.host[:, :b], non_blocking=True)
         self.ctx[: c + 4].copy_(self.host_ctx[: c + 4], non_blocking=True)
         self.ctx_cu.copy_(self.ctx[c : c + 4])
         self.graphs[("chunk", b, c)].replay()
         self.chunk_replays += 1
         return self.logits[("chunk", b, c)]
-
-
-def copy_rows(dst: torch.Tensor, src: torch.Tensor, rows: range, n: int) -> None:
-    """``dst[r, :n] = src[r, :n]`` for each of ``rows`` (pinned host → device, asynchronous), one contiguous copy a
-    row. A block of rows of the ``(4, N)`` buffers is not contiguous, and torch copies such a block through a
-    pageable host temporary (the copy waits for its staging) and a device kernel: 0.15 ms of host time before a
-    2,048-token prompt's graph could start (H100, ``latency_anatomy.py``'s timeline at 6b1d491)."""
-    for r in rows:
-        dst[r, :n].copy_(src[r, :n], non_blocking=True)
 
 
 def prefill_metadata(inputs: torch.Tensor, n: int, gather: ContextGather | None = None) -> AttentionMetadata:
@@ -553,14 +570,15 @@ class PiecewiseGraphs:
         self.buckets = (*(b for b in buckets if b < max_tokens), max_tokens)
         n = self.buckets[-1]
         cuda = torch.device(device).type == "cuda"
-        # ids, positions, slots (and a logits row that only the fresh-prompt metadata's form needs)
-        self.host = torch.zeros((4, n), dtype=torch.int64, pin_memory=cuda)
-        self.inputs = torch.zeros((4, n), dtype=torch.int64, device=device)
-        self.inputs[2].fill_(-1)  # warm-up and capture write no KV
+        # Each bucket's ids, positions, slots (and a logits row that only the fresh-prompt metadata's form needs) as
+        # a contiguous (4, b) block at the start of one buffer (``rows``): the step's three rows cross from the host
+        # in one copy (a (3, b) slice of a (4, n) buffer took torch a pageable temporary and a device kernel).
+        self.host = torch.zeros(4 * n, dtype=torch.int64, pin_memory=cuda)
+        self.block = torch.zeros(4 * n, dtype=torch.int64, device=device)
         dtype = model.model.embed_tokens.weight.dtype
         self.attn_out = torch.zeros((n, model.cfg.hidden_size), dtype=dtype, device=device)
         # The pieces' metadata: only positions and slots (RoPE, the KV write) are read inside a piece.
-        self.metas = {b: prefill_metadata(self.inputs, b) for b in self.buckets}
+        self.metas = {b: prefill_metadata(self.rows(b), b) for b in self.buckets}
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.qkv: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         self.final: dict[int, torch.Tensor] = {}
@@ -573,11 +591,16 @@ class PiecewiseGraphs:
     def bucket(self, tokens: int) -> int | None:
         return next((b for b in self.buckets if b >= tokens), None)
 
+    def rows(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s static inputs: ``(4, b)`` ids, positions, slots, logits row (the buckets' blocks share
+        one buffer: a step loads and runs one bucket)."""
+        return self.block[: 4 * b].view(4, b)
+
     def _piece(self, b: int, i: int, residual: torch.Tensor | None):
         """Piece ``i`` of bucket ``b``: ``(q, k, v, residual)`` of layer i, or for i = L the final hidden."""
         m = self.model
         if i == 0:
-            hidden = m.embed(self.inputs[0, :b])
+            hidden = m.embed(self.rows(b)[0])
         else:
             assert residual is not None  # every piece after the first continues the residual stream
             hidden, residual = m.post_attention(i - 1, self.attn_out[:b], residual)
@@ -593,6 +616,8 @@ class PiecewiseGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         for b in reversed(self.buckets):  # largest first: the shared pool is sized once
+            self.rows(b).zero_()
+            self.rows(b)[2].fill_(-1)  # warm-up and capture write no KV
             for _ in range(2):  # warm up: Triton compilation, cuBLAS's choices (no attention needed for that)
                 residual = None
                 for i in range(self.num_layers + 1):
@@ -624,11 +649,12 @@ class PiecewiseGraphs:
         assert b is not None  # the runner asks bucket() first
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has left the pinned buffer
-        host = self.host.numpy()
-        host[:3, :t] = rows
-        host[:3, t:b] = 0
-        host[2, t:b] = -1
-        copy_rows(self.inputs, self.host, range(3), b)
+        staged = self.host[: 3 * b]
+        host = staged.view(3, b).numpy()  # the first three rows of the bucket's (4, b) block
+        host[:, :t] = rows
+        host[:, t:] = 0
+        host[2, t:] = -1
+        self.block[: 3 * b].copy_(staged, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
         return b

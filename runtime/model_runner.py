@@ -397,13 +397,14 @@ class ModelRunner:
         assert self.graphs is not None
         return self.graphs.window_tokens(window)
 
-    def eager_windows(self, steps: int = 8) -> None:
+    def eager_windows(self, steps: int = 8, prefill: bool = False) -> None:
         """Decode windows without CUDA graphs (a CPU): the decode buckets' forwards run eagerly over the graph
-        runner's static buffers, so windows and asynchronous scheduling take the GPU's code path. Tests use it."""
+        runner's static buffers, so windows and asynchronous scheduling take the GPU's code path; with ``prefill``
+        a lone fresh prompt's step takes the prefill graphs' path too. Tests use it."""
         self.graphs = GraphRunner(
             self.model, self.kv_caches, self.device, self.block_size, self.max_model_len, self.cfg.max_num_seqs
         )
-        self.graphs.eager()
+        self.graphs.eager(prefill)
         self.use_graphs = True
         self.max_window = min(steps, self.graphs.max_steps)
 
@@ -514,8 +515,7 @@ class ModelRunner:
         if pw.bucket(out.num_batched_tokens) is None:
             return None
         plan = self.plan(out)
-        pw.load(plan.rows)
-        meta = self.metadata(plan, pw.inputs)
+        meta = self.metadata(plan, pw.rows(pw.load(plan.rows)))
         hidden = pw.run(plan.rows.shape[1], meta)
         if not plan.sampling:
             return None, []

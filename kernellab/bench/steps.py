@@ -230,8 +230,7 @@ def piecewise_matches_eager(engine, mixes=MIXES_H200, seed: int = 1, atol: float
             eager = model.compute_logits(eager_hidden[meta.logits_indices])
             plan = runner.plan(out)
             t = plan.rows.shape[1]
-            pw.load(plan.rows)
-            pmeta = runner.metadata(plan, pw.inputs)
+            pmeta = runner.metadata(plan, pw.rows(pw.load(plan.rows)))
             hidden = pw.run(t, pmeta)[:t]
             piece = model.compute_logits(hidden[pmeta.logits_indices])
             rel = float((hidden.float() - eager_hidden.float()).norm() / eager_hidden.float().norm())

@@ -58,12 +58,30 @@ def test_a_chunks_kv_slots_are_its_positions_through_the_block_table():
         assert _slots(table, start, n, bs).tolist() == want, (start, n)
 
 
-def test_copy_rows_copies_the_named_rows_prefix_and_leaves_the_rest():
-    from kernellab.runtime.graphs import copy_rows
-
-    host = torch.arange(4 * 10, dtype=torch.int64).view(4, 10)
-    dev = torch.full((4, 10), -7, dtype=torch.int64)
-    copy_rows(dev, host, range(3), 6)
-    copy_rows(dev, host, range(3, 4), 1)
-    assert torch.equal(dev[:3, :6], host[:3, :6]) and dev[3, 0] == host[3, 0]
-    assert (dev[:3, 6:] == -7).all() and (dev[3, 1:] == -7).all()
+def test_a_lone_prompt_through_the_prefill_graphs_inputs_gives_the_plain_steps_tokens(tiny_checkpoints):
+    """A fresh prompt's step through the prefill graph's path (``GraphRunner.prefill``: its bucket's own contiguous
+    (4, bucket) input block, one host → device copy, padding rows with slot -1), here as an eager replay on the
+    CPU: the same greedy tokens as the plain engine, for prompts that pad their bucket and one that fills it."""
+    kw = dict(model=str(tiny_checkpoints["qwen3"]), device="cpu", dtype="float32", num_kv_blocks=256)
+    plain, graphed = LLMEngine(**kw), LLMEngine(**kw)
+    graphed.runner.eager_windows(8, prefill=True)
+    graphs = graphed.runner.graphs
+    assert graphs.prefill_buckets == (128, 256)  # below the tiny checkpoint's 512-token context
+    replays = []
+    prefill = graphs.prefill
+    graphs.prefill = lambda ids, slots: replays.append(len(ids)) or prefill(ids, slots)
+    gen = torch.Generator().manual_seed(3)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for i, n in enumerate((100, 200, 128, 37)):
+        prompt = torch.randint(0, 500, (n,), generator=gen).tolist()
+        got = {}
+        for name, eng in (("plain", plain), ("graphed", graphed)):
+            eng.add_request(f"p{i}", prompt, params)
+            out = []
+            while eng.has_unfinished_requests():
+                out += [t for o in eng.step() for t in o.new_token_ids]
+            got[name] = out
+        assert got["plain"] == got["graphed"] and len(got["plain"]) == 6, n
+    assert replays == [100, 200, 128, 37]
+    rows = graphs._prefill_rows(128)
+    assert rows.is_contiguous() and rows[2, 37:].eq(-1).all() and rows[3, 0] == 36  # the last prompt's block
