@@ -38,8 +38,10 @@ QKV_ROPE_MIN_ROWS = 1024
 # A step of fresh prompt rows only whose logits are taken at a few rows (a prompt's last token): its last layer
 # computes every row's K/V (the cache needs them) but attention, output projection and MLP for those rows alone
 # (``CausalLM._layers``): at 2,048 tokens, one attention row instead of 2,048 and GEMVs instead of GEMMs. Read when
-# a step runs, so a CUDA graph keeps the form it was captured with.
-PRUNE_LAST_LAYER = True
+# a step runs, so a CUDA graph keeps the form it was captured with. Off: TTFT at 2,048 tokens 5.084 ms with it
+# against 5.015 without (H100, 06e7fe6, 6 interleaved rounds, ``engine_h200_dev/knob_ab_prune_last_layer_h100_
+# 06e7fe6.json``): the one-row attention here is ~20 small kernels in torch, which cost what the skipped GEMMs saved.
+PRUNE_LAST_LAYER = False
 
 if TYPE_CHECKING:
     from kernellab.runtime.quant import Int4Pair, Int4Weight
@@ -336,13 +338,32 @@ class CausalLM(nn.Module):
         return o.reshape(-1, self.cfg.q_size)
 
     def _attend_rows(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rows: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: LayerKV,
     ) -> torch.Tensor:
         """Attention of the step's ``rows`` alone → ``(R, q_size)``, each row a fresh prompt's (no cached context,
         no decode rows in the step): its keys are this step's rows from its prompt's first (``row - position``) to
-        itself. In fp32 (scores, softmax and ``P·V``), rounded to q's dtype at the end, as the attention kernels
-        keep their scores. Every index stays on the device, so a CUDA graph captures it with its rows as inputs."""
+        itself. One prompt: its last row as a decode row over the cache the layer just wrote (the prompt's blocks
+        read off its slots, whose first of each block is the block's start; padding slots, -1, lie past its
+        length). Several: in fp32 (scores, softmax and ``P·V``), rounded to q's dtype at the end, as the attention
+        kernels keep their scores. Every index stays on the device, so a CUDA graph captures it with its rows as
+        inputs."""
         cfg = self.cfg
+        cu = meta.prefill_cu_seqlens_host
+        if rows.shape[0] == 1 and meta.prefill_num_fresh == 1 and cu is not None and len(cu) == 2:
+            bs = kv.k.shape[1]
+            tables = torch.div(meta.slot_mapping[::bs], bs, rounding_mode="floor").to(torch.int32)[None, :]
+            o = self.ops.paged_decode_attention(
+                q.index_select(0, rows), kv.k, kv.v, tables, rows + 1, self.scale,
+                k_scales=kv.k_scales, v_scales=kv.v_scales,
+            )  # fmt: skip
+            return o.reshape(1, cfg.q_size)
+        positions = meta.positions
         hk, d = cfg.num_kv_heads, cfg.head_dim
         qr = q.index_select(0, rows).float().view(rows.shape[0], hk, -1, d)  # (R, Hk, G, D)
         s = torch.einsum("rkgd,tkd->rkgt", qr, k.float()) * self.scale  # (R, Hk, G, T)
@@ -425,7 +446,7 @@ class CausalLM(nn.Module):
                 else:
                     q, k, v, residual = self.pre_attention(i, hidden, residual, meta, kv)
                     if i == last and rows is not None and collect is None:
-                        o = self._attend_rows(q, k, v, rows, meta.positions)
+                        o = self._attend_rows(q, k, v, rows, meta, kv)
                         residual = residual.index_select(0, rows)
                     else:
                         o = self.attend(q, k, v, meta, kv)

@@ -109,9 +109,6 @@ FUSED_GEMV = {
     "add_rms_norm_linear": ("NORM", 4),
     "decode_attention_o_proj": ("MERGE", 2),
 }
-# and its launches in the prompt's step: the last layer runs its MLP for the prompt's last row alone
-# (``model.PRUNE_LAST_LAYER``), through the one-row GEMVs with the post-attention norm and the SwiGLU in front
-FUSED_GEMV_PREFILL = {"silu_and_mul_linear": 1, "add_rms_norm_linear": 1}
 
 
 @pytest.mark.skipif(not os.environ.get("TRITON_INTERPRET"), reason="runs the Triton kernels under the interpreter")
@@ -143,8 +140,8 @@ def test_batch1_decode_takes_the_fused_gemv_and_keeps_its_tokens(op, tiny_checkp
         deferred = sum(1 for x in launches if x["kernel"] == "_paged_decode_kernel" and x["constexprs"].get("DEFER"))
         # the attention leaves its two slices to the projection wherever that op runs (2 layers × 5 decode steps)
         assert deferred == (10 if "decode_attention_o_proj" in eng.runner.model.ops.enabled else 0)
-    # the five decode steps, and the prompt's last row in the prefill's last layer (its other layers: two kernels)
-    assert fused == {(): per_step * 5 + FUSED_GEMV_PREFILL.get(op, 0), (op,): 0}
+    # the five decode steps (the 70-row prefill takes the two kernels)
+    assert fused == {(): per_step * 5, (op,): 0}
     assert tokens[()] == tokens[(op,)] and len(tokens[()]) == 6
 
 
@@ -253,8 +250,8 @@ def test_logits_of_the_rows_that_sample_are_the_full_forwards(tiny_checkpoints, 
     """``CausalLM.logits``: the final norm on the logits rows only, the LM head writing fp32 itself. Its logits are
     bit for bit those of the final norm over every row, the projection and the fp32 cast (a prompt's last row; one
     decode row); greedy tokens unchanged, and each batch-1 step launches its norm GEMVs and one norm kernel. The
-    last layer computes every row here (``PRUNE_LAST_LAYER`` off): pruned, a prompt's logits are the same within
-    rounding, not bit for bit (tests/unit/runtime/test_prune_last_layer.py)."""
+    last layer computes every row (``PRUNE_LAST_LAYER`` off, as by default): pruned, a prompt's logits are the same
+    within rounding, not bit for bit (tests/unit/runtime/test_prune_last_layer.py)."""
     from kernellab.kernels.compile_check import record_launches
     from kernellab.kernels.testing import patch_interpreter
     from kernellab.runtime import model as model_mod
@@ -337,9 +334,7 @@ def test_prefill_mlp_takes_the_swiglu_epilogue_and_keeps_its_tokens(tiny_checkpo
         tiny_checkpoints, op, 4,
         lambda launches: sum(1 for x in launches if x["kernel"] == "_gemm_desc_kernel" and x["constexprs"]["GLU"]),
     )  # fmt: skip
-    # the 70-row prefill, one launch in its first layer: the last runs its MLP for the prompt's last row alone
-    # (``PRUNE_LAST_LAYER``), below the threshold
-    assert glu == {(): 1, (op,): 0}
+    assert glu == {(): 2, (op,): 0}  # the 70-row prefill, one launch a layer
     assert tokens[()] == tokens[(op,)] and len(tokens[()]) == 4
 
 

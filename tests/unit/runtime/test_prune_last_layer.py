@@ -4,6 +4,8 @@ in one step, on Qwen3 and Llama checkpoints (CPU, fp32)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -48,3 +50,30 @@ def test_pruned_last_layer_gives_every_rows_logits(tiny_checkpoints, family, len
     assert full.shape == pruned.shape == (len(lengths), eng.model_config.vocab_size)
     torch.testing.assert_close(pruned, full, rtol=1e-4, atol=1e-4)
     assert torch.equal(pruned.argmax(-1), full.argmax(-1))
+
+
+@pytest.mark.skipif(not os.environ.get("TRITON_INTERPRET"), reason="runs the Triton kernels under the interpreter")
+def test_pruned_last_layer_through_the_triton_kernels_keeps_the_tokens(tiny_checkpoints, monkeypatch):
+    """The engine's Triton ops (interpreter, bf16): a lone prompt's last row attends as a decode row over the
+    cache its last layer just wrote (``paged_decode_attention``), then the one-row GEMVs; the greedy tokens equal
+    the unpruned engine's, and the logits agree within bf16 rounding."""
+    from kernellab.kernels.testing import patch_interpreter
+
+    patch_interpreter()
+    tokens, logits = {}, {}
+    for prune in (False, True):
+        monkeypatch.setattr(model_mod, "PRUNE_LAST_LAYER", prune)
+        eng = LLMEngine(
+            model=str(tiny_checkpoints["qwen3"]), device="cpu", dtype="bfloat16", backend="triton",
+            kernels="experimental", num_kv_blocks=32, max_model_len=128,
+        )  # fmt: skip
+        model, seen = eng.runner.model, []
+        inner = model.logits
+        model.logits = lambda *a, inner=inner, seen=seen: seen.append(inner(*a)) or seen[-1]
+        eng.add_request("r", list(range(5, 75)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        out = []
+        while eng.has_unfinished_requests():
+            out += [t for o in eng.step() for t in o.new_token_ids]
+        tokens[prune], logits[prune] = out, seen[0]
+    assert tokens[True] == tokens[False] and len(tokens[True]) == 4
+    torch.testing.assert_close(logits[True], logits[False], rtol=0.05, atol=0.05)
