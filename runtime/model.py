@@ -357,7 +357,11 @@ class CausalLM(nn.Module):
         cu = meta.prefill_cu_seqlens_host
         if rows.shape[0] == 1 and meta.prefill_num_fresh == 1 and cu is not None and len(cu) == 2:
             bs = kv.k.shape[1]
-            tables = torch.div(meta.slot_mapping[::bs], bs, rounding_mode="floor").to(torch.int32)[None, :]
+            # padding slots (-1) → block 0: past the prompt's length, never read (at a graph's capture every slot
+            # is -1 and the row's context one token: a block -1 there was an illegal address on the H100)
+            tables = (
+                torch.div(meta.slot_mapping[::bs], bs, rounding_mode="floor").clamp_(min=0).to(torch.int32)[None, :]
+            )
             o = self.ops.paged_decode_attention(
                 q.index_select(0, rows), kv.k, kv.v, tables, rows + 1, self.scale,
                 k_scales=kv.k_scales, v_scales=kv.v_scales,

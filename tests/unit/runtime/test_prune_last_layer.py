@@ -77,3 +77,34 @@ def test_pruned_last_layer_through_the_triton_kernels_keeps_the_tokens(tiny_chec
         tokens[prune], logits[prune] = out, seen[0]
     assert tokens[True] == tokens[False] and len(tokens[True]) == 4
     torch.testing.assert_close(logits[True], logits[False], rtol=0.05, atol=0.05)
+
+
+@pytest.mark.skipif(not os.environ.get("TRITON_INTERPRET"), reason="runs the Triton kernels under the interpreter")
+def test_pruned_last_layer_in_the_prefill_graphs_path_keeps_the_tokens(tiny_checkpoints, monkeypatch):
+    """The pruned last layer inside the prefill graph's path (eager replays of the (4, bucket) input blocks on the
+    CPU, Triton kernels under the interpreter): the first run, as a capture's warm-up, has every slot -1; then
+    a prompt that pads its bucket gives the tokens of the plain engine without graphs or pruning."""
+    from kernellab.kernels.testing import patch_interpreter
+
+    patch_interpreter()
+    kw = dict(
+        model=str(tiny_checkpoints["qwen3"]), device="cpu", dtype="bfloat16", backend="triton",
+        kernels="experimental", num_kv_blocks=64, max_model_len=256,
+    )  # fmt: skip
+    plain = LLMEngine(**kw)
+    monkeypatch.setattr(model_mod, "PRUNE_LAST_LAYER", True)
+    graphed = LLMEngine(**kw)
+    graphed.runner.eager_windows(8, prefill=True)
+    assert graphed.runner.graphs.prefill_buckets == (128,)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    for i, n in enumerate((70,)):
+        prompt = list(range(5 + i, 5 + i + n))
+        got = []
+        for eng in (plain, graphed):
+            monkeypatch.setattr(model_mod, "PRUNE_LAST_LAYER", eng is graphed)
+            eng.add_request(f"p{i}", prompt, params)
+            out = []
+            while eng.has_unfinished_requests():
+                out += [t for o in eng.step() for t in o.new_token_ids]
+            got.append(out)
+        assert got[0] == got[1] and len(got[0]) == 3, n
