@@ -182,9 +182,9 @@ class LLMEngine:
         ``step()`` runs (the worker's I/O thread does, while the device computes); ``add_prepared`` then
         enqueues it on the engine's thread. Raises what ``add_request`` raises, but for a duplicate id."""
         params = params or SamplingParams()
-        max_tokens = self.request_limits.check(request_id, prompt_token_ids, params, output_token_ids)
+        max_tokens, ids = self.request_limits.check_ids(request_id, prompt_token_ids, params, output_token_ids)
         return self.prepare_checked(
-            request_id, prompt_token_ids, params, max_tokens, priority, deadline, output_token_ids
+            request_id, prompt_token_ids, params, max_tokens, priority, deadline, output_token_ids, token_array=ids
         )
 
     def prepare_checked(
@@ -196,10 +196,13 @@ class LLMEngine:
         priority: int = 0,
         deadline: float | None = None,
         output_token_ids=(),
+        token_array=None,
     ) -> PreparedRequest:
         """``prepare_request`` for a request ``request_limits.check`` passed (which returned ``max_tokens``): build
-        the sequence, its grammar state and stop-string detokenizer."""
+        the sequence, its grammar state and stop-string detokenizer. ``token_array``: its ids as the check's int64
+        array (``check_ids``), kept with the sequence for the prefill graph's input fill."""
         seq = Sequence(request_id, prompt_token_ids, params, max_tokens, priority, deadline, output_token_ids)
+        seq.token_array = token_array
         if params.structured is not None:
             seq.grammar = self._grammar_state(params.structured, output_token_ids)
         detok = None

@@ -466,7 +466,9 @@ class ModelRunner:
             seq, n = sched[0]
             start = seq.num_computed_tokens
             if n > 1 and start == 0 and out.samples(seq, n) and graphs.prefill_bucket(n):
-                return graphs.prefill(seq.token_ids[:n], _slots(seq.block_table, 0, n, bs)), [seq]
+                a = seq.token_array
+                prompt = a[:n] if a is not None and len(a) >= n else seq.token_ids[:n]
+                return graphs.prefill(prompt, _slots(seq.block_table, 0, n, bs)), [seq]
             # a chunk after a cached context (a prefix-cache hit, the next chunk of a long prompt)
             if n > 1 and start > 0 and graphs.chunk_bucket(n, start + n):
                 logits = graphs.chunk(

@@ -6,6 +6,8 @@ import time
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kernellab.runtime.request.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -39,6 +41,9 @@ class Sequence:
     ):
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids) + list(output_token_ids)
+        # the same ids as an int64 array where the request's check made one (``RequestLimits.check_ids``): the first
+        # ``len(token_array)`` of ``token_ids``, which only grow
+        self.token_array: np.ndarray | None = None
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.max_tokens = max_tokens
