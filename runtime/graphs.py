@@ -132,9 +132,12 @@ class GraphRunner:
         # A fresh prompt's graph reads its four rows from a (4, bucket) block of its own (``_prefill_rows``), so they
         # cross from the host in one contiguous copy: copying the (4, bucket) slice of ``inputs`` took torch a
         # pageable temporary and a device kernel, or four copies, each CUDA call 30 µs of host time on the lent
-        # H100 (``latency_anatomy.py``'s timeline at 6b1d491 and 06e7fe6), all before the device could start.
+        # H100 (``latency_anatomy.py``'s timeline at 6b1d491 and 06e7fe6), all before the device could start. The
+        # blocks do not overlap (258 KB for buckets up to 4,096): a graph replayed on its last inputs reads its own
+        # rows, never another bucket's slots (-1) as token ids (an out-of-range embedding index on the H100, be5976f).
+        self._prefill_at = dict(zip(self.prefill_buckets, np.cumsum([0, *self.prefill_buckets]).tolist(), strict=False))
         self.prefill_host = torch.zeros(4 * max(self.prefill_buckets, default=1), dtype=torch.int64, pin_memory=cuda)
-        self.prefill_inputs = torch.zeros(self.prefill_host.shape, dtype=torch.int64, device=device)
+        self.prefill_inputs = torch.zeros(4 * sum(self.prefill_buckets), dtype=torch.int64, device=device)
         self.host_tables = torch.zeros((self.decode_buckets[-1], self.width), dtype=torch.int32, pin_memory=cuda)
         self.tables = torch.zeros((self.decode_buckets[-1], self.width), dtype=torch.int32, device=device)
         # Multi-step decode: per step k, rows (positions, slots, context_lens) planned on the host up front, in
@@ -183,8 +186,9 @@ class GraphRunner:
         )
 
     def _prefill_rows(self, b: int) -> torch.Tensor:
-        """Bucket ``b``'s (ids, positions, slots, logits row) block: ``(4, b)``, contiguous."""
-        return self.prefill_inputs[: 4 * b].view(4, b)
+        """Bucket ``b``'s (ids, positions, slots, logits row) block: ``(4, b)``, contiguous, its own."""
+        at = 4 * self._prefill_at[b]
+        return self.prefill_inputs[at : at + 4 * b].view(4, b)
 
     def _prefill_meta(self, n: int) -> AttentionMetadata:
         return prefill_metadata(self._prefill_rows(n), n)
@@ -412,7 +416,7 @@ class GraphRunner:
         host[0, n:] = 0
         host[2, n:] = -1  # padding tokens come after the prompt: causal attention keeps them out of it
         host[3, 0] = n - 1
-        self.prefill_inputs[: 4 * bucket].copy_(staged, non_blocking=True)
+        self._prefill_rows(bucket).view(-1).copy_(staged, non_blocking=True)
         self.graphs[("prefill", bucket)].replay()
         return self.logits[("prefill", bucket)]
 
@@ -571,10 +575,14 @@ class PiecewiseGraphs:
         n = self.buckets[-1]
         cuda = torch.device(device).type == "cuda"
         # Each bucket's ids, positions, slots (and a logits row that only the fresh-prompt metadata's form needs) as
-        # a contiguous (4, b) block at the start of one buffer (``rows``): the step's three rows cross from the host
-        # in one copy (a (3, b) slice of a (4, n) buffer took torch a pageable temporary and a device kernel).
+        # a contiguous (4, b) block of its own (``rows``; the blocks do not overlap, as GraphRunner's prefill ones):
+        # the step's three rows cross from the host in one copy (a (3, b) slice of a (4, n) buffer took torch a
+        # pageable temporary and a device kernel).
+        self._at = dict(zip(self.buckets, np.cumsum([0, *self.buckets]).tolist(), strict=False))
         self.host = torch.zeros(4 * n, dtype=torch.int64, pin_memory=cuda)
-        self.block = torch.zeros(4 * n, dtype=torch.int64, device=device)
+        self.block = torch.zeros(4 * sum(self.buckets), dtype=torch.int64, device=device)
+        for b in self.buckets:
+            self.rows(b)[2].fill_(-1)  # warm-up and capture write no KV
         dtype = model.model.embed_tokens.weight.dtype
         self.attn_out = torch.zeros((n, model.cfg.hidden_size), dtype=dtype, device=device)
         # The pieces' metadata: only positions and slots (RoPE, the KV write) are read inside a piece.
@@ -592,9 +600,9 @@ class PiecewiseGraphs:
         return next((b for b in self.buckets if b >= tokens), None)
 
     def rows(self, b: int) -> torch.Tensor:
-        """Bucket ``b``'s static inputs: ``(4, b)`` ids, positions, slots, logits row (the buckets' blocks share
-        one buffer: a step loads and runs one bucket)."""
-        return self.block[: 4 * b].view(4, b)
+        """Bucket ``b``'s static inputs: ``(4, b)`` ids, positions, slots, logits row, contiguous, its own."""
+        at = 4 * self._at[b]
+        return self.block[at : at + 4 * b].view(4, b)
 
     def _piece(self, b: int, i: int, residual: torch.Tensor | None):
         """Piece ``i`` of bucket ``b``: ``(q, k, v, residual)`` of layer i, or for i = L the final hidden."""
@@ -616,8 +624,6 @@ class PiecewiseGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         for b in reversed(self.buckets):  # largest first: the shared pool is sized once
-            self.rows(b).zero_()
-            self.rows(b)[2].fill_(-1)  # warm-up and capture write no KV
             for _ in range(2):  # warm up: Triton compilation, cuBLAS's choices (no attention needed for that)
                 residual = None
                 for i in range(self.num_layers + 1):
@@ -654,7 +660,7 @@ class PiecewiseGraphs:
         host[:, :t] = rows
         host[:, t:] = 0
         host[2, t:] = -1
-        self.block[: 3 * b].copy_(staged, non_blocking=True)
+        self.rows(b).view(-1)[: 3 * b].copy_(staged, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
         return b

@@ -85,3 +85,6 @@ def test_a_lone_prompt_through_the_prefill_graphs_inputs_gives_the_plain_steps_t
     assert replays == [100, 200, 128, 37]
     rows = graphs._prefill_rows(128)
     assert rows.is_contiguous() and rows[2, 37:].eq(-1).all() and rows[3, 0] == 36  # the last prompt's block
+    # each bucket's block is its own: a graph replayed on its last inputs reads token ids there, never another
+    # bucket's slots (-1)
+    assert graphs._prefill_rows(256)[0].min() >= 0 and graphs._prefill_rows(256)[3, 0] == 199
