@@ -135,9 +135,8 @@ class GraphRunner:
         # H100 (``latency_anatomy.py``'s timeline at 6b1d491 and 06e7fe6), all before the device could start. The
         # blocks do not overlap (258 KB for buckets up to 4,096): a graph replayed on its last inputs reads its own
         # rows, never another bucket's slots (-1) as token ids (an out-of-range embedding index on the H100, be5976f).
-        self._prefill_at = dict(zip(self.prefill_buckets, np.cumsum([0, *self.prefill_buckets]).tolist(), strict=False))
         self.prefill_host = torch.zeros(4 * max(self.prefill_buckets, default=1), dtype=torch.int64, pin_memory=cuda)
-        self.prefill_inputs = torch.zeros(4 * sum(self.prefill_buckets), dtype=torch.int64, device=device)
+        self.prefill_inputs, self._prefill_at = bucket_blocks(self.prefill_buckets, device)
         self.host_tables = torch.zeros((self.decode_buckets[-1], self.width), dtype=torch.int32, pin_memory=cuda)
         self.tables = torch.zeros((self.decode_buckets[-1], self.width), dtype=torch.int32, device=device)
         # Multi-step decode: per step k, rows (positions, slots, context_lens) planned on the host up front, in
@@ -187,8 +186,7 @@ class GraphRunner:
 
     def _prefill_rows(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s (ids, positions, slots, logits row) block: ``(4, b)``, contiguous, its own."""
-        at = 4 * self._prefill_at[b]
-        return self.prefill_inputs[at : at + 4 * b].view(4, b)
+        return bucket_rows(self.prefill_inputs, self._prefill_at, b)
 
     def _prefill_meta(self, n: int) -> AttentionMetadata:
         return prefill_metadata(self._prefill_rows(n), n)
@@ -224,8 +222,6 @@ class GraphRunner:
             self.prefill_buckets = ()
         for n in self.prefill_buckets:
             key, meta, rows = ("prefill", n), self._prefill_meta(n), self._prefill_rows(n)
-            rows.zero_()
-            rows[2].fill_(-1)  # the first run writes no KV
 
             def prefill_forward(meta=meta, rows=rows) -> torch.Tensor:
                 return self.model.logits(rows[0], meta, self.kv_caches, meta.logits_indices)
@@ -254,9 +250,6 @@ class GraphRunner:
             for bs in self.decode_buckets:
                 argmax(self.logits[("decode", bs)])
         for n in reversed(self.prefill_buckets):
-            rows = self._prefill_rows(n)
-            rows.zero_()
-            rows[2].fill_(-1)  # as inputs[2]: the warm-ups and the capture write no KV
             self._capture(("prefill", n), self._prefill_meta(n))
         try:
             for c in reversed(self.context_buckets):
@@ -452,6 +445,22 @@ class GraphRunner:
         return self.logits[("chunk", b, c)]
 
 
+def bucket_blocks(buckets: tuple[int, ...], device) -> tuple[torch.Tensor, dict[int, int]]:
+    """One device buffer holding a ``(4, b)`` input block (ids, positions, slots, logits row) for each bucket ``b``,
+    none overlapping, and each block's offset (``bucket_rows``). Slots start at -1: a capture's warm-ups and the
+    capture itself write no KV."""
+    at = dict(zip(buckets, (4 * np.cumsum([0, *buckets])).tolist(), strict=False))
+    buf = torch.zeros(4 * sum(buckets), dtype=torch.int64, device=device)
+    for b in buckets:
+        bucket_rows(buf, at, b)[2].fill_(-1)
+    return buf, at
+
+
+def bucket_rows(buf: torch.Tensor, at: dict[int, int], b: int) -> torch.Tensor:
+    """Bucket ``b``'s ``(4, b)`` block of a ``bucket_blocks`` buffer."""
+    return buf[at[b] : at[b] + 4 * b].view(4, b)
+
+
 def prefill_metadata(inputs: torch.Tensor, n: int, gather: ContextGather | None = None) -> AttentionMetadata:
     """One prefill chunk of ``n`` rows over the static ``inputs`` (ids, positions, slots, logits row): a fresh
     prompt, or with ``gather`` a chunk that continues a cached context."""
@@ -578,11 +587,8 @@ class PiecewiseGraphs:
         # a contiguous (4, b) block of its own (``rows``; the blocks do not overlap, as GraphRunner's prefill ones):
         # the step's three rows cross from the host in one copy (a (3, b) slice of a (4, n) buffer took torch a
         # pageable temporary and a device kernel).
-        self._at = dict(zip(self.buckets, np.cumsum([0, *self.buckets]).tolist(), strict=False))
         self.host = torch.zeros(4 * n, dtype=torch.int64, pin_memory=cuda)
-        self.block = torch.zeros(4 * sum(self.buckets), dtype=torch.int64, device=device)
-        for b in self.buckets:
-            self.rows(b)[2].fill_(-1)  # warm-up and capture write no KV
+        self.block, self._at = bucket_blocks(self.buckets, device)
         dtype = model.model.embed_tokens.weight.dtype
         self.attn_out = torch.zeros((n, model.cfg.hidden_size), dtype=dtype, device=device)
         # The pieces' metadata: only positions and slots (RoPE, the KV write) are read inside a piece.
@@ -601,8 +607,7 @@ class PiecewiseGraphs:
 
     def rows(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s static inputs: ``(4, b)`` ids, positions, slots, logits row, contiguous, its own."""
-        at = 4 * self._at[b]
-        return self.block[at : at + 4 * b].view(4, b)
+        return bucket_rows(self.block, self._at, b)
 
     def _piece(self, b: int, i: int, residual: torch.Tensor | None):
         """Piece ``i`` of bucket ``b``: ``(q, k, v, residual)`` of layer i, or for i = L the final hidden."""

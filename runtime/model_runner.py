@@ -415,7 +415,7 @@ class ModelRunner:
         """Run the step (or the decode window ``out.window``); returns each scheduled entry's sampled tokens, in
         ``out.scheduled`` order ([] for a non-final prefill chunk, one token, or up to ``out.allowed[i]`` in a
         window), and logprobs by request id where asked for (single steps only). ``before_wait`` (single steps):
-        host work to run once the step is launched, before waiting for its tokens (the sampler calls it)."""
+        host work to run once the forward is launched, before anything waits for it."""
         if out.window > 1:
             return self.window_tokens(self.launch_window(out)), {}
         graphs = self.graphs if self.use_graphs else None
@@ -434,15 +434,15 @@ class ModelRunner:
                 logits = None
         else:
             logits, sampling = logits_and_seqs
+        if before_wait is not None:  # on a GPU, while the forward launched above runs
+            before_wait()
         tokens: list[int] = []
         logprobs: list[TokenLogprob] | None = None
         if sampling:
             assert logits is not None  # computed whenever a row samples
             # The sampler's host work (grammar masks) runs before it touches the logits: on a GPU, while the forward
             # launched above still runs.
-            tokens, logprobs = self.sampler(logits, sampling, before_wait)
-        elif before_wait is not None:
-            before_wait()
+            tokens, logprobs = self.sampler(logits, sampling)
         by_seq = {id(s): t for s, t in zip(sampling, tokens, strict=True)}
         sampled = [[by_seq[id(seq)]] if id(seq) in by_seq else [] for seq, _ in out.scheduled]
         lp = {s.request_id: lp for s, lp in zip(sampling, logprobs, strict=True)} if logprobs else {}

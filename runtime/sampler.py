@@ -10,7 +10,6 @@ filtering), as vLLM and OpenAI report them.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,13 +46,10 @@ class Sampler:
         self._bit_shifts = torch.arange(32, dtype=torch.int32, device=device)
 
     @torch.inference_mode()
-    def __call__(
-        self, logits: torch.Tensor, seqs: list[Sequence], before_wait: Callable[[], None] | None = None
-    ) -> tuple[list[int], list[TokenLogprob] | None]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob] | None]:
         """``logits: (S, V)`` fp32, one row per sequence that samples this step. Called right after the forward
         is launched: the host work (grammar masks) comes first, before anything waits for the device, so on a
-        GPU it overlaps the forward; so does ``before_wait``, called once the sampling is launched, just before
-        the wait for the tokens (host work of the step that needs no token: the engine's block registration)."""
+        GPU it overlaps the forward."""
         constraints = self.constraints(seqs, logits.shape[-1])
         want_logprobs = any(s.params.logprobs is not None for s in seqs)
         raw = processed = logits
@@ -64,8 +60,6 @@ class Sampler:
             tokens = self.argmax(processed)
         else:
             tokens = self._sample(processed.clone() if processed is raw else processed, seqs)
-        if before_wait is not None:
-            before_wait()
         with self.device_wait():
             token_list = tokens.tolist()
         return token_list, (self._logprobs(raw, token_list, seqs) if want_logprobs else None)

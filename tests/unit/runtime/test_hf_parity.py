@@ -19,10 +19,10 @@ def _record_logits(engine: LLMEngine) -> dict[str, list[torch.Tensor]]:
     runner = engine.runner
     original = runner.sampler.__call__
 
-    def recording_sampler(logits, seqs, before_wait=None):
+    def recording_sampler(logits, seqs):
         for row, seq in zip(logits, seqs, strict=True):
             seen.setdefault(seq.request_id, []).append(row.clone())
-        return original(logits, seqs, before_wait)
+        return original(logits, seqs)
 
     runner.sampler = recording_sampler
     return seen
