@@ -1012,7 +1012,8 @@ def print_table(a: dict) -> None:
                     )
                     + (
                         f"; worker GC ms: first steps {r['timeline'].get('step_gc_ms', [])[:4]}, run total / "
-                        f"largest {r['timeline']['gc_ms']}"
+                        f"largest {r['timeline']['gc_ms']}, by generation [ms, collections, largest] "
+                        f"{r['timeline'].get('gc_by_generation')}"
                         if r["timeline"].get("gc_ms")
                         else ""
                     )

@@ -114,6 +114,11 @@ class GcPauses:
     def total(self) -> float:
         return sum(self.seconds)
 
+    def snapshot(self) -> tuple[float, ...]:
+        """(seconds of generations 0, 1, 2, collections of generations 0, 1, 2) so far: two snapshots' difference
+        says which generation an interval's pause came from (a full collection walks every unfrozen object)."""
+        return (*self.seconds, *self.collections)
+
     def collect(self):  # a prometheus_client collector
         c = CounterMetricFamily(
             "kernellab:gc_pause_seconds", "Time the process spent in Python's garbage collector", labels=["generation"]

@@ -174,9 +174,23 @@ def timeline(
 
 def _gc(steps: list[dict]) -> dict:
     """``gc_ms``: the worker's garbage-collector time over the run's steps, [total, the largest in one step]
-    (traces that record it)."""
+    (traces that record it); ``gc_by_generation``: per generation 0, 1, 2, [ms, collections, the largest ms in
+    one step] (traces that split it)."""
     pauses = [s["gc_dt"] for s in steps if s.get("gc_dt") is not None]
-    return {"gc_ms": [round(sum(pauses) * 1e3, 2), round(max(pauses) * 1e3, 2)]} if pauses else {}
+    if not pauses:
+        return {}
+    out = {"gc_ms": [round(sum(pauses) * 1e3, 2), round(max(pauses) * 1e3, 2)]}
+    split = [s["gc_gen"] for s in steps if s.get("gc_gen")]
+    if split:
+        out["gc_by_generation"] = [
+            [
+                round(sum(g[i][0] for g in split) * 1e3, 2),
+                sum(g[i][1] for g in split),
+                round(max(g[i][0] for g in split) * 1e3, 2),
+            ]
+            for i in range(3)
+        ]
+    return out
 
 
 def _gate_split(steps: list[dict]) -> dict:
@@ -193,4 +207,6 @@ def _gate_split(steps: list[dict]) -> dict:
         out["step_launch_wait_ms"] = [[ms(s.get("launch_dt")), ms(s.get("wait_dt"))] for s in steps]
     if any("gc_dt" in s for s in steps):
         out["step_gc_ms"] = [ms(s.get("gc_dt")) for s in steps]
+    if any("gc_gen" in s for s in steps):  # which generation: [ms of generation 0, 1, 2]
+        out["step_gc_ms_by_generation"] = [[ms(g[0]) for g in s["gc_gen"]] if s.get("gc_gen") else None for s in steps]
     return out

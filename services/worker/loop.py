@@ -132,7 +132,7 @@ class Worker:
         self.active: dict[str, Active] = {}
         self.trace = StepTrace(s.step_trace) if s.step_trace else None
         self.metrics.registry.register(GC_PAUSES.install())
-        self._gc_mark = GC_PAUSES.total()  # the step trace's gc_dt: collector time since the last step's line
+        self._gc_mark = GC_PAUSES.snapshot()  # the step trace's gc_dt / gc_gen: collector time since the last line
         self.draining = threading.Event()
         self.stopped = threading.Event()
         self._stats = engine.stats()
@@ -260,9 +260,10 @@ class Worker:
             first = self._emit(outputs)
             if self.trace is not None:
                 gate = (self.gate.launch_s, self.gate.wait_s) if self.gate is not None else None
-                gc_now = GC_PAUSES.total()
-                gc_s, self._gc_mark = gc_now - self._gc_mark, gc_now
-                self.trace.step(t0, t1 - t0, self.engine.last_schedule, first, time.monotonic() - t1, gate, gc_s)
+                gc_now = GC_PAUSES.snapshot()
+                gc_d = [now - before for now, before in zip(gc_now, self._gc_mark, strict=True)]
+                self._gc_mark = gc_now
+                self.trace.step(t0, t1 - t0, self.engine.last_schedule, first, time.monotonic() - t1, gate, gc_d)
             self._refresh_stats()
 
     def _check_stall(self, since: float) -> None:

@@ -6,7 +6,7 @@ can line its own send and receive times up with the worker's):
 
     {"ev": "add", "t": ..., "rid": "cmpl-…", "i": 0, "prompt": 512, "recv": ...}
     {"ev": "step", "t": ..., "dt": ..., "rows": 32, "tokens": 8192, "first": ["cmpl-…:0", …], "emit_dt": ...,
-     "launch_dt": ..., "wait_dt": ..., "gc_dt": ...}
+     "launch_dt": ..., "wait_dt": ..., "gc_dt": ..., "gc_gen": [[s0, n0], [s1, n1], [s2, n2]]}
 
 ``add``: ``t`` when the step loop took the request in (the engine has it from then on); ``recv`` when the
 worker's I/O thread had read it from Redis (it prepares it next, ``Worker.prepare``): ``t - recv`` is the wait
@@ -16,7 +16,9 @@ whose first token the step made; ``emit_dt``: handing the step's chunks to the w
 for first tokens to reach Redis; ``launch_dt`` / ``wait_dt`` (engines with a host gate, runtime/host_gate.py): from
 the step's start to its first wait for the device (null: none), and the time in those waits, when the request
 reader may run; ``gc_dt``: time the worker's process spent in the garbage collector since the previous step's line
-(the step, its emit and the take-in before it; observability.GcPauses). Events are buffered and written (formatted then, not on the loop's time between
+(the step, its emit and the take-in before it; observability.GcPauses), and ``gc_gen`` the same split by generation,
+``[seconds, collections]`` for generations 0, 1 and 2 (a full collection, generation 2, walks every object not
+frozen at startup). Events are buffered and written (formatted then, not on the loop's time between
 steps) whenever the engine goes idle, and at exit.
 """
 
@@ -46,14 +48,15 @@ class StepTrace:
         first: list[str],
         emit_dt: float,
         gate: tuple[float | None, float] | None = None,
-        gc_s: float | None = None,
+        gc: list[float] | None = None,
     ) -> None:
         rows, tokens = shape if shape is not None else (None, None)
         ev = {"ev": "step", "t": t, "dt": dt, "rows": rows, "tokens": tokens, "first": first, "emit_dt": emit_dt}
         if gate is not None:
             ev["launch_dt"], ev["wait_dt"] = gate
-        if gc_s is not None:
-            ev["gc_dt"] = gc_s
+        if gc is not None:  # GcPauses.snapshot's difference: seconds, then collections, by generation
+            ev["gc_dt"] = sum(gc[:3])
+            ev["gc_gen"] = [[gc[g], int(gc[3 + g])] for g in range(3)]
         self._events.append(ev)
 
     def flush(self) -> None:
@@ -69,5 +72,8 @@ class StepTrace:
 
 
 def _rounded(ev: dict) -> dict:
-    """Times to the microsecond (what the file always held)."""
-    return {k: round(v, 6) if isinstance(v, float) else v for k, v in ev.items()}
+    """Times to the microsecond (what the file always held), the collector's split by generation too."""
+    out = {k: round(v, 6) if isinstance(v, float) else v for k, v in ev.items()}
+    if "gc_gen" in out:
+        out["gc_gen"] = [[round(s, 6), n] for s, n in out["gc_gen"]]
+    return out

@@ -53,3 +53,22 @@ def test_missing_trace_reads_as_empty(tmp_path):
     assert read_trace(tmp_path / "none.jsonl", 0.0) == ([], {}, {})
     tl = timeline([], {}, [{"rid": "x", "sent": 0.0, "first": 1.0}], 0.0)
     assert tl["requests_joined"] == 0 and tl["median_ms"]["step"] is None
+
+
+def test_gc_pauses_split_by_generation_in_the_trace_and_the_timeline(tmp_path):
+    """The step trace carries the collector's time since the last step by generation (GcPauses.snapshot's
+    difference: seconds of generations 0-2, then their collection counts); the timeline sums it per generation and
+    lists it for the first steps, so a serving run shows whether a pause was a full collection."""
+    path = tmp_path / "trace.jsonl"
+    tr = StepTrace(str(path))
+    tr.add(10.002, "cmpl-a", 0, 512, received=10.001)
+    tr.step(10.005, 0.040, (1, 512), ["cmpl-a:0"], 0.001, gc=[0.0002, 0.0, 0.0046, 3, 0, 1])
+    tr.step(10.046, 0.030, (1, 1), [], 0.001, gc=[0.0001, 0.0003, 0.0, 1, 1, 0])
+    tr.close()
+    steps, adds, received = read_trace(path, since=9.0)
+    assert steps[0]["gc_dt"] == pytest.approx(0.0048) and steps[0]["gc_gen"] == [[0.0002, 3], [0.0, 0], [0.0046, 1]]
+    tl = timeline(steps, adds, [{"rid": "cmpl-a:0", "sent": 10.0, "first": 10.046}], t0=10.0, received=received)
+    assert tl["gc_ms"] == [5.2, 4.8]  # total, the largest step
+    assert tl["gc_by_generation"] == [[0.3, 4, 0.2], [0.3, 1, 0.3], [4.6, 1, 4.6]]  # ms, collections, largest
+    assert tl["step_gc_ms"] == [4.8, 0.4]
+    assert tl["step_gc_ms_by_generation"] == [[0.2, 0.0, 4.6], [0.1, 0.3, 0.0]]

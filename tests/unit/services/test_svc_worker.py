@@ -274,6 +274,10 @@ def test_step_trace_records_each_request_and_the_step_that_made_its_first_token(
     firsts = [rid for e in steps for rid in e["first"]]
     assert sorted(firsts) == ["req-trace-0:0", "req-trace-1:0"]  # each first token once
     assert all(e["dt"] >= 0 and e["emit_dt"] >= 0 and e["gc_dt"] >= 0 for e in steps)
+    # the collector's time split by generation: [seconds, collections] each, adding up to gc_dt (each to the µs)
+    for e in steps:
+        assert len(e["gc_gen"]) == 3 and all(s >= 0 and n >= 0 and isinstance(n, int) for s, n in e["gc_gen"])
+        assert abs(sum(s for s, _ in e["gc_gen"]) - e["gc_dt"]) <= 2e-6
     assert [e["t"] for e in steps] == sorted(e["t"] for e in steps)
 
 
