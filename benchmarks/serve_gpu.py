@@ -118,6 +118,9 @@ VARIANTS = {
     # the worker and the gateway tier leave their startup objects in the garbage collector's generations (before
     # gc_freeze)
     "nogcfreeze": {"KERNELLAB_GC_FREEZE": "0"},
+    # the worker collects and re-freezes its heap each time it goes idle (gc_idle_freeze), so a burst's collections
+    # walk only what the burst allocates
+    "idlefreeze": {"KERNELLAB_GC_IDLE_FREEZE": "1"},
     # the plain RMSNorm (the first layer's input norm in steps that prefill) on torch, as before the gate at f611de0
     # accepted its kernel: the interactive mix's TTFT rose between 591b0ef and 56c1be2, in both scheduling modes
     "normtorch": {"KERNELLAB_DISABLED_KERNELS": "rms_norm"},

@@ -237,6 +237,13 @@ class WorkerSettings(StackSettings):
     # sys.setswitchinterval of the worker process: how long a thread that wants the GIL waits before the holder is
     # asked to drop it (Python's default is 5 ms). 0.1 ms measured no better on the H200 (docs/deploy.md).
     switch_interval_s: float = Field(0.0005, gt=0, le=0.1)
+    # KERNELLAB_GC_IDLE_FREEZE: each time the engine runs out of work (nothing running or waiting, nothing in the
+    # inbox), collect, then freeze what survived (observability.refreeze_heap), so the next burst's collections
+    # walk only what it allocates. Objects alive at that moment are the process's long-lived state (no request is
+    # in flight); one of them that later joins a reference cycle is freed only by a collection after
+    # ``gc.unfreeze``. Off until the serving benchmark's "-idlefreeze" phase measures it (the H200 run at 75f3247
+    # saw 3-4.6 ms of collector time in each burst's first step).
+    gc_idle_freeze: bool = False
     # After a step that produced first tokens, wait (at most this long) until they are written to Redis.
     first_token_flush_s: float = Field(0.005, ge=0)
     step_trace: str = ""  # KERNELLAB_STEP_TRACE: a file for one JSON line per step and request (worker/trace.py)

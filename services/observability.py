@@ -131,6 +131,16 @@ class GcPauses:
 GC_PAUSES = GcPauses()  # one clock per process (the collector is per process)
 
 
+def refreeze_heap() -> tuple[int, float]:
+    """``freeze_heap`` again at a moment with nothing in flight (the worker gone idle): collect what the last busy
+    spell left, then freeze the survivors. Returns (objects frozen in all, seconds taken); logs nothing (it runs
+    at every idle transition)."""
+    t = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count(), time.perf_counter() - t
+
+
 def freeze_heap() -> int:
     """Collect once, then move every object alive now into the permanent generation (``gc.freeze``), so later
     collections walk only what the process allocates while serving; call it once startup has built what lives as

@@ -33,7 +33,7 @@ from kernellab.runtime.request.errors import KernellabError
 from kernellab.runtime.request.outputs import Engine
 from kernellab.runtime.request.sampling import SamplingParams
 from kernellab.services.config import WorkerSettings
-from kernellab.services.observability import GC_PAUSES
+from kernellab.services.observability import GC_PAUSES, refreeze_heap
 from kernellab.services.queue.broker import Delivery, WorkerQueue, connect
 from kernellab.services.queue.keys import Keys
 from kernellab.services.queue.protocol import ErrorMessage, Heartbeat, OutputChunk
@@ -139,6 +139,8 @@ class Worker:
         self.loop_error: BaseException | None = None
         self.integrity = "unchecked"  # engine.check_integrity() when last idle: "ok" or what it found
         self._integrity_at = 0.0
+        self._stepped = False  # a step ran since the loop last went idle (gc_idle_freeze)
+        self.refreezes = 0
 
     # ----------------------------------------------------------------- public
     def heartbeat(self) -> Heartbeat:
@@ -248,6 +250,7 @@ class Worker:
                     self.trace.flush()
                 self._refresh_stats()
                 self._check_integrity()
+                self._idle_refreeze()
                 continue
             t0 = time.monotonic()
             if self.gate is not None:
@@ -255,6 +258,7 @@ class Worker:
                 # for the device: the loop's own Python (launches, emit, take-in) never waits for the reader's.
                 self.gate.host()
             outputs = self.engine.step()
+            self._stepped = True
             t1 = time.monotonic()
             self._check_stall(last)  # stopped mid-step: what others reclaimed meanwhile is not emitted
             first = self._emit(outputs)
@@ -280,6 +284,16 @@ class Worker:
     def _refresh_stats(self) -> None:
         self._stats = self.engine.stats()
         self.metrics.update_from_stats(self._stats)
+
+    def _idle_refreeze(self) -> None:
+        """Gone idle after a busy spell (``gc_idle_freeze``): collect and freeze the survivors, unless a request
+        is already waiting in the inbox (it goes first; the next idle spell freezes)."""
+        if not (self._stepped and self.settings.gc_idle_freeze and self.inbox.empty()):
+            return
+        self._stepped = False
+        frozen, seconds = refreeze_heap()
+        self.refreezes += 1
+        log.debug("idle: collected and froze the heap (%d objects frozen, %.2f ms)", frozen, seconds * 1e3)
 
     def _check_integrity(self) -> None:
         """Idle: the engine's own consistency check (ref counts, free queue, hash index), at most once a second."""

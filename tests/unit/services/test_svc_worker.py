@@ -453,3 +453,32 @@ def test_slices_put_first_tokens_first_and_keep_each_streams_order():
     assert io._slices(batch, outputs) == [outputs]
     io.write_slice = 6
     assert io._slices(batch, outputs) == [outputs]
+
+
+def test_gc_idle_freeze_collects_and_freezes_once_each_time_the_worker_goes_idle(ctx):
+    """gc_idle_freeze: after a busy spell the idle loop collects and freezes what survived, once per spell (not at
+    every idle poll), and the worker keeps serving afterwards; off, it never does."""
+    import gc
+
+    r, keys, start = ctx
+    off = start()
+    m = send(r, keys, "req-nofreeze", max_tokens=2)
+    assert len(collect(r, keys, m.engine_id)[0]) == 2
+    time.sleep(0.3)
+    assert off.worker.refreezes == 0
+    off.stop()
+    try:
+        w = start(gc_idle_freeze=True)
+        frozen_before = gc.get_freeze_count()
+        for spell in range(2):
+            m = send(r, keys, f"req-freeze-{spell}", max_tokens=3)
+            assert len(collect(r, keys, m.engine_id)[0]) == 3
+            deadline = time.monotonic() + 5
+            while w.worker.refreezes < spell + 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.3)  # several idle polls: still one freeze for the spell
+            assert w.worker.refreezes == spell + 1
+        assert gc.get_freeze_count() >= frozen_before
+        w.stop()
+    finally:
+        gc.unfreeze()  # the test process's heap back in the collector's generations
