@@ -47,3 +47,14 @@ def test_the_kv_pools_shrink_only_where_two_do_not_fit_the_card():
     assert fitted == int(KV_POOL_SHARE * h100) // per_block < 20480
     assert 2 * fitted * per_block <= 0.75 * h100  # two pools leave a quarter of the card to everything else
     assert fit_kv_blocks(64, QWEN3_0_6B, h100) == 64
+
+
+def test_the_added_ttft_median_comes_with_an_order_statistic_interval():
+    from benchmarks.serve_gpu import median_interval
+
+    # 8 pairs: (2nd, 7th) covers the median with 1 - 2·9/256 = 93 %; (3rd, 6th) would be 71 %
+    diffs = [6.3, -0.79, 10.98, 2.53, 4.73, 3.35, 9.21, 6.74]
+    assert median_interval(diffs) == {"lo": 2.53, "hi": 9.21, "coverage": 0.9297}
+    assert median_interval(list(range(5))) == {"lo": 0, "hi": 4, "coverage": 0.9375}  # 5: the extremes
+    assert median_interval([1.0, 2.0, 3.0, 4.0]) is None  # 4 values reach 87.5 % at most
+    assert median_interval(list(range(16)), level=0.95)["coverage"] >= 0.95
