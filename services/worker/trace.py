@@ -74,6 +74,7 @@ class StepTrace:
 def _rounded(ev: dict) -> dict:
     """Times to the microsecond (what the file always held), the collector's split by generation too."""
     out = {k: round(v, 6) if isinstance(v, float) else v for k, v in ev.items()}
-    if "gc_gen" in out:
-        out["gc_gen"] = [[round(s, 6), n] for s, n in out["gc_gen"]]
+    gen: list | None = ev.get("gc_gen")
+    if gen is not None:
+        out["gc_gen"] = [[round(s, 6), n] for s, n in gen]
     return out
