@@ -241,8 +241,8 @@ class WorkerSettings(StackSettings):
     # inbox), collect, then freeze what survived (observability.refreeze_heap), so the next burst's collections
     # walk only what it allocates. Objects alive at that moment are the process's long-lived state (no request is
     # in flight); one of them that later joins a reference cycle is freed only by a collection after
-    # ``gc.unfreeze``. Off until the serving benchmark's "-idlefreeze" phase measures it (the H200 run at 75f3247
-    # saw 3-4.6 ms of collector time in each burst's first step).
+    # ``gc.unfreeze``. Off: on an H100 (c144059, docs/deploy.md) the burst's young collections got cheaper (0.2 ms
+    # each against 0.8-1.8) and the added TTFT 0.4-1.0 ms lower in two runs, inside the runs' intervals.
     gc_idle_freeze: bool = False
     # After a step that produced first tokens, wait (at most this long) until they are written to Redis.
     first_token_flush_s: float = Field(0.005, ge=0)
