@@ -121,6 +121,9 @@ VARIANTS = {
     # the worker collects and re-freezes its heap each time it goes idle (gc_idle_freeze), so a burst's collections
     # walk only what the burst allocates
     "idlefreeze": {"KERNELLAB_GC_IDLE_FREEZE": "1"},
+    # diagnosis, not a setting to serve with: each young collection in the worker takes a census of what it walks,
+    # and the step trace keeps those of collections of 0.3 ms or more (the phase's timeline ``gc_census``)
+    "gcprobe": {"KERNELLAB_GC_PROBE_MS": "0.3"},
     # the plain RMSNorm (the first layer's input norm in steps that prefill) on torch, as before the gate at f611de0
     # accepted its kernel: the interactive mix's TTFT rose between 591b0ef and 56c1be2, in both scheduling modes
     "normtorch": {"KERNELLAB_DISABLED_KERNELS": "rms_norm"},
@@ -1032,12 +1035,18 @@ def print_table(a: dict) -> None:
                     )
                     + (
                         f"; worker GC ms: first steps {r['timeline'].get('step_gc_ms', [])[:4]}, run total / "
-                        f"largest {r['timeline']['gc_ms']}, by generation [ms, collections, largest] "
+                        f"largest {r['timeline']['gc_ms']}, by generation [ms, collections, largest, CPU ms] "
                         f"{r['timeline'].get('gc_by_generation')}"
                         if r["timeline"].get("gc_ms")
                         else ""
                     )
                 )
+                for c in r["timeline"].get("gc_census", [])[:3]:
+                    print(
+                        f"{'':22}slow young collection {c['ms']} ms (CPU {c['cpu_ms']}), generation "
+                        f"{c['generation']}: {c['objects']} objects, {c['refs']} references, collected "
+                        f"{c['collected']}; by count {c['by_count']}; by references {c['by_refs']}"
+                    )
     print(
         f"\nstack/engine throughput {f.get('throughput_ratio')} (target ≥ {TARGETS['throughput_ratio_min']}); "
         f"interactive TTFT p50 added {f.get('interactive_added_ttft_p50_ms')} ms "

@@ -244,6 +244,11 @@ class WorkerSettings(StackSettings):
     # ``gc.unfreeze``. Off: on an H100 (c144059, docs/deploy.md) the burst's young collections got cheaper (0.2 ms
     # each against 0.8-1.8) and the added TTFT 0.4-1.0 ms lower in two runs, inside the runs' intervals.
     gc_idle_freeze: bool = False
+    # KERNELLAB_GC_PROBE_MS: diagnosis of the collector's pauses. Each young collection first takes a census of what
+    # it is about to walk (objects by type, references their containers hold; observability.young_census), and the
+    # step trace keeps the census of every one that took at least this many ms (``gc_census``). The census lists
+    # the young objects, which costs time of its own (~0.1-0.3 ms a collection): unset (off) when serving.
+    gc_probe_ms: float | None = Field(None, ge=0)
     # After a step that produced first tokens, wait (at most this long) until they are written to Redis.
     first_token_flush_s: float = Field(0.005, ge=0)
     step_trace: str = ""  # KERNELLAB_STEP_TRACE: a file for one JSON line per step and request (worker/trace.py)

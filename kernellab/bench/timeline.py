@@ -175,11 +175,12 @@ def timeline(
 def _gc(steps: list[dict]) -> dict:
     """``gc_ms``: the worker's garbage-collector time over the run's steps, [total, the largest in one step]
     (traces that record it); ``gc_by_generation``: per generation 0, 1, 2, [ms, collections, the largest ms in
-    one step] (traces that split it)."""
+    one step, and where the trace has it the collecting thread's CPU ms] (traces that split it); ``gc_census``:
+    the slowest young collections' censuses (traces written with ``KERNELLAB_GC_PROBE_MS``), slowest first."""
     pauses = [s["gc_dt"] for s in steps if s.get("gc_dt") is not None]
     if not pauses:
         return {}
-    out = {"gc_ms": [round(sum(pauses) * 1e3, 2), round(max(pauses) * 1e3, 2)]}
+    out: dict = {"gc_ms": [round(sum(pauses) * 1e3, 2), round(max(pauses) * 1e3, 2)]}
     split = [s["gc_gen"] for s in steps if s.get("gc_gen")]
     if split:
         out["gc_by_generation"] = [
@@ -187,10 +188,17 @@ def _gc(steps: list[dict]) -> dict:
                 round(sum(g[i][0] for g in split) * 1e3, 2),
                 sum(g[i][1] for g in split),
                 round(max(g[i][0] for g in split) * 1e3, 2),
+                *([round(sum(g[i][2] for g in split) * 1e3, 2)] if all(len(g[i]) > 2 for g in split) else []),
             ]
             for i in range(3)
         ]
+    census = [c for s in steps for c in s.get("gc_census") or ()]
+    if census:
+        out["gc_census"] = sorted(census, key=lambda c: -c["ms"])[:GC_CENSUS_KEEP]
     return out
+
+
+GC_CENSUS_KEEP = 8
 
 
 def _gate_split(steps: list[dict]) -> dict:

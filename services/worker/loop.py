@@ -133,6 +133,8 @@ class Worker:
         self.trace = StepTrace(s.step_trace) if s.step_trace else None
         self.metrics.registry.register(GC_PAUSES.install())
         self._gc_mark = GC_PAUSES.snapshot()  # the step trace's gc_dt / gc_gen: collector time since the last line
+        if s.gc_probe_ms is not None:
+            GC_PAUSES.probe(s.gc_probe_ms)
         self.draining = threading.Event()
         self.stopped = threading.Event()
         self._stats = engine.stats()
@@ -267,7 +269,10 @@ class Worker:
                 gc_now = GC_PAUSES.snapshot()
                 gc_d = [now - before for now, before in zip(gc_now, self._gc_mark, strict=True)]
                 self._gc_mark = gc_now
-                self.trace.step(t0, t1 - t0, self.engine.last_schedule, first, time.monotonic() - t1, gate, gc_d)
+                census = GC_PAUSES.take_census()
+                self.trace.step(
+                    t0, t1 - t0, self.engine.last_schedule, first, time.monotonic() - t1, gate, gc_d, census
+                )
             self._refresh_stats()
 
     def _check_stall(self, since: float) -> None:

@@ -6,7 +6,8 @@ can line its own send and receive times up with the worker's):
 
     {"ev": "add", "t": ..., "rid": "cmpl-…", "i": 0, "prompt": 512, "recv": ...}
     {"ev": "step", "t": ..., "dt": ..., "rows": 32, "tokens": 8192, "first": ["cmpl-…:0", …], "emit_dt": ...,
-     "launch_dt": ..., "wait_dt": ..., "gc_dt": ..., "gc_gen": [[s0, n0], [s1, n1], [s2, n2]]}
+     "launch_dt": ..., "wait_dt": ..., "gc_dt": ..., "gc_gen": [[s0, n0, c0], [s1, n1, c1], [s2, n2, c2]],
+     "gc_census": [...]}
 
 ``add``: ``t`` when the step loop took the request in (the engine has it from then on); ``recv`` when the
 worker's I/O thread had read it from Redis (it prepares it next, ``Worker.prepare``): ``t - recv`` is the wait
@@ -17,8 +18,11 @@ for first tokens to reach Redis; ``launch_dt`` / ``wait_dt`` (engines with a hos
 the step's start to its first wait for the device (null: none), and the time in those waits, when the request
 reader may run; ``gc_dt``: time the worker's process spent in the garbage collector since the previous step's line
 (the step, its emit and the take-in before it; observability.GcPauses), and ``gc_gen`` the same split by generation,
-``[seconds, collections]`` for generations 0, 1 and 2 (a full collection, generation 2, walks every object not
-frozen at startup). Events are buffered and written (formatted then, not on the loop's time between
+``[seconds, collections, CPU seconds]`` for generations 0, 1 and 2 (a full collection, generation 2, walks every
+object not frozen at startup; the CPU seconds are the collecting thread's own, so a pause much longer than them
+was spent off the CPU or with the GIL handed to another thread; traces written before lack them);
+``gc_census`` (``KERNELLAB_GC_PROBE_MS``): for each young collection since the previous line that took at least
+that long, what it walked (observability.young_census). Events are buffered and written (formatted then, not on the loop's time between
 steps) whenever the engine goes idle, and at exit.
 """
 
@@ -49,14 +53,17 @@ class StepTrace:
         emit_dt: float,
         gate: tuple[float | None, float] | None = None,
         gc: list[float] | None = None,
+        census: list[dict] | None = None,
     ) -> None:
         rows, tokens = shape if shape is not None else (None, None)
         ev = {"ev": "step", "t": t, "dt": dt, "rows": rows, "tokens": tokens, "first": first, "emit_dt": emit_dt}
         if gate is not None:
             ev["launch_dt"], ev["wait_dt"] = gate
-        if gc is not None:  # GcPauses.snapshot's difference: seconds, then collections, by generation
+        if gc is not None:  # GcPauses.snapshot's difference: seconds, collections, CPU seconds, by generation
             ev["gc_dt"] = sum(gc[:3])
-            ev["gc_gen"] = [[gc[g], int(gc[3 + g])] for g in range(3)]
+            ev["gc_gen"] = [[gc[g], int(gc[3 + g]), *gc[6 + g : 7 + g]] for g in range(3)]
+        if census:
+            ev["gc_census"] = census
         self._events.append(ev)
 
     def flush(self) -> None:
@@ -76,5 +83,5 @@ def _rounded(ev: dict) -> dict:
     out = {k: round(v, 6) if isinstance(v, float) else v for k, v in ev.items()}
     gen: list | None = ev.get("gc_gen")
     if gen is not None:
-        out["gc_gen"] = [[round(s, 6), n] for s, n in gen]
+        out["gc_gen"] = [[round(s, 6), n, *(round(c, 6) for c in rest)] for s, n, *rest in gen]
     return out

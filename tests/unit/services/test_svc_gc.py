@@ -46,3 +46,50 @@ def test_freezing_the_heap_leaves_the_collector_nothing_of_what_startup_built():
     assert out["before"] > 200_000 and out["kept"] == 100_000
     assert out["frozen"] >= 200_000  # the dicts and lists above, and every module's objects
     assert out["after"] < 1_000  # a full collection now walks almost nothing
+
+
+def test_each_collection_is_also_timed_on_the_collecting_threads_cpu_clock():
+    GC_PAUSES.install()
+    before = GC_PAUSES.snapshot()
+    junk = [[i] for i in range(50_000)]  # work for the collector to do
+    gc.collect(0)
+    after = GC_PAUSES.snapshot()
+    del junk
+    d = [a - b for a, b in zip(after, before, strict=True)]
+    assert d[3] >= 1  # a generation-0 collection ran
+    assert d[6] > 0  # and its thread spent CPU time in it
+    assert d[6] <= d[0] + 1e-3  # not more than its wall time (the clocks' resolutions aside)
+
+
+_PROBE = textwrap.dedent(
+    """
+    import gc, json
+    from kernellab.services.observability import GC_PAUSES
+    GC_PAUSES.install()
+    gc.collect()
+    gc.freeze()  # what a serving process froze at startup is not young: the census must not count it
+    GC_PAUSES.probe(0.0)  # keep every young collection's census
+    class Request:
+        def __init__(self, ids):
+            self.ids = ids
+    young = [Request(list(range(1000))) for _ in range(300)]  # 300 young lists holding 1,000 ints each
+    gc.collect(0)
+    slow = GC_PAUSES.take_census()
+    GC_PAUSES.probe(None)
+    gc.collect(0)
+    print(json.dumps({"census": slow, "after_off": GC_PAUSES.take_census(), "kept": len(young)}))
+    """
+)
+
+
+def test_the_probe_says_what_a_young_collection_walked():
+    # In a process of its own: the probe and the freeze are process-wide.
+    out = json.loads(subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, check=True).stdout)
+    assert out["after_off"] == [] and out["kept"] == 300
+    census = [c for c in out["census"] if c["generation"] == 0]
+    assert census, out["census"]
+    c = census[-1]  # the explicit collection
+    assert 600 <= c["objects"] < 2_000  # the 300 requests and their lists (and a few of the interpreter's)
+    assert c["by_count"]["Request"][0] == 300
+    assert c["by_refs"]["list"][1] >= 300_000  # the lists' elements: the visits that make such a collection slow
+    assert c["refs"] >= 300_000 and c["ms"] >= 0 and c["cpu_ms"] >= 0 and c["collected"] == 0

@@ -72,3 +72,33 @@ def test_gc_pauses_split_by_generation_in_the_trace_and_the_timeline(tmp_path):
     assert tl["gc_by_generation"] == [[0.3, 4, 0.2], [0.3, 1, 0.3], [4.6, 1, 4.6]]  # ms, collections, largest
     assert tl["step_gc_ms"] == [4.8, 0.4]
     assert tl["step_gc_ms_by_generation"] == [[0.2, 0.0, 4.6], [0.1, 0.3, 0.0]]
+
+
+def test_the_collectors_cpu_time_and_the_slow_collections_census_reach_the_timeline(tmp_path):
+    """Snapshots with the collecting thread's CPU seconds (three more entries) give each generation a third number;
+    censuses of slow young collections (KERNELLAB_GC_PROBE_MS) ride on the step line and the timeline keeps the
+    slowest first."""
+    path = tmp_path / "trace.jsonl"
+    tr = StepTrace(str(path))
+    tr.add(10.002, "cmpl-a", 0, 512, received=10.001)
+    slow = {"objects": 700, "refs": 90_000, "by_count": {"list": [400, 90_000]}, "by_refs": {"list": [400, 90_000]}}
+    tr.step(
+        10.005,
+        0.040,
+        (1, 512),
+        ["cmpl-a:0"],
+        0.001,
+        gc=[0.0018, 0.0, 0.0, 2, 0, 0, 0.0004, 0.0, 0.0],
+        census=[
+            {**slow, "generation": 0, "ms": 1.2, "cpu_ms": 0.3},
+            {**slow, "generation": 0, "ms": 0.6, "cpu_ms": 0.5},
+        ],
+    )
+    tr.step(10.046, 0.030, (1, 1), [], 0.001, gc=[0.0009, 0.0, 0.0, 1, 0, 0, 0.0008, 0.0, 0.0], census=[])
+    tr.close()
+    steps, adds, received = read_trace(path, since=9.0)
+    assert steps[0]["gc_gen"][0] == [0.0018, 2, 0.0004] and "gc_census" not in steps[1]
+    tl = timeline(steps, adds, [{"rid": "cmpl-a:0", "sent": 10.0, "first": 10.046}], t0=10.0, received=received)
+    assert tl["gc_by_generation"][0] == [2.7, 3, 1.8, 1.2]  # ms, collections, largest, the thread's CPU ms
+    assert [c["ms"] for c in tl["gc_census"]] == [1.2, 0.6]
+    assert tl["gc_census"][0]["by_refs"] == {"list": [400, 90_000]}
