@@ -201,8 +201,16 @@ class LLMEngine:
         """``prepare_request`` for a request ``request_limits.check`` passed (which returned ``max_tokens``): build
         the sequence, its grammar state and stop-string detokenizer. ``token_array``: its ids as the check's int64
         array (``check_ids``), kept with the sequence for the prefill graph's input fill."""
-        seq = Sequence(request_id, prompt_token_ids, params, max_tokens, priority, deadline, output_token_ids)
-        seq.token_array = token_array
+        seq = Sequence(
+            request_id,
+            prompt_token_ids,
+            params,
+            max_tokens,
+            priority,
+            deadline,
+            output_token_ids,
+            token_array=token_array,
+        )
         if params.structured is not None:
             seq.grammar = self._grammar_state(params.structured, output_token_ids)
         detok = None

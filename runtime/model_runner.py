@@ -510,7 +510,7 @@ class ModelRunner:
         for a in range(lo, hi, self.PROMPT_LOGPROB_ROWS):
             b = min(a + self.PROMPT_LOGPROB_ROWS, hi)
             logits = self.model.compute_logits(hidden[a - start : b - start])
-            seq.prompt_logprobs.extend(token_logprobs(logits, seq.token_ids[a + 1 : b + 1], [k] * (b - a)))
+            seq.prompt_logprobs.extend(token_logprobs(logits, seq.token_ids[a + 1 : b + 1].tolist(), [k] * (b - a)))
 
     def _execute_piecewise(self, out: SchedulerOutput, pw: PiecewiseGraphs):
         """A step within the largest token bucket through the piecewise graphs (any mix of rows)."""

@@ -9,14 +9,27 @@ until then. Allocation is all-or-nothing.
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from kernellab.runtime.request.sequence import Sequence
 
+TOKEN_BYTES = 8  # a block's tokens are keyed as their int64 bytes
 
-def chain_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
+
+def chain_hash(prev: int | None, tokens: bytes) -> int:
+    """The chain hash of a block: its tokens' int64 bytes (``block_bytes``) hashed with the previous block's."""
     return hash((prev, tokens))
+
+
+def block_bytes(token_ids) -> bytes:
+    """Token ids as the int64 bytes a block is keyed by. Bytes, not a tuple of ints: a bytes object is not a
+    container, so Python's cyclic garbage collector never tracks it, while each tuple of a block's ids (two a
+    block, with the chain's pair) was a young container the next collection walked id by id: a burst of 64
+    prompts of 512 tokens left ~4,000 of them, ~60,000 references, and the worker's generation-0 collections in
+    its first steps took 1-2 ms on an H100 (``KERNELLAB_GC_PROBE_MS``'s census, docs/deploy.md)."""
+    return array("q", token_ids).tobytes()
 
 
 def slot_of(block_table, pos, block_size: int, rows=None):
@@ -33,7 +46,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: int | None = None
-    token_ids: tuple[int, ...] = ()
+    token_ids: bytes = b""  # the tokens of a registered (hashed) block, int64 bytes (block_bytes)
 
 
 class BlockManager:
@@ -62,19 +75,27 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def hash_chain(self, seq: Sequence, n: int) -> list[tuple[int, tuple[int, ...]]]:
-        """``(chain hash, tokens)`` of ``seq``'s first ``n`` full blocks (and any computed before), each computed
-        once per sequence: a 2,048-token prompt's 128 blocks took ~0.1 ms to hash on the CPU, once for the lookup
-        and again when the prefill registered them, both inside its time to first token."""
+    def hash_chain(self, seq: Sequence, n: int) -> list[int]:
+        """The chain hashes of ``seq``'s first ``n`` full blocks (and any computed before), each computed once per
+        sequence: a 2,048-token prompt's 128 blocks took ~0.1 ms to hash on the CPU, once for the lookup and again
+        when the prefill registered them, both inside its time to first token. The blocks' tokens, as int64 bytes,
+        grow beside them in ``seq.chain_bytes`` (``block_tokens``)."""
         chain, bs = seq.hash_chain, self.block_size
         start = len(chain)
         if start < n:
-            prev = chain[-1][0] if chain else None
-            # the blocks' token tuples in one C-level pass (zip over one iterator, bs at a time)
-            for tokens in zip(*[iter(seq.token_ids[start * bs : n * bs])] * bs, strict=False):
-                prev = chain_hash(prev, tokens)
-                chain.append((prev, tokens))
+            new = seq.token_ids[start * bs : n * bs].tobytes()  # int64 already (Sequence.token_ids): block_bytes
+            w = bs * TOKEN_BYTES
+            prev = chain[-1] if chain else None
+            for off in range(0, len(new), w):
+                prev = chain_hash(prev, new[off : off + w])
+                chain.append(prev)
+            seq.chain_bytes += new
         return chain
+
+    def block_tokens(self, seq: Sequence, i: int) -> bytes:
+        """Block ``i``'s tokens as int64 bytes (``hash_chain`` has reached it)."""
+        w = self.block_size * TOKEN_BYTES
+        return bytes(seq.chain_bytes[i * w : (i + 1) * w])
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """Cached blocks holding a prefix of a fresh sequence's tokens (no side effects but the sequence's hash
@@ -92,9 +113,8 @@ class BlockManager:
             if i >= len(chain):
                 self.hash_chain(seq, min(n, i + want))
                 want *= 2
-            h, tokens = chain[i]
-            block_id = self.cached.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            block_id = self.cached.get(chain[i])
+            if block_id is None or self.blocks[block_id].token_ids != self.block_tokens(seq, i):
                 break
             hits.append(block_id)
         return hits
@@ -141,7 +161,7 @@ class BlockManager:
             if h is not None:
                 if cached.get(h) == block_id:
                     del cached[h]
-                block.hash, block.token_ids = None, ()
+                block.hash, block.token_ids = None, b""
             block.ref_count = 1
             taken.append(block_id)
         return taken
@@ -171,12 +191,12 @@ class BlockManager:
         chain = self.hash_chain(seq, n)
         blocks, cached, table = self.blocks, self.cached, seq.block_table
         for i in range(len(hashes), n):
-            h, tokens = chain[i]
+            h = chain[i]
             hashes.append(h)
             block = blocks[table[i]]
             if block.hash is not None or h in cached:
                 continue  # already registered (a prefix hit), or an identical block exists: keep this one private
-            block.hash, block.token_ids = h, tokens
+            block.hash, block.token_ids = h, self.block_tokens(seq, i)
             cached[h] = block.block_id
 
     def reset_prefix_cache(self) -> bool:
@@ -186,7 +206,7 @@ class BlockManager:
         if len(self.free) != self.num_blocks:
             return False
         for block in self.blocks:
-            block.hash, block.token_ids = None, ()
+            block.hash, block.token_ids = None, b""
         self.cached.clear()
         self.free = OrderedDict.fromkeys(range(self.num_blocks))
         return True

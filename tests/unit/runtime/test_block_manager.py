@@ -159,7 +159,7 @@ def test_a_sequences_block_hashes_are_computed_once_and_survive_preemption():
     """The prefix lookup and the registration after the prefill share one hash chain per sequence (it is a function
     of the tokens alone): the registration extends it by the blocks the lookup did not reach, a preempted sequence
     keeps it, and what is registered is the chain a fresh computation gives."""
-    from kernellab.runtime.request.block_manager import chain_hash
+    from kernellab.runtime.request.block_manager import block_bytes, chain_hash
 
     bm = BlockManager(16, BS)
     a = seq("a", list(range(13)))  # 3 full blocks and one token
@@ -170,13 +170,13 @@ def test_a_sequences_block_hashes_are_computed_once_and_survive_preemption():
     assert len(a.hash_chain) == 3 and a.hash_chain[0] is first[0]  # the registration extended it, recomputed none
     expected, prev = [], None
     for i in range(3):
-        prev = chain_hash(prev, tuple(range(i * BS, (i + 1) * BS)))
+        prev = chain_hash(prev, block_bytes(range(i * BS, (i + 1) * BS)))
         expected.append(prev)
-    assert a.block_hashes == expected and [h for h, _ in a.hash_chain] == expected
-    a.token_ids += [13, 14, 15]  # decoding fills the fourth block
+    assert a.block_hashes == expected and a.hash_chain == expected
+    a.token_ids.extend([13, 14, 15])  # decoding fills the fourth block
     a.num_computed_tokens = 16
     bm.cache_full_blocks(a)
-    assert len(a.hash_chain) == 4 and a.block_hashes == [h for h, _ in a.hash_chain]
+    assert len(a.hash_chain) == 4 and a.block_hashes == a.hash_chain
     bm.free_sequence(a)  # preempted: its blocks go, its chain stays
     assert a.block_hashes == [] and len(a.hash_chain) == 4
     a.num_computed_tokens = 0
@@ -204,3 +204,54 @@ def test_the_lookup_hashes_as_far_as_the_cached_prefix_goes_and_finds_all_of_it(
     hits = bm.get_computed_blocks(c)
     assert hits == a.block_table[:20] and 21 <= len(c.hash_chain) <= 2 * 21
     bm.check_integrity([a])
+
+
+def test_block_keys_hold_no_container_for_the_garbage_collector_to_walk():
+    """A block's tokens are keyed as int64 bytes, not a tuple of ints: nothing the prefix cache keeps per block is
+    tracked by Python's cyclic collector (a burst's tuples made the worker's young collections take 1-2 ms), and
+    a prompt hashed from the request check's int64 array keys its blocks exactly as one hashed from its list."""
+    import gc
+
+    import numpy as np
+
+    bm = BlockManager(32, BS)
+    ids = [5, 70_000, 3, 151_935, 0, 9, 9, 1, 2, 2, 4]  # two full blocks and three tokens
+    a = seq("a", ids)
+    a.token_array = np.asarray(ids, dtype=np.int64)
+    assert admit(bm, a)
+    compute(bm, a)
+    b = seq("b", list(ids))  # no array: hashed from the list
+    assert bm.get_computed_blocks(b) == a.block_table[:2] and b.hash_chain == a.hash_chain
+    registered = [bm.blocks[i] for i in a.block_table[:2]]
+    assert [blk.hash for blk in registered] == a.block_hashes
+    assert registered[1].token_ids == np.asarray(ids[BS : 2 * BS], dtype=np.int64).tobytes()
+    assert not any(gc.is_tracked(blk.token_ids) for blk in registered)
+    assert not gc.is_tracked(a.chain_bytes)
+    c = seq("c", [5, 70_000, 3, 151_935, 0, 9, 9, 2, 7])  # the second block differs in its last token
+    assert bm.get_computed_blocks(c) == a.block_table[:1]
+
+
+def test_a_sequences_ids_are_no_container_for_the_collector_either():
+    import gc
+
+    s = seq("s", list(range(40)))
+    s.token_ids.append(7)
+    s.token_ids.extend([8, 9])
+    # the collector walks a C array as one object (at most its type), not id by id as it walks a list
+    assert len(gc.get_referents(s.token_ids)) <= 1 and s.num_tokens == 43
+    assert s.token_ids[40:].tolist() == s.output_token_ids == [7, 8, 9] and type(s.token_ids[3]) is int
+
+
+def test_a_sequence_takes_its_ids_from_the_wire_the_check_or_a_list_alike():
+    import numpy as np
+
+    from kernellab.runtime.request.sampling import SamplingParams
+    from kernellab.runtime.request.token_ids import pack_token_ids, unpack_token_ids
+
+    prompt, out = [3, 151_935, 0, 2**31 + 5], [9, 8]
+    wire = Sequence("w", unpack_token_ids(pack_token_ids(prompt)), SamplingParams(), 4, output_token_ids=out)
+    checked = Sequence("c", prompt, SamplingParams(), 4, output_token_ids=out, token_array=np.array(prompt + out))
+    plain = Sequence("p", prompt, SamplingParams(), 4, output_token_ids=tuple(out))
+    for s in (wire, checked, plain):
+        assert s.token_ids.typecode == "q" and s.token_ids.tolist() == prompt + out
+        assert s.num_prompt_tokens == 4 and s.output_token_ids == out

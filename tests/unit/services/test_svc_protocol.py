@@ -1,3 +1,7 @@
+import copy
+import gc
+import pickle
+
 import msgpack
 import pytest
 
@@ -120,7 +124,13 @@ def test_prompt_ids_travel_packed_and_come_back_as_a_checked_list():
     assert body["prompt_token_ids"] == b"".join(i.to_bytes(4, "little") for i in ids)  # four bytes an id
     got = decode(encode(msg))
     assert got == msg and isinstance(got.prompt_token_ids, TokenIds) and got.prompt_token_ids.max_id == 2**32 - 1
-    assert type(got.prompt_token_ids[0]) is int
+    assert type(got.prompt_token_ids[0]) is int and got.prompt_token_ids[1:3].tolist() == [5, 151_935]
+    # a C array, not a list: the collector's walk of it does not visit an id (just its type and its maximum)
+    assert not any(isinstance(r, int) and r in (0, 5, 7) for r in gc.get_referents(got.prompt_token_ids))
+    assert len(gc.get_referents(got.prompt_token_ids)) <= 2
+    again = copy.deepcopy(got.prompt_token_ids)
+    assert type(again) is TokenIds and again.max_id == 2**32 - 1 and again == ids
+    assert pickle.loads(pickle.dumps(got)) == msg
 
 
 @pytest.mark.parametrize("ids", [[1, -1], [2**32], [1, 2.5], [1, "2"], []])
