@@ -93,3 +93,30 @@ def test_the_probe_says_what_a_young_collection_walked():
     assert c["by_count"]["Request"][0] == 300
     assert c["by_refs"]["list"][1] >= 300_000  # the lists' elements: the visits that make such a collection slow
     assert c["refs"] >= 300_000 and c["ms"] >= 0 and c["cpu_ms"] >= 0 and c["collected"] == 0
+
+
+def test_a_bursts_requests_leave_no_reference_per_token_for_young_collections(tmp_path):
+    """benchmarks/burst_heap.py, small: what the worker holds per request of a burst (the wire's ids, the sequence,
+    its prefix-cache blocks) holds references per block at most, never per token: 64 prompts of 512 tokens once
+    left ~111,000 references (tuples per block, lists of ids) that each young collection walked."""
+    from tests.support.benchmarks import run_benchmark
+
+    requests, prompt = 8, 256
+    out, proc = run_benchmark(
+        "burst_heap.py",
+        "--requests",
+        str(requests),
+        "--prompt",
+        str(prompt),
+        "--repeats",
+        "2",
+        output=tmp_path / "burst_heap.json",
+        schema="kernellab.bench.burst_heap/v1",
+        timeout=120,
+    )
+    (run,) = out["runs"]
+    census = run["census"]
+    blocks = requests * prompt // 16
+    assert census["objects"] >= blocks + 2 * requests  # the census saw the burst (blocks, sequences, their ids)
+    assert census["refs"] < 6 * blocks < requests * prompt  # a few per block (tables, chains), not one per token
+    assert "young objects" in proc.stdout and len(run["gen0_ms"]["all"]) == 2
