@@ -13,7 +13,8 @@ times one generation-0 collection of it, ``--repeats`` times (the heap collected
 serving process's startup objects are).
 
 Each invocation appends one run (the commit of the package it imported) to ``--output``, so one artifact can
-hold a tree and the tree before it, run one after the other on the same machine.
+hold a tree and the tree before it, run one after the other on the same machine; the artifact's own
+``provenance`` is its latest run's.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.output:
         doc = json.loads(args.output.read_text()) if args.output.exists() else {"schema": SCHEMA, "runs": []}
         doc["runs"].append(run)
+        doc["provenance"] = info  # the artifact's: its latest run's (each run keeps its own)
         write(args.output, doc)
     return 0
 
