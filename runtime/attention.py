@@ -99,6 +99,20 @@ def flash_varlen() -> Callable[..., Any] | None:
     return functools.partial(varlen_attn, **kw)
 
 
+# Where the Triton prefill attention (op ``varlen_causal_attention``) runs when the op is enabled: inside the
+# whole-step CUDA graphs only (a lone prompt's prefill graph, the several-fresh-prompt graphs), where its launch is
+# captured once. A step whose attention runs eagerly between the piecewise graphs keeps cuDNN / FlashAttention:
+# there the kernel's Python launch (three tensor descriptors and a Triton launch a layer) cost more than it saved
+# (the gate's mixed steps at ce2e67b: 64 decode rows + 2 x 512 prompts 16.3 ms against 10.3). True: everywhere.
+PREFILL_TRITON_EAGER = False
+
+
+def triton_prefill(ops, graphed: bool) -> bool:
+    """Whether a step's fresh prompts attend through the Triton prefill attention: its op enabled, and the
+    attention captured in the step's graph (``graphed``: ``CausalLM.graphed_attention``) or allowed eagerly."""
+    return "varlen_causal_attention" in ops.enabled and (graphed or PREFILL_TRITON_EAGER)
+
+
 def flash_for(q: torch.Tensor) -> Callable[..., Any] | None:
     """``flash_varlen()`` where it can take ``q``: a GPU tensor in fp16 or bf16 (FlashAttention's dtypes)."""
     return flash_varlen() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
@@ -151,11 +165,13 @@ def paged_attention(
     *,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    graphed: bool = False,
 ) -> torch.Tensor:
     """``q: (T, Hq, D)`` → ``(T, Hq, D)``; the step's K/V (``k, v``) must already be stored in the caches.
 
     Fresh prompts attend their own (unquantized) ``k, v``; decode rows and continuing chunks read the cache,
-    FP8 included (``k_scales``, ``v_scales``)."""
+    FP8 included (``k_scales``, ``v_scales``). ``graphed``: this call is part of a whole-step CUDA graph (its
+    capture and the warm-ups before it), where the Triton prefill attention runs (``triton_prefill``)."""
     nd = meta.num_decode_tokens
     scales = {"k_scales": k_scales, "v_scales": v_scales}
     if nd == q.shape[0]:
@@ -168,7 +184,8 @@ def paged_attention(
     parts = []
     if f:  # fresh prompts: attention over the step's own K/V
         fresh = (q[nd : nd + r], k[nd : nd + r], v[nd : nd + r])
-        if f > 1 and "varlen_causal_attention" in ops.enabled and meta.prefill_cu_seqlens_q is not None:
+        tri = triton_prefill(ops, graphed)
+        if f > 1 and tri and meta.prefill_cu_seqlens_q is not None:
             # the Triton op reads the device offsets (a graph's host list is only its bucket's): one launch
             parts.append(
                 ops.varlen_causal_attention(*fresh, cu[: f + 1], scale, cu_device=meta.prefill_cu_seqlens_q[: f + 1])
@@ -176,8 +193,9 @@ def paged_attention(
         elif f > 1 and flash_for(q) is not None and meta.prefill_cu_seqlens_q is not None:
             cu_t = meta.prefill_cu_seqlens_q[: f + 1]
             parts.append(packed_causal_attention(*fresh, cu_t, cu_t, cu[: f + 1], cu[: f + 1], scale))
-        else:  # one prompt (SDPA: cuDNN or FlashAttention), or the CPU's padded batch
-            parts.append(ops.varlen_causal_attention(*fresh, cu[: f + 1], scale))
+        else:  # one prompt (the Triton kernel, or SDPA: cuDNN or FlashAttention), or the CPU's padded batch
+            attend = ops.varlen_causal_attention if tri else reference.varlen_causal_attention
+            parts.append(attend(*fresh, cu[: f + 1], scale))
     if f < len(cu) - 1:  # chunks that continue a cached context (chunked prefill, prefix hits): from the cache
         g = meta.prefill_gather
         if g is not None:
@@ -257,8 +275,9 @@ def fresh_prompt_counts(max_prompts: int) -> list[int]:
 def warm_prefill_launches(
     ops, num_heads: int, num_kv_heads: int, head_dim: int, max_prompts: int, scale: float, dtype, device
 ) -> int:
-    """Run the Triton prefill attention (``varlen_causal_attention``, when enabled) once for each launch form a
-    step's fresh prompts can give it outside a graph, so its compiles happen at startup, not on a serving step.
+    """Run the Triton prefill attention (``varlen_causal_attention``, when enabled outside graphs:
+    ``PREFILL_TRITON_EAGER``) once for each launch form a step's fresh prompts can give it outside a graph, so its
+    compiles happen at startup, not on a serving step.
 
     A step's fresh prompts reach it eagerly between the piecewise graphs: one prompt as the single-prompt kernel
     (compiled per whether its length divides by 16), several as one launch of the packed kernel (per offsets bound
@@ -266,7 +285,7 @@ def warm_prefill_launches(
     eight-prompt warm-up of a benchmark only its own; at 407f0fb an H100's first offline step met 2.8 s of these
     compiles. The tensors are laid out as the model's step hands them: q and k dense from the QK-norm + RoPE
     kernel, v the strided view of the QKV projection's row. Returns the calls made (0 when the op is off)."""
-    if "varlen_causal_attention" not in ops.enabled:
+    if not triton_prefill(ops, graphed=False):  # only a graph's captures run it (they warm up their own forms)
         return 0
     width = (num_heads + 2 * num_kv_heads) * head_dim
 

@@ -201,12 +201,13 @@ class GraphRunner:
         n = key[1]
         ids = self._prefill_rows(n)[0] if key[0] == "prefill" else self.inputs[0, :n]
         rows = None if key[0] == "decode" else meta.logits_indices  # a decode step's logits are all its rows'
-        for _ in range(2):  # warm up: Triton compilation and autotuning happen outside the capture
-            self.model.logits(ids, meta, self.kv_caches, rows)
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.logits[key] = self.model.logits(ids, meta, self.kv_caches, rows)
+        with self.model.graphed_attention():  # the step's attention is captured with it (attention.triton_prefill)
+            for _ in range(2):  # warm up: Triton compilation and autotuning happen outside the capture
+                self.model.logits(ids, meta, self.kv_caches, rows)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.logits[key] = self.model.logits(ids, meta, self.kv_caches, rows)
         self.pool = graph.pool()
         self.graphs[key] = graph
         self.metas[key] = meta
@@ -224,7 +225,8 @@ class GraphRunner:
             key, meta, rows = ("prefill", n), self._prefill_meta(n), self._prefill_rows(n)
 
             def prefill_forward(meta=meta, rows=rows) -> torch.Tensor:
-                return self.model.logits(rows[0], meta, self.kv_caches, meta.logits_indices)
+                with self.model.graphed_attention():  # as the graph it stands in for
+                    return self.model.logits(rows[0], meta, self.kv_caches, meta.logits_indices)
 
             self.logits[key] = prefill_forward()
             self.graphs[key] = EagerReplay(prefill_forward, self.logits[key])  # type: ignore[assignment]
@@ -233,7 +235,8 @@ class GraphRunner:
             key, meta = ("decode", bs), self._decode_meta(bs)
 
             def forward(bs=bs, meta=meta) -> torch.Tensor:
-                return self.model.logits(self.inputs[0, :bs], meta, self.kv_caches, None)
+                with self.model.graphed_attention():
+                    return self.model.logits(self.inputs[0, :bs], meta, self.kv_caches, None)
 
             self.logits[key] = forward()
             self.graphs[key] = EagerReplay(forward, self.logits[key])  # type: ignore[assignment]

@@ -3,13 +3,14 @@ the ops backend (``runtime/ops.py`` or the Triton kernels) and weight fusion is 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
-from kernellab.runtime.attention import AttentionMetadata, LayerKV, paged_attention
+from kernellab.runtime.attention import AttentionMetadata, LayerKV, paged_attention, triton_prefill
 from kernellab.runtime.config import ModelConfig
 from kernellab.runtime.dispatch import Ops
 
@@ -130,6 +131,9 @@ class CausalLM(nn.Module):
         self._prefetching = False
         self._side_stream: torch.cuda.Stream | None = None
         self._side_pending = False
+        # the forward in progress is a whole-step CUDA graph's (its capture, the warm-ups before it, a CPU's eager
+        # stand-in): attention.triton_prefill (``graphed_attention``)
+        self._graphed = False
 
     def _linear(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
         if lin.int4 is not None and x.shape[0] <= self.int4_max_rows:
@@ -250,7 +254,7 @@ class CausalLM(nn.Module):
             # so, and a separate copy cost a launch and 6 µs a layer at 2,048 tokens on the H200. The Triton prefill
             # attention (varlen_causal_attention) reads the strided view of the QKV row through its descriptors, so
             # with it the copy (4 MB a layer at 2,048 tokens) is skipped. Decode reads the cache.
-            dense_v = v.is_cuda and meta.num_decode_tokens < v.shape[0] and "varlen_causal_attention" not in ops.enabled
+            dense_v = v.is_cuda and meta.num_decode_tokens < v.shape[0] and not triton_prefill(ops, self._graphed)
             v_out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dense_v else None
             q, k = ops.qk_norm_rope_store_kv(
                 meta.positions,
@@ -283,7 +287,7 @@ class CausalLM(nn.Module):
             self.cfg.qk_norm
             and hidden.shape[0] >= QKV_ROPE_MIN_ROWS
             and "qkv_proj_norm_rope_store_kv" in ops.enabled
-            and "varlen_causal_attention" in ops.enabled
+            and triton_prefill(ops, self._graphed)
             and kv.k_scales is None
             and qkv_proj.int4 is None
         )
@@ -334,8 +338,22 @@ class CausalLM(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv: LayerKV
     ) -> torch.Tensor:
         """Attention of the step's rows (their K/V already in the cache) → ``(T, q_size)``."""
-        o = paged_attention(self.ops, q, k, v, kv.k, kv.v, meta, self.scale, k_scales=kv.k_scales, v_scales=kv.v_scales)
+        o = paged_attention(
+            self.ops, q, k, v, kv.k, kv.v, meta, self.scale, k_scales=kv.k_scales, v_scales=kv.v_scales,
+            graphed=self._graphed,
+        )  # fmt: skip
         return o.reshape(-1, self.cfg.q_size)
+
+    @contextlib.contextmanager
+    def graphed_attention(self):
+        """Within: the forwards run are a whole-step CUDA graph's (``CudaGraphs._capture``'s warm-ups and capture,
+        a CPU's ``EagerReplay``), whose attention is captured with the rest, so the Triton prefill attention may
+        run there (``attention.triton_prefill``); a piecewise graph's attention runs eagerly, outside."""
+        before, self._graphed = self._graphed, True
+        try:
+            yield
+        finally:
+            self._graphed = before
 
     def _attend_rows(
         self,

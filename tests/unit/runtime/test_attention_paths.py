@@ -93,10 +93,14 @@ def test_mixed_step_equals_the_all_from_cache_reference():
             "accepted", torch.device("cpu"), status={"varlen_causal_attention": {"status": "accepted"}}
         )
         assert triton_ops.enabled == ("varlen_causal_attention",)
-        with record_launches() as launches:
-            fused = paged_attention(triton_ops, q, k, v, k_cache, v_cache, meta(2, gather=True), D**-0.5)
+        with record_launches() as launches:  # inside a whole-step graph (its capture and warm-ups)
+            fused = paged_attention(triton_ops, q, k, v, k_cache, v_cache, meta(2, gather=True), D**-0.5, graphed=True)
         assert [x["kernel"] for x in launches] == ["_packed_causal_attention_kernel"]
         torch.testing.assert_close(fused, reference, atol=1e-5, rtol=1e-5)
+        with record_launches() as launches:  # eagerly, between piecewise graphs: the torch path (PREFILL_TRITON_EAGER)
+            eager = paged_attention(triton_ops, q, k, v, k_cache, v_cache, meta(2, gather=True), D**-0.5)
+        assert launches == []
+        torch.testing.assert_close(eager, reference, atol=1e-5, rtol=1e-5)
 
 
 def test_context_gather_reads_an_fp8_cache_as_the_paged_reference_does():

@@ -346,7 +346,7 @@ def test_prefill_qkv_takes_the_rope_epilogue_and_keeps_its_tokens(tiny_checkpoin
     equal those of the engine with the op off."""
     from kernellab.kernels import gemm
     from kernellab.kernels.testing import patch_interpreter
-    from kernellab.runtime import dispatch
+    from kernellab.runtime import attention, dispatch
     from kernellab.runtime import model as model_mod
 
     patch_interpreter()
@@ -354,6 +354,9 @@ def test_prefill_qkv_takes_the_rope_epilogue_and_keeps_its_tokens(tiny_checkpoin
     table = dispatch.load_status()
     monkeypatch.setattr(dispatch, "load_status", lambda: {**table, op: {"status": "accepted"}})
     monkeypatch.setattr(model_mod, "QKV_ROPE_MIN_ROWS", 32)
+    # the epilogue goes with the Triton prefill attention, which otherwise runs in whole-step graphs only: this
+    # engine's prefill runs eagerly
+    monkeypatch.setattr(attention, "PREFILL_TRITON_EAGER", True)
     tiles = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 2}
     monkeypatch.setattr(gemm, "DESC_QKV_TILES", tiles)
     tokens, kernels = greedy_on_and_off(

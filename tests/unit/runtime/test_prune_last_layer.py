@@ -108,3 +108,35 @@ def test_pruned_last_layer_in_the_prefill_graphs_path_keeps_the_tokens(tiny_chec
                 out += [t for o in eng.step() for t in o.new_token_ids]
             got.append(out)
         assert got[0] == got[1] and len(got[0]) == 3, n
+
+
+@pytest.mark.skipif(not os.environ.get("TRITON_INTERPRET"), reason="runs the Triton kernels under the interpreter")
+def test_the_triton_prefill_attention_runs_in_the_prefill_graph_not_eagerly(tiny_checkpoints, monkeypatch):
+    """With ``varlen_causal_attention`` enabled, a lone prompt's step attends through the Triton kernel where the
+    step is a whole-step graph's (here the CPU's eager stand-in of the prefill graph), and through the torch path
+    (SDPA) where it runs eagerly (``attention.PREFILL_TRITON_EAGER`` off): same greedy tokens either way."""
+    from kernellab.kernels.compile_check import record_launches
+    from kernellab.kernels.testing import patch_interpreter
+
+    patch_interpreter()
+    kw = dict(
+        model=str(tiny_checkpoints["qwen3"]), device="cpu", dtype="bfloat16", backend="triton",
+        kernels="experimental", num_kv_blocks=64, max_model_len=256,
+    )  # fmt: skip
+    eager, graphed = LLMEngine(**kw), LLMEngine(**kw)
+    graphed.runner.eager_windows(8, prefill=True)
+    assert "varlen_causal_attention" in graphed.runner.model.ops.enabled
+    assert graphed.runner.graphs.prefill_buckets == (128,)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    prompt = list(range(9, 79))
+    got, attention_kernels = [], []
+    for eng in (eager, graphed):
+        eng.add_request("p", prompt, params)
+        with record_launches() as first_step:
+            out = [t for o in eng.step() for t in o.new_token_ids]
+        while eng.has_unfinished_requests():
+            out += [t for o in eng.step() for t in o.new_token_ids]
+        got.append(out)
+        attention_kernels.append(sum(1 for x in first_step if "causal_attention" in x["kernel"]))
+    assert got[0] == got[1] and len(got[0]) == 3
+    assert attention_kernels == [0, 2]  # the graph's prefill: one launch a layer of the 2-layer model

@@ -32,12 +32,14 @@ def test_fresh_prompt_counts_cover_each_bound_and_divisibility():
     assert fresh_prompt_counts(256) == [2, 16, 17, 32, 33, 64, 65, 128, 129, 256]
 
 
-def test_the_warm_up_makes_every_launch_a_step_of_fresh_prompts_can():
+def test_the_warm_up_makes_every_launch_a_step_of_fresh_prompts_can(monkeypatch):
     from kernellab.kernels.compile_check import record_launches
     from kernellab.kernels.testing import patch_interpreter
+    from kernellab.runtime import attention
     from kernellab.runtime.attention import fresh_prompt_counts, warm_prefill_launches
     from kernellab.runtime.dispatch import build_ops
 
+    monkeypatch.setattr(attention, "PREFILL_TRITON_EAGER", True)  # the op outside graphs too
     patch_interpreter()
     ops = build_ops("experimental", torch.device("cpu"), status={"varlen_causal_attention": {"status": "accepted"}})
     assert "varlen_causal_attention" in ops.enabled
@@ -72,3 +74,18 @@ def test_nothing_is_warmed_where_the_op_is_off():
 
     ops = build_ops("accepted", torch.device("cpu"), status={"varlen_causal_attention": {"status": "experimental"}})
     assert warm_prefill_launches(ops, HQ, HK, D, MAX_PROMPTS, D**-0.5, torch.float32, torch.device("cpu")) == 0
+
+
+def test_nothing_is_warmed_where_the_op_runs_in_graphs_only():
+    """By default (``PREFILL_TRITON_EAGER`` off) the op runs only inside whole-step graphs, whose warm-ups before
+    each capture compile their own forms: a step between piecewise graphs never launches it."""
+    from kernellab.runtime import attention
+    from kernellab.runtime.dispatch import build_ops
+
+    assert attention.PREFILL_TRITON_EAGER is False
+    ops = build_ops("experimental", torch.device("cpu"), status={"varlen_causal_attention": {"status": "accepted"}})
+    assert "varlen_causal_attention" in ops.enabled
+    assert attention.triton_prefill(ops, graphed=True) and not attention.triton_prefill(ops, graphed=False)
+    assert (
+        attention.warm_prefill_launches(ops, HQ, HK, D, MAX_PROMPTS, D**-0.5, torch.float32, torch.device("cpu")) == 0
+    )
