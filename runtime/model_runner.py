@@ -427,11 +427,15 @@ class ModelRunner:
             logits_and_seqs = self._execute_piecewise(out, self.piecewise)
         if logits_and_seqs is None:
             input_ids, meta, _, sampling = self.prepare(out)
-            if sampling:
-                logits = self.model.logits(input_ids, meta, self.kv_caches, meta.logits_indices)
-            else:  # a prefill chunk that samples nothing: its KV writes only
-                self.model(input_ids, meta, self.kv_caches)
-                logits = None
+            # graphs turned off (graphs_on(False): the graph == eager checks): a step that a whole-step graph would
+            # replay runs eagerly with that graph's attention choice (attention.triton_prefill), the same forward
+            shaped = not self.use_graphs and self.graphs is not None and self._whole_step_graph(out, self.graphs)
+            with self.model.graphed_attention() if shaped else contextlib.nullcontext():
+                if sampling:
+                    logits = self.model.logits(input_ids, meta, self.kv_caches, meta.logits_indices)
+                else:  # a prefill chunk that samples nothing: its KV writes only
+                    self.model(input_ids, meta, self.kv_caches)
+                    logits = None
         else:
             logits, sampling = logits_and_seqs
         if before_wait is not None:  # on a GPU, while the forward launched above runs
@@ -448,12 +452,32 @@ class ModelRunner:
         lp = {s.request_id: lp for s, lp in zip(sampling, logprobs, strict=True)} if logprobs else {}
         return sampled, lp
 
-    def _execute_graph(self, out: SchedulerOutput, graphs: GraphRunner):
-        """Replay a captured graph when the step has a captured shape: all decodes within a batch bucket, one fresh
-        prompt within a prefill bucket, one chunk after a cached context, or several fresh prompts within a (tokens,
-        prompts) bucket. Returns (logits of the sampling rows, their sequences)."""
-        sched, bs = out.scheduled, self.block_size
+    @staticmethod
+    def _whole_step_graph(out: SchedulerOutput, graphs: GraphRunner) -> str | None:
+        """Which captured whole-step graph takes the step, if any: ``decode`` (all decodes within a batch bucket),
+        ``prefill`` (one fresh prompt within a prefill bucket), ``chunk`` (one chunk after a cached context) or
+        ``fresh`` (several fresh prompts within a (tokens, prompts) bucket)."""
+        sched = out.scheduled
         if all(n == 1 for _, n in sched) and graphs.decode_bucket(len(sched)):
+            return "decode"
+        if len(sched) == 1:
+            seq, n = sched[0]
+            start = seq.num_computed_tokens
+            if n > 1 and start == 0 and out.samples(seq, n) and graphs.prefill_bucket(n):
+                return "prefill"
+            if n > 1 and start > 0 and graphs.chunk_bucket(n, start + n):
+                return "chunk"
+        fresh = len(sched) > 1 and all(n > 1 and s.num_computed_tokens == 0 for s, n in sched)
+        if fresh and graphs.fresh_bucket(out.num_batched_tokens, len(sched)):
+            return "fresh"
+        return None
+
+    def _execute_graph(self, out: SchedulerOutput, graphs: GraphRunner):
+        """Replay a captured graph when the step has a captured shape (``_whole_step_graph``). Returns (logits of
+        the sampling rows, their sequences)."""
+        sched, bs = out.scheduled, self.block_size
+        kind = self._whole_step_graph(out, graphs)
+        if kind == "decode":
             pos = [s.num_computed_tokens for s, _ in sched]
             ids = [s.token_ids[p] for (s, _), p in zip(sched, pos, strict=True)]
             slots = [slot_of(s.block_table, p, bs) for (s, _), p in zip(sched, pos, strict=True)]
@@ -462,22 +486,17 @@ class ModelRunner:
             if len(rows) != len(sched):
                 logits = logits[rows]
             return logits, [sched[i][0] for i in rows]
-        if len(sched) == 1:
+        if kind == "prefill":
+            seq, n = sched[0]
+            a = seq.token_array
+            prompt = a[:n] if a is not None and len(a) >= n else seq.token_ids[:n]
+            return graphs.prefill(prompt, _slots(seq.block_table, 0, n, bs)), [seq]
+        if kind == "chunk":  # a chunk after a cached context (a prefix-cache hit, the next chunk of a long prompt)
             seq, n = sched[0]
             start = seq.num_computed_tokens
-            if n > 1 and start == 0 and out.samples(seq, n) and graphs.prefill_bucket(n):
-                a = seq.token_array
-                prompt = a[:n] if a is not None and len(a) >= n else seq.token_ids[:n]
-                return graphs.prefill(prompt, _slots(seq.block_table, 0, n, bs)), [seq]
-            # a chunk after a cached context (a prefix-cache hit, the next chunk of a long prompt)
-            if n > 1 and start > 0 and graphs.chunk_bucket(n, start + n):
-                logits = graphs.chunk(
-                    seq.token_ids[start : start + n], start, _slots(seq.block_table, 0, start + n, bs)
-                )
-                return (logits, [seq]) if out.samples(seq, n) else (None, [])
-        # several fresh prompts (a burst's first step): one replay instead of the piecewise graphs' ~85 launches
-        fresh = len(sched) > 1 and all(n > 1 and s.num_computed_tokens == 0 for s, n in sched)
-        if fresh and graphs.fresh_bucket(out.num_batched_tokens, len(sched)):
+            logits = graphs.chunk(seq.token_ids[start : start + n], start, _slots(seq.block_table, 0, start + n, bs))
+            return (logits, [seq]) if out.samples(seq, n) else (None, [])
+        if kind == "fresh":  # several fresh prompts (a burst's first step): one replay, not the pieces' ~85 launches
             plan = self.plan(out)
             logits = graphs.fresh(plan.rows, plan.cu, plan.logits_rows)
             return (logits, plan.sampling) if plan.sampling else (None, [])

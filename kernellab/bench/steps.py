@@ -181,7 +181,8 @@ def fresh_graph_matches_eager(engine, mixes=MIXES_H200, seed: int = 2, atol: flo
             if bucket is not None:
                 ids, meta, _, _ = runner.prepare(out)
                 model = runner.model
-                eager = model.compute_logits(model(ids, meta, runner.kv_caches)[meta.logits_indices])
+                with model.graphed_attention():  # the forward the graph captured, attention choice included
+                    eager = model.compute_logits(model(ids, meta, runner.kv_caches)[meta.logits_indices])
                 before = graphs.fresh_replays
                 logits, _ = runner._execute_graph(out, graphs)
                 diff, same, gaps = argmax_agreement(logits, eager)

@@ -130,13 +130,17 @@ def test_the_triton_prefill_attention_runs_in_the_prefill_graph_not_eagerly(tiny
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     prompt = list(range(9, 79))
     got, attention_kernels = [], []
-    for eng in (eager, graphed):
-        eng.add_request("p", prompt, params)
+    for eng, graphs_on in ((eager, True), (graphed, True), (graphed, False)):
+        # graphs turned off on a runner that has them (the graph == eager checks): the step the prefill graph
+        # would take runs eagerly with that graph's attention, the same forward
+        eng.runner.graphs_on(graphs_on)
+        assert eng.block_manager.reset_prefix_cache()  # the same prompt again: fresh, not a cached prefix
+        eng.add_request(f"p{len(got)}", prompt, params)
         with record_launches() as first_step:
             out = [t for o in eng.step() for t in o.new_token_ids]
         while eng.has_unfinished_requests():
             out += [t for o in eng.step() for t in o.new_token_ids]
         got.append(out)
         attention_kernels.append(sum(1 for x in first_step if "causal_attention" in x["kernel"]))
-    assert got[0] == got[1] and len(got[0]) == 3
-    assert attention_kernels == [0, 2]  # the graph's prefill: one launch a layer of the 2-layer model
+    assert got[0] == got[1] == got[2] and len(got[0]) == 3
+    assert attention_kernels == [0, 2, 2]  # the graph's prefill: one launch a layer of the 2-layer model
