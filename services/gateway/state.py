@@ -43,6 +43,10 @@ from kernellab.services.queue.protocol import (
 
 log = logging.getLogger("kernellab.gateway")
 
+# How often each gateway process reads the live workers (heartbeats) from Redis, and how stale that reading may be
+# before a request that found no live worker makes the process read it again instead of answering 503 at once.
+POLL_INTERVAL_S = 0.5
+REPOLL_AFTER_S = 0.05
 REQUEST_STREAM_MAXLEN = 100_000  # approximate trim; backpressure keeps the backlog far below it
 FLUSH_SETTLE_S = 0.0005  # a submit pipeline goes out once no request joined it for this long …
 FLUSH_MAX_S = 0.005  # … or this long after its first request
@@ -89,6 +93,7 @@ class Gateway:
         self.draining = False
         self.redis_ok = False
         self.live_workers: list[Heartbeat] = []
+        self._polled_at = 0.0  # time.monotonic() of the last poll_once
         self._tasks: set[asyncio.Task] = set()
         self._outgoing: list = []  # (entries, meta, future, trace stamps) waiting for the next submit pipeline
         self.trace = RequestTrace(settings.gateway_trace) if settings.gateway_trace else None
@@ -131,6 +136,7 @@ class Gateway:
 
     # ----------------------------------------------------------------- readiness
     async def poll_once(self) -> None:
+        self._polled_at = time.monotonic()
         try:
             now = time.time()
             pipe = self.redis.pipeline(transaction=False)
@@ -163,7 +169,7 @@ class Gateway:
     async def _poll(self) -> None:
         while not self._closing.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._closing.wait(), 0.5)
+                await asyncio.wait_for(self._closing.wait(), POLL_INTERVAL_S)
             if not self._closing.is_set():
                 await self.poll_once()
 
@@ -181,6 +187,10 @@ class Gateway:
         """``owner``: the tenant (API-key digest) allowed to cancel it by id; "" without keys."""
         if self.draining:
             raise ServiceUnavailable("the gateway is shutting down", code="draining")
+        if not self.live_workers and time.monotonic() - self._polled_at > REPOLL_AFTER_S:
+            # a worker may have come up since the last poll (each gateway process polls on its own clock): look
+            # once more before turning the request away, at most every REPOLL_AFTER_S under an outage
+            await self.poll_once()
         if not self.live_workers:
             raise ServiceUnavailable(f"no worker is serving {self.model} right now", code="no_worker")
         if self.waiting >= self.settings.max_waiting:

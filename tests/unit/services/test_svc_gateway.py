@@ -486,3 +486,23 @@ def test_a_worker_that_never_answers_ends_in_a_504_at_the_deadline(redis_url, pr
     finally:
         stop.set()
         beater.join(5)
+
+
+def test_a_worker_that_came_up_since_the_last_poll_serves_at_once(redis_url, prefix, tokenizer, monkeypatch):
+    """Each gateway process reads the live workers on its own clock: one that has not polled since a worker came
+    up reads them again before turning a request away with 503, so a tier of processes serves a new worker from
+    its first request on any of them (the readiness poll is slowed here so that only that read can see it)."""
+    from kernellab.services.gateway import state
+
+    monkeypatch.setattr(state, "POLL_INTERVAL_S", 60.0)
+    keys, r = Keys(prefix, MODEL), redis.Redis.from_url(redis_url)
+    with TestClient(create_app(gateway_settings(redis_url, prefix), tokenizer=tokenizer)) as c:
+        assert c.get("/ready").status_code == 503  # the startup poll found no worker
+        with fake_worker(redis_url, prefix, 0.003):
+            deadline = time.monotonic() + 10
+            while r.zscore(keys.workers, next(iter(r.zrange(keys.workers, 0, -1)), b"")) is None:
+                assert time.monotonic() < deadline, "the worker never registered"
+                time.sleep(0.01)
+            resp = c.post("/v1/completions", headers=AUTH, json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["usage"]["completion_tokens"] == 2
