@@ -200,7 +200,7 @@ class LLMEngine:
     ) -> PreparedRequest:
         """``prepare_request`` for a request ``request_limits.check`` passed (which returned ``max_tokens``): build
         the sequence, its grammar state and stop-string detokenizer. ``token_array``: its ids as the check's int64
-        array (``check_ids``), kept with the sequence for the prefill graph's input fill."""
+        array (``check_ids``), from which the sequence's ids are copied without a Python int per id."""
         seq = Sequence(
             request_id,
             prompt_token_ids,

@@ -488,9 +488,7 @@ class ModelRunner:
             return logits, [sched[i][0] for i in rows]
         if kind == "prefill":
             seq, n = sched[0]
-            a = seq.token_array
-            prompt = a[:n] if a is not None and len(a) >= n else seq.token_ids[:n]
-            return graphs.prefill(prompt, _slots(seq.block_table, 0, n, bs)), [seq]
+            return graphs.prefill(seq.token_ids[:n], _slots(seq.block_table, 0, n, bs)), [seq]
         if kind == "chunk":  # a chunk after a cached context (a prefix-cache hit, the next chunk of a long prompt)
             seq, n = sched[0]
             start = seq.num_computed_tokens

@@ -60,10 +60,8 @@ class Sequence:
         self.request_id = request_id
         # prompt then output ids in a C array of int64 (a list's ids are references the garbage collector's young
         # collections walk one by one: 64 prompts of 512 tokens, 32,768 visits a collection; an array is no container)
+        # (``token_array``: the same ids as the int64 array the request's check made, ``RequestLimits.check_ids``)
         self.token_ids = _int64_ids(prompt_token_ids, output_token_ids, token_array)
-        # the same ids as an int64 array where the request's check made one (``RequestLimits.check_ids``): the first
-        # ``len(token_array)`` of ``token_ids``, which only grow
-        self.token_array: np.ndarray | None = token_array
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.max_tokens = max_tokens

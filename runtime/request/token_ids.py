@@ -36,9 +36,6 @@ class TokenIds(array):
         self.max_id = max_id
         return self
 
-    def __init__(self, ids: Iterable[int] | bytes = (), max_id: int = -1):  # __new__ did it all
-        pass
-
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (list, tuple)):
             return len(self) == len(other) and self.tolist() == list(other)

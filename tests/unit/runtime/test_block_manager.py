@@ -216,8 +216,7 @@ def test_block_keys_hold_no_container_for_the_garbage_collector_to_walk():
 
     bm = BlockManager(32, BS)
     ids = [5, 70_000, 3, 151_935, 0, 9, 9, 1, 2, 2, 4]  # two full blocks and three tokens
-    a = seq("a", ids)
-    a.token_array = np.asarray(ids, dtype=np.int64)
+    a = Sequence("a", ids, SamplingParams(temperature=0.0), 8, token_array=np.asarray(ids, dtype=np.int64))
     assert admit(bm, a)
     compute(bm, a)
     b = seq("b", list(ids))  # no array: hashed from the list
