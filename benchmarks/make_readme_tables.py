@@ -47,6 +47,20 @@ def cpu_table() -> str:
     return "\n".join(lines)
 
 
+def _gate_kernels_note(data: dict) -> str:
+    """Which Triton ops the gate's engine ran that the product's default (``kernels="accepted"``) does not."""
+    kernels = ((data.get("latency") or {}).get("config") or {}).get("kernels") or []
+    status = load("runtime/kernel_status.json") or {}
+    ops = status.get("ops", status)
+    extra = [k for k in kernels if (ops.get(k) or {}).get("status") != "accepted"]
+    if not extra:
+        return ""
+    return (
+        " The gate's engine enables the experimental Triton ops too (" + ", ".join(f"`{k}`" for k in extra) + "), "
+        "which the product's default leaves on torch or off (`runtime/kernel_status.json`)."
+    )
+
+
 def gpu_table() -> str:
     data = load("results/gpu/engine_h200.json")
     if not data:
@@ -54,7 +68,8 @@ def gpu_table() -> str:
     p = data["provenance"]
     lines = [
         f"`results/gpu/engine_h200.json` — {p.get('gpu')}, torch {p['torch']}, triton {p['triton']}, "
-        f"commit `{p['commit'][:12]}`, {p['date']}. Random weights of the exact Qwen3-0.6B shape, bf16.",
+        f"commit `{p['commit'][:12]}`, {p['date']}. Random weights of the exact Qwen3-0.6B shape, bf16."
+        + _gate_kernels_note(data),
         "",
         "| figure | kernellab | HF transformers 5.17 (gate run, same GPU) | target | met |",
         "| --- | ---: | ---: | ---: | :---: |",
