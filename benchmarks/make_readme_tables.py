@@ -50,8 +50,7 @@ def cpu_table() -> str:
 def _gate_kernels_note(data: dict) -> str:
     """Which Triton ops the gate's engine ran that the product's default (``kernels="accepted"``) does not."""
     kernels = ((data.get("latency") or {}).get("config") or {}).get("kernels") or []
-    status = load("runtime/kernel_status.json") or {}
-    ops = status.get("ops", status)
+    ops = (load("runtime/kernel_status.json") or {}).get("ops", {})
     extra = [k for k in kernels if (ops.get(k) or {}).get("status") != "accepted"]
     if not extra:
         return ""

@@ -346,7 +346,7 @@ class CausalLM(nn.Module):
 
     @contextlib.contextmanager
     def graphed_attention(self):
-        """Within: the forwards run are a whole-step CUDA graph's (``CudaGraphs._capture``'s warm-ups and capture,
+        """Within: the forwards run are a whole-step CUDA graph's (``GraphRunner._capture``'s warm-ups and capture,
         a CPU's ``EagerReplay``), whose attention is captured with the rest, so the Triton prefill attention may
         run there (``attention.triton_prefill``); a piecewise graph's attention runs eagerly, outside."""
         before, self._graphed = self._graphed, True

@@ -17,12 +17,16 @@ import json
 from pathlib import Path
 
 
+def _check_same_commit(a: dict, b: dict) -> None:
+    x, y = a["provenance"].get("commit"), b["provenance"].get("commit")
+    if x != y:
+        raise ValueError(f"the runs are of different commits ({x} and {y})")
+
+
 def merge(gate: dict, fp8: dict) -> dict:
     if "fp8_kv" not in fp8:
         raise ValueError("the second artifact has no fp8_kv section (run it with --only fp8_kv)")
-    g, f = gate["provenance"].get("commit"), fp8["provenance"].get("commit")
-    if g != f:
-        raise ValueError(f"the two runs are of different commits ({g} and {f})")
+    _check_same_commit(gate, fp8)
     out = dict(gate)
     out["fp8_kv"] = {
         **fp8["fp8_kv"],
@@ -41,9 +45,7 @@ def add_section(merged: dict, name: str, other: dict) -> dict:
     """``merged`` with ``name`` taken from ``other``, a run of the same commit (``--only name``)."""
     if name not in other:
         raise ValueError(f"the artifact for {name!r} has no such section")
-    g, o = merged["provenance"].get("commit"), other["provenance"].get("commit")
-    if g != o:
-        raise ValueError(f"the runs are of different commits ({g} and {o})")
+    _check_same_commit(merged, other)
     section = other[name]
     if isinstance(section, dict):
         section = {**section, "provenance": other["provenance"], "run": f"bash tests/gpu/run.sh OUT --only {name}"}
