@@ -38,15 +38,18 @@ import torch
 READ_BW_GBS = 3630.0  # the H200's measured read bandwidth (tests/gpu/run_fp8.py)
 SHAPE = {"Hq": 16, "Hk": 8, "D": 128, "block_size": 16}
 CACHES = ("bf16", "fp8", "int8")
-KEYS = ("block_n", "num_warps", "num_stages", "widen", "i8_asm", "mma", "pack_heads")
-# the int8 forms: (i8_asm, mma, pack_heads); with mma (V transposed) the tiles are not widened, so i8_asm stays
+KEYS = ("block_n", "num_warps", "num_stages", "widen", "i8_asm", "mma", "pack_heads", "pack_wide")
+# the int8 forms: (i8_asm, mma, pack_heads, pack_wide); with mma (V transposed) the tiles are not widened, so i8_asm
+# stays
 INT8_FORMS = {
-    "asm": (True, False, 0),  # V dense like K, widened to fp16 by byte permutes
-    "conv": (False, False, 0),  # the same, one conversion per value
-    "mma": (True, True, 0),  # V transposed, int8 dots, one KV head a program
-    "pack": (True, True, 8),  # the same, up to 8 KV heads a program (paged_attention.heads_per_program)
-    "pack4": (True, True, 4),  # up to 4
-    "pack2": (True, True, 2),  # up to 2
+    "asm": (True, False, 0, False),  # V dense like K, widened to fp16 by byte permutes
+    "conv": (False, False, 0, False),  # the same, one conversion per value
+    "mma": (True, True, 0, False),  # V transposed, int8 dots, one KV head a program
+    "pack": (True, True, 8, False),  # the same, up to 8 KV heads a program (paged_attention.heads_per_program)
+    "pack4": (True, True, 4, False),  # up to 4
+    "pack2": (True, True, 2, False),  # up to 2
+    "wide": (True, True, 8, True),  # 8 heads a program in one dot per product (paged_attention._wide_tile)
+    "wide4": (True, True, 4, True),  # 4
 }
 
 
@@ -110,6 +113,7 @@ def sweep(cases: list[tuple[int, int]], device: str, configs: dict[str, list[dic
                     kw["fp8_widen"] = cfg["widen"]
                 if name == "int8":
                     kw["i8_asm"], kw["i8_mma"], kw["i8_pack_heads"] = cfg["i8_asm"], cfg["mma"], cfg["pack_heads"]
+                    kw["i8_wide"] = cfg.get("pack_wide", False)
                     v = c["int8_v_t"] if cfg["mma"] else c["caches"]["int8"][1]
 
                 def run(c=c, k=k, v=v, sc=sc, kw=kw):
@@ -278,16 +282,16 @@ def main() -> int:
     swept = [c for c in CACHES if c == "bf16" or c in args.caches.split(",")]
     configs: dict[str, list[dict]] = {}
     for name in swept:
-        forms = int8_forms if name == "int8" else [(None, None, None)]
+        forms = int8_forms if name == "int8" else [(None, None, None, None)]
         configs[name] = [
             {
                 **current[name],
                 "block_n": bn,
                 "num_warps": w,
                 "num_stages": st,
-                **({"i8_asm": asm, "mma": mma, "pack_heads": pack} if name == "int8" else {}),
+                **({"i8_asm": asm, "mma": mma, "pack_heads": pack, "pack_wide": wide} if name == "int8" else {}),
             }
-            for bn, w, st, (asm, mma, pack) in itertools.product(tiles, warps, stages, forms)
+            for bn, w, st, (asm, mma, pack, wide) in itertools.product(tiles, warps, stages, forms)
         ]
         if current[name] not in configs[name]:
             configs[name].append(dict(current[name]))

@@ -38,7 +38,7 @@ def record() -> dict:
     import torch
 
     from kernellab.kernels import compile_check
-    from kernellab.kernels.paged_attention import paged_decode_attention
+    from kernellab.kernels.paged_attention import INT8_LAUNCH, paged_decode_attention
     from kernellab.kernels.testing import patch_interpreter
     from kernellab.runtime import ops
 
@@ -57,8 +57,13 @@ def record() -> dict:
         forms[name] = (k8, v8, {"k_scales": ks, "v_scales": vs}, {"i8_mma": False} if dtype == torch.int8 else {})
         if dtype == torch.int8:
             v_t = ops.v_cache_zeros(v8.shape, dtype, v8.device).copy_(v8)  # the engine's int8 layout
-            forms["int8_transposed_v_dots"] = (k8, v_t, forms[name][2], {"i8_mma": True})
+            forms["int8_transposed_v_dots"] = (k8, v_t, forms[name][2], {"i8_mma": True, "i8_pack_heads": 0})
+            # the packed form as the engine launches it at 256 rows or more (its own tile settings)
+            pack = {"i8_mma": True, "i8_pack_heads": INT8_LAUNCH["pack_heads"], **INT8_LAUNCH["pack_launch"]}
+            forms["int8_packed_heads"] = (k8, v_t, forms[name][2], {**pack, "i8_wide": False})
+            forms["int8_packed_wide"] = (k8, v_t, forms[name][2], {**pack, "i8_wide": True})  # one dot a product
     out = {}
+    min_rows, INT8_LAUNCH["pack_min_rows"] = INT8_LAUNCH["pack_min_rows"], 0  # this shape's few rows packed too
     for name, (kc, vc, scales, kw) in forms.items():
         with compile_check.record_launches(aligned=True) as seen:
             paged_decode_attention(q, kc, vc, tables, lens, D**-0.5, splits=1, **scales, **kw)
@@ -68,6 +73,7 @@ def record() -> dict:
             c["I8_ASM"] = True  # the GPU's form (byte permutes are inline PTX: the CPU launch turns them off)
         c["PDL"], launch["options"]["launch_pdl"] = True, True  # as the H200 launches it
         out[name] = launch
+    INT8_LAUNCH["pack_min_rows"] = min_rows
     return out
 
 
@@ -105,6 +111,7 @@ def compile_forms(launches: dict) -> dict:
             res = subprocess.run([tools / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
         loop = _loop(sass)
         block_n = launch["constexprs"]["BLOCK_N"]
+        heads = launch["constexprs"].get("HEADS", 1)  # KV heads a program walks together (the packed form)
         ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in loop)
         regs = re.search(r"REG:(\d+)", res)
         rows[name] = {
@@ -112,12 +119,15 @@ def compile_forms(launches: dict) -> dict:
             "shared_bytes": kernel.metadata.shared,
             "block_n": block_n,
             "loop_instructions": len(loop),
-            "per_token": round(len(loop) / block_n, 2),
+            "heads": heads,
+            "per_token": round(len(loop) / block_n / heads, 2),
             "top_opcodes": dict(ops.most_common(10)),
+            "memory_and_sync": {k: n for k, n in sorted(ops.items()) if k.startswith(("BAR", "STS", "LDS", "LDG", "LDSM", "DEPBAR", "SYNCS", "ARRIVES", "WARPSYNC"))},
             "constexprs": launch["constexprs"],
         }
-        print(f"{name:24s} {rows[name]['registers']} regs, loop {len(loop)} / {block_n} tokens = "
-              f"{rows[name]['per_token']:.1f} a token", flush=True)  # fmt: skip
+        print(f"{name:24s} {rows[name]['registers']} regs, {kernel.metadata.shared} B shared, loop {len(loop)} / "
+              f"{block_n} tokens x {heads} heads = {rows[name]['per_token']:.1f} a token and head",
+              flush=True)  # fmt: skip
     return rows
 
 
