@@ -281,9 +281,9 @@ def _load_tile_i8(table, t0, end, k_cache_ptr, v_cache_ptr, stride_cb, stride_co
 def _split_i16(x, inv):
     """``round(x · inv)`` (|x · inv| ≤ 32,512) as two int8 halves ``(hi, lo)`` with ``hi · 256 + lo`` equal to it:
     16-bit fixed point for the int8 tensor-core dots, exact in their int32 sums."""
-    x16 = tl.floor(x * inv + 0.5)
-    hi = tl.floor((x16 + 128.0) * (1.0 / 256.0))
-    return hi.to(tl.int8), (x16 - hi * 256.0).to(tl.int8)
+    x16 = tl.floor(x * inv + 0.5).to(tl.int32)  # exact: |x16| ≤ 32,512
+    hi = (x16 + 128) >> 8  # arithmetic shift: the floor of the division, negative values too
+    return hi.to(tl.int8), (x16 - (hi << 8)).to(tl.int8)
 
 
 @triton.jit
