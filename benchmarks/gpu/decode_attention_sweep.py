@@ -20,6 +20,9 @@ workload with the best of them against the current defaults.
     python3 $ROOT/benchmarks/gpu/decode_attention_sweep.py --out "$OUT"          # on the device machine
     python3 benchmarks/gpu/decode_attention_sweep.py --out /tmp/x --device cpu   # rehearsal (interpreter, tiny)
 
+``--packed --int8-forms pack,wide``: the packed int8 forms (several KV heads a program; per-head dots or one dot a
+product) at the 256-row cases where the engine runs them, then the offline workload on each form's best tiles.
+
 Writes ``decode_attention_sweep.json`` after each part (schema kernellab.bench.decode_attention_sweep/v1).
 """
 
@@ -230,6 +233,40 @@ def offline_ab(variants: dict[str, tuple[str, dict]], device: str, rounds: int, 
     }
 
 
+def _packed_offline(result: dict, path: Path, cfgs: list[dict], form_names: list[str], current: dict, batched,
+                    args) -> int:  # fmt: skip
+    """``--packed``: each packed form's best tile setting (``pick`` among that form's settings), then the offline
+    A/B of the current int8 launch against each form with its best as ``pack_launch`` (and the bf16 cache, where
+    the card holds four engines' pools: 139 GB)."""
+    best = {}
+    for fname in form_names:
+        _, _, pack, wide = INT8_FORMS[fname]
+        idx = [i for i, c in enumerate(cfgs) if c["pack_heads"] == pack and c["pack_wide"] == wide]
+        sub = {"rows": [{**r, "int8": [r["int8"][i] for i in idx]} for r in result["kernel"]["rows"]]}
+        cfg = pick(sub, "int8", {"block_n": 0, "num_warps": 0, "num_stages": 0}, batched)
+        if cfg is not None:
+            best[fname] = cfg
+    result["best_pack_launch"] = best
+    print(f"best packed: {json.dumps(best)}", flush=True)
+    path.write_text(json.dumps(result, indent=1))
+    gpu = args.device == "cuda"
+    big = not gpu or torch.cuda.get_device_properties(0).total_memory > 100e9
+    variants = {"bf16": ("bf16", current["bf16"])} if big else {}
+    variants["int8"] = ("int8", current["int8"])
+    for fname, cfg in best.items():
+        _, _, pack, wide = INT8_FORMS[fname]
+        variants[f"int8-{fname}"] = (
+            "int8",
+            {**current["int8"], "pack_heads": pack, "pack_wide": wide, "pack_launch": cfg},
+        )
+    if args.rounds < 1:
+        return 0
+    result["offline"] = offline_ab(variants, args.device, args.rounds, args.offline_blocks)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"offline medians: {result['offline']['median_tok_s']}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -242,6 +279,12 @@ def main() -> int:
     ap.add_argument("--int8-forms", default=",".join(INT8_FORMS), help=f"int8 forms to sweep, of {list(INT8_FORMS)}")
     ap.add_argument("--cases", help="BATCHxCONTEXT cases, comma-separated (default: the gate's five)")
     ap.add_argument("--launch-only", action="store_true", help="launch each setting once, untimed (for ncu)")
+    ap.add_argument(
+        "--packed",
+        action="store_true",
+        help="the packed int8 forms of --int8-forms only, at 256-row cases (bf16 at its launch); the offline A/B "
+        "then runs each form's best as its pack_launch against the current int8 launch",
+    )
     ap.add_argument(
         "--offline-blocks", type=int, help="KV blocks of each offline engine (default 20,480: three fit an H200)"
     )
@@ -278,8 +321,17 @@ def main() -> int:
         warps = tuple(int(x) for x in args.warps.split(","))
     if args.cases:
         cases = [(int(b), int(c)) for b, c in (x.split("x") for x in args.cases.split(","))]
-    int8_forms = [INT8_FORMS[f] for f in args.int8_forms.split(",")]
+    form_names = args.int8_forms.split(",")
+    if args.packed:
+        form_names = [f for f in form_names if INT8_FORMS[f][2] > 1]
+        if not args.cases:
+            cases = [(256, 1024), (256, 384)] if gpu else [(2, 64)]
+        if not gpu:  # the interpreter's few rows: packed as the GPU packs 256
+            _launch_dicts()["int8"]["pack_min_rows"] = 0
+    int8_forms = [INT8_FORMS[f] for f in form_names]
     swept = [c for c in CACHES if c == "bf16" or c in args.caches.split(",")]
+    if args.packed:
+        swept = ["bf16", "int8"]
     configs: dict[str, list[dict]] = {}
     for name in swept:
         forms = int8_forms if name == "int8" else [(None, None, None, None)]
@@ -293,7 +345,9 @@ def main() -> int:
             }
             for bn, w, st, (asm, mma, pack, wide) in itertools.product(tiles, warps, stages, forms)
         ]
-        if current[name] not in configs[name]:
+        if args.packed and name == "bf16":
+            configs[name] = [dict(current[name])]
+        elif current[name] not in configs[name] and not args.packed:
             configs[name].append(dict(current[name]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -308,6 +362,8 @@ def main() -> int:
     path = out / "decode_attention_sweep.json"
     path.write_text(json.dumps(result, indent=1))
     batched = {c for c in cases if c[0] > 1}
+    if args.packed:
+        return _packed_offline(result, path, configs["int8"], form_names, current, batched, args)
     best = {name: pick(result["kernel"], name, current[name], batched) for name in swept}
     result["best_launch"] = best
     print(f"best: {json.dumps(best)}", flush=True)
