@@ -66,8 +66,9 @@ Precision
     loop issues 7.7 instructions a token (985 per 128-token tile; the widened int8 form 13.1, the bf16 cache's
     7.6) in 166 registers instead of 224, with no byte-wise shared-memory reads left
     (``benchmarks/kernels/sass_loop.py``). At the 64-token tiles ``INT8_LAUNCH`` now takes (see "Occupancy of the
-    int8 dots"), 12.0 a token in 128 registers (results/kernels/sass_decode_attention.json): more issue slots a
-    token, more CTAs an SM to hide the copies' latency.
+    int8 dots"), 11.5 a token in 128 registers (results/kernels/sass_decode_attention.json; 12.0 before the
+    fixed-point halves were split with integer shifts instead of float floors, the same values): more issue slots
+    a token, more CTAs an SM to hide the copies' latency.
 
 Trade-offs tried
     (H200 sweeps in ``benchmarks/kernels/bench_attention.py``, figures in docs/kernels.md.) At batch 64 × 1,024
@@ -123,6 +124,19 @@ Trade-offs tried
     launches of 256 rows or more (``pack_min_rows``), 8 heads in 32-token tiles, 2 stages: the offline workload
     gained 4.6 % over the one-head form in an interleaved A/B on the H100 (20,267 → 21,201 tok/s, every round;
     results/gpu/engine_h200_dev/decode_attention_sweep_pack256_h100_30fa041.json).
+
+    One dot a product (``_wide_tile``, ``INT8_LAUNCH["pack_wide"]``; off until timed). Compiled for sm_90 at 32-token
+    tiles and 4 warps (results/kernels/sass_decode_attention.json), the packed loop above holds 41 barriers and 32
+    16-bit shared-memory stores a tile: each of its 8 heads' 4 dots selects that head's rows of its operand inside
+    the loop and changes the layout of the result, each change a trip through shared memory between two barriers,
+    so a CTA's 4 warps wait for each other 41 times a tile while only two CTAs share an SM. The wide form puts the
+    8 heads side by side in the columns of the scores, ``[16, 8 · BLOCK_N]``: one pair of int8 dots for ``q·Kᵀ``
+    (the heads' K rows of a token, gathered as ``[8 · BLOCK_N, D]``), every row masked to its own head's columns
+    before the softmax, and the probabilities as they come out into one pair for ``P·V`` against V as ``[8 ·
+    BLOCK_N, D]``. The tensor-core work is the same; 13 barriers a tile remain. Its price: the softmax and the
+    fixed-point split run on 8× the elements (most of them masked), so the loop issues 1,137 instructions against
+    949 in 254 registers against 156 (80 KB of shared memory against 103). At 16-token tiles and 8 warps: 569 a warp
+    in 108 registers and 42 KB. Which wins is the GPU's to say (``decode_attention_sweep.py --packed``).
 """
 
 from __future__ import annotations
