@@ -125,18 +125,22 @@ Trade-offs tried
     gained 4.6 % over the one-head form in an interleaved A/B on the H100 (20,267 → 21,201 tok/s, every round;
     results/gpu/engine_h200_dev/decode_attention_sweep_pack256_h100_30fa041.json).
 
-    One dot a product (``_wide_tile``, ``INT8_LAUNCH["pack_wide"]``; off until timed). Compiled for sm_90 at 32-token
-    tiles and 4 warps (results/kernels/sass_decode_attention.json), the packed loop above holds 41 barriers and 32
-    16-bit shared-memory stores a tile: each of its 8 heads' 4 dots selects that head's rows of its operand inside
-    the loop and changes the layout of the result, each change a trip through shared memory between two barriers,
-    so a CTA's 4 warps wait for each other 41 times a tile while only two CTAs share an SM. The wide form puts the
-    8 heads side by side in the columns of the scores, ``[16, 8 · BLOCK_N]``: one pair of int8 dots for ``q·Kᵀ``
-    (the heads' K rows of a token, gathered as ``[8 · BLOCK_N, D]``), every row masked to its own head's columns
-    before the softmax, and the probabilities as they come out into one pair for ``P·V`` against V as ``[8 ·
-    BLOCK_N, D]``. The tensor-core work is the same; 13 barriers a tile remain. Its price: the softmax and the
-    fixed-point split run on 8× the elements (most of them masked), so the loop issues 1,137 instructions against
-    949 in 254 registers against 156 (80 KB of shared memory against 103). At 16-token tiles and 8 warps: 569 a warp
-    in 108 registers and 42 KB. Which wins is the GPU's to say (``decode_attention_sweep.py --packed``).
+    Why the packed loop waits, and one dot a product (tried at 82ee2ef, removed). Compiled for sm_90 at 32-token
+    tiles and 4 warps (results/kernels/sass_decode_attention.json) the loop above holds 41 barriers a tile: each
+    of its 8 heads' dots selects that head's operand rows inside the loop and changes the result's layout through
+    shared memory. ncu on the H100 at 256 × 1,024 (results/gpu/engine_h200_dev/
+    decode_attention_ncu_packed_h100_82ee2ef.txt) shows where its time goes: 12 % occupancy (two CTAs of 4 warps an
+    SM, 150 registers), 10.2 cycles between a warp's instructions, 46 % of them waiting on loads, and 80 % of DRAM
+    bandwidth (210.9 µs; the bf16 kernel 88 %, 364.6 µs). The tried form put the 8 heads side by side in the score
+    columns, ``[16, 8 · BLOCK_N]``: one pair of int8 dots for ``q·Kᵀ`` against the heads' K rows gathered as ``[8 ·
+    BLOCK_N, D]``, each row masked to its own head's columns before the softmax, and the probabilities as they came
+    out into one pair for ``P·V``. 13 barriers a tile instead of 41, but the softmax and the fixed-point split ran
+    on 8× the elements, 1,137 loop instructions against 949 in 254 registers against 156. Timed on the H100
+    (``decode_attention_sweep.py --packed``, results/gpu/engine_h200_dev/
+    decode_attention_sweep_packed_h100_82ee2ef.json): slower at every tile setting, best 229.5 against 219.1 µs at
+    256 × 1,024 and 106.3 against 104.8 at 256 × 384 (16- and 32-token tiles), 70.7 % of DRAM bandwidth under ncu
+    against 79.6; the offline workload within the rounds' spread (23,259 against 23,188 and 23,472 tok/s for the
+    current launch run twice, 2 rounds each). No gain on the complete workload: removed.
 """
 
 from __future__ import annotations
@@ -186,8 +190,7 @@ FP8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16"}
 # "pack_heads": with "mma", up to this many KV heads a program (``_paged_decode_i8_heads_kernel``; 0 or 1: one, the
 # kernel above); "pack_min_rows": only for launches of at least this many sequences (the form wins at 256 × 1,024
 # alone: "Several KV heads a program" above); "pack_launch": the packed launches' own block_n / num_warps /
-# num_stages, over the ones above (the settings' offline A/B: "Several KV heads a program" above); "pack_wide": the
-# packed heads in one dot per product (``_wide_tile``), where head_dim and the heads are powers of two.
+# num_stages, over the ones above (the settings' offline A/B: "Several KV heads a program" above).
 INT8_LAUNCH = {
     "block_n": 64,
     "num_warps": 4,
@@ -198,7 +201,6 @@ INT8_LAUNCH = {
     "pack_heads": 8,
     "pack_min_rows": 256,
     "pack_launch": {"block_n": 32, "num_stages": 2},
-    "pack_wide": False,
 }
 # Four int8 (one 32-bit register) → four fp16 (two), exactly: flip the sign bits (x + 128, offset binary), set
 # each byte as the low half of an fp16 whose high byte is 0x64 (the value 1024 + x + 128, as 1024's ulp is 1),
@@ -672,55 +674,6 @@ def _paged_decode_kernel(
 
 
 @triton.jit
-def _wide_tile(table, t0, end, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, q_hi, q_lo, s_scale, m_i, l_i, acc,
-               hk0, row_head, d, stride_cb, stride_co, stride_ch, stride_vcb, stride_vch, stride_sb, stride_so,
-               block_size: tl.constexpr, HEADS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """One tile of ``_paged_decode_i8_heads_kernel``'s ``WIDE`` form: the ``HEADS`` heads' K rows of the tile's
-    tokens as one ``[HEADS·BLOCK_N, D]`` operand (column c of the scores: head ``c // BLOCK_N``, token
-    ``c % BLOCK_N``), so ``q16 · Kᵀ`` is one pair of int8 dots that gives every row the scores of every head's
-    tokens; a row keeps its own head's (the others masked before the softmax, so their probabilities are 0) and
-    the probabilities go, as they came out of that dot, into ``P · V`` against V as ``[HEADS·BLOCK_N, D]``. The
-    dots' work is the per-head form's; gone are its per-head operand selections and layout changes inside the
-    loop, and the scales are one vector of the columns instead of a ``[ROWS, BLOCK_N]`` gather."""
-    NB: tl.constexpr = BLOCK_N // block_size
-    HN: tl.constexpr = HEADS * BLOCK_N
-    c = tl.arange(0, HN)
-    c_head = c // BLOCK_N
-    t = t0 + c % BLOCK_N
-    t_mask = t < end
-    # a column's block: past the end, block 0 (its bytes are read, its scales are 0 and its scores masked)
-    blk = tl.load(table + t // block_size, mask=t_mask, other=0).to(tl.int64)
-    tok = blk * stride_cb + (t % block_size) * stride_co
-    k = tl.load(k_cache_ptr + (tok + (hk0 + c_head) * stride_ch)[:, None] + d[None, :])  # [HN, D]
-    sc = blk * stride_sb + (t % block_size) * stride_so + hk0 + c_head
-    ks = tl.load(k_scale_ptr + sc, mask=t_mask, other=0.0)
-    vs = tl.load(v_scale_ptr + sc, mask=t_mask, other=0.0)
-    # V transposed within its blocks: [HEADS, NB, D, block_size] runs of block_size bytes → [D, HN]
-    j = t0 // block_size + tl.arange(0, NB)
-    blocks = tl.load(table + j, mask=j * block_size < end, other=0).to(tl.int64)
-    hh = tl.arange(0, HEADS)
-    o = tl.arange(0, block_size)
-    v_runs = (
-        blocks[None, :, None, None] * stride_vcb
-        + (hk0 + hh)[:, None, None, None] * stride_vch
-        + d[None, None, :, None] * block_size
-        + o[None, None, None, :]
-    )
-    vt = tl.reshape(tl.permute(tl.load(v_cache_ptr + v_runs), (2, 0, 1, 3)), (D_PAD, HN))
-    s = _dot_i16(q_hi, q_lo, tl.trans(k)).to(tl.float32) * s_scale[:, None] * ks[None, :]
-    s = tl.where((row_head[:, None] == c_head[None, :]) & t_mask[None, :], s, -float("inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    pv = p * vs[None, :]
-    step = tl.maximum(tl.max(pv, axis=1), 1e-30) * (1.0 / _I16_TOP)
-    p_hi, p_lo = _split_i16(pv, 1.0 / step[:, None])
-    acc = acc * alpha[:, None] + _dot_i16(p_hi, p_lo, tl.trans(vt)).to(tl.float32) * step[:, None]
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _paged_decode_i8_heads_kernel(
     q_ptr,
     k_cache_ptr,
@@ -760,17 +713,13 @@ def _paged_decode_i8_heads_kernel(
     SPLIT: tl.constexpr,
     S_PAD: tl.constexpr,
     PDL: tl.constexpr = False,
-    WIDE: tl.constexpr = False,
 ):
     """The int8 dots (``_attend_tile_i8``) with ``HEADS`` KV heads a program: the ``HEADS · GROUP`` query rows of
     those heads fill the dots' 16 rows instead of one group padded to 16, so the softmax's elementwise work is
     shared by ``HEADS`` heads and a tile's copies are ``HEADS`` times the bytes. Each head's dots take the rows
     of the others as zeros (their q, their probabilities masked), so the int32 sums over heads give every row
     its own head's product; the K and V scales are gathered per row. Same split-KV and merge as
-    ``_paged_decode_kernel``.
-
-    ``WIDE`` (``_wide_tile``): one dot per product instead of one per head, the tile's heads side by side in the
-    columns of the scores, ``[ROWS, HEADS·BLOCK_N]``."""
+    ``_paged_decode_kernel``."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -802,61 +751,53 @@ def _paged_decode_i8_heads_kernel(
         table = block_tables_ptr + b.to(tl.int64) * stride_bt
         NB: tl.constexpr = BLOCK_N // block_size
         o = tl.arange(0, block_size)
-        if WIDE:
-            for t0 in range(start, end, BLOCK_N):
-                m_i, l_i, acc = _wide_tile(
-                    table, t0, end, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, q_hi, q_lo, s_scale, m_i, l_i,
-                    acc, hk0, row_head, d, stride_cb, stride_co, stride_ch, stride_vcb, stride_vch, stride_sb,
-                    stride_so, block_size, HEADS, D_PAD, BLOCK_N,
-                )  # fmt: skip
-        else:
-            for t0 in range(start, end, BLOCK_N):
-                j = t0 // block_size + tl.arange(0, NB)
-                j_mask = j * block_size < end
-                blocks = tl.load(table + j, mask=j_mask, other=0).to(tl.int64)
-                block = tl.reshape(tl.broadcast_to(blocks[:, None], (NB, block_size)), (BLOCK_N,))
-                t = t0 + tl.arange(0, BLOCK_N)
-                t_mask = t < end
-                tok = block * stride_cb + (t % block_size) * stride_co
-                kv_mask = t_mask[:, None] & d_mask[None, :]
-                # per row and token: the row's head's scales (rows past the heads and tokens past the end read 0)
-                srow = block * stride_sb + (t % block_size) * stride_so
-                sc_off = srow[None, :] + (hk0 + row_head)[:, None]
-                sc_mask = r_mask[:, None] & t_mask[None, :]
-                ks = tl.load(k_scale_ptr + sc_off, mask=sc_mask, other=0.0)
-                vs = tl.load(v_scale_ptr + sc_off, mask=sc_mask, other=0.0)
-                s_hi = tl.zeros([ROWS, BLOCK_N], dtype=tl.int32)
-                s_lo = tl.zeros([ROWS, BLOCK_N], dtype=tl.int32)
-                for hh in tl.static_range(HEADS):
-                    k = tl.load(k_cache_ptr + tok[:, None] + (hk0 + hh) * stride_ch + d[None, :], mask=kv_mask, other=0)
-                    mine = (row_head == hh)[:, None]
-                    s_hi = tl.dot(tl.where(mine, q_hi, 0), tl.trans(k), s_hi, out_dtype=tl.int32)
-                    s_lo = tl.dot(tl.where(mine, q_lo, 0), tl.trans(k), s_lo, out_dtype=tl.int32)
-                s = (s_hi * 256 + s_lo).to(tl.float32) * s_scale[:, None] * ks
-                s = tl.where(t_mask[None, :], s, -float("inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                pv = p * vs
-                step = tl.maximum(tl.max(pv, axis=1), 1e-30) * (1.0 / _I16_TOP)
-                p_hi, p_lo = _split_i16(pv, 1.0 / step[:, None])
-                o_hi = tl.zeros([ROWS, D_PAD], dtype=tl.int32)
-                o_lo = tl.zeros([ROWS, D_PAD], dtype=tl.int32)
-                for hh in tl.static_range(HEADS):
-                    v_runs = (
-                        blocks[:, None, None] * stride_vcb
-                        + (hk0 + hh) * stride_vch
-                        + d[None, :, None] * block_size
-                        + o[None, None, :]
-                    )
-                    v3 = tl.load(v_cache_ptr + v_runs, mask=j_mask[:, None, None] & d_mask[None, :, None], other=0)
-                    vt = tl.reshape(tl.permute(v3, (1, 0, 2)), (D_PAD, BLOCK_N))
-                    mine = (row_head == hh)[:, None]
-                    o_hi = tl.dot(tl.where(mine, p_hi, 0), tl.trans(vt), o_hi, out_dtype=tl.int32)
-                    o_lo = tl.dot(tl.where(mine, p_lo, 0), tl.trans(vt), o_lo, out_dtype=tl.int32)
-                acc = acc * alpha[:, None] + (o_hi * 256 + o_lo).to(tl.float32) * step[:, None]
-                m_i = m_new
+        for t0 in range(start, end, BLOCK_N):
+            j = t0 // block_size + tl.arange(0, NB)
+            j_mask = j * block_size < end
+            blocks = tl.load(table + j, mask=j_mask, other=0).to(tl.int64)
+            block = tl.reshape(tl.broadcast_to(blocks[:, None], (NB, block_size)), (BLOCK_N,))
+            t = t0 + tl.arange(0, BLOCK_N)
+            t_mask = t < end
+            tok = block * stride_cb + (t % block_size) * stride_co
+            kv_mask = t_mask[:, None] & d_mask[None, :]
+            # per row and token: the row's head's scales (rows past the heads and tokens past the end read 0)
+            srow = block * stride_sb + (t % block_size) * stride_so
+            sc_off = srow[None, :] + (hk0 + row_head)[:, None]
+            sc_mask = r_mask[:, None] & t_mask[None, :]
+            ks = tl.load(k_scale_ptr + sc_off, mask=sc_mask, other=0.0)
+            vs = tl.load(v_scale_ptr + sc_off, mask=sc_mask, other=0.0)
+            s_hi = tl.zeros([ROWS, BLOCK_N], dtype=tl.int32)
+            s_lo = tl.zeros([ROWS, BLOCK_N], dtype=tl.int32)
+            for hh in tl.static_range(HEADS):
+                k = tl.load(k_cache_ptr + tok[:, None] + (hk0 + hh) * stride_ch + d[None, :], mask=kv_mask, other=0)
+                mine = (row_head == hh)[:, None]
+                s_hi = tl.dot(tl.where(mine, q_hi, 0), tl.trans(k), s_hi, out_dtype=tl.int32)
+                s_lo = tl.dot(tl.where(mine, q_lo, 0), tl.trans(k), s_lo, out_dtype=tl.int32)
+            s = (s_hi * 256 + s_lo).to(tl.float32) * s_scale[:, None] * ks
+            s = tl.where(t_mask[None, :], s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            pv = p * vs
+            step = tl.maximum(tl.max(pv, axis=1), 1e-30) * (1.0 / _I16_TOP)
+            p_hi, p_lo = _split_i16(pv, 1.0 / step[:, None])
+            o_hi = tl.zeros([ROWS, D_PAD], dtype=tl.int32)
+            o_lo = tl.zeros([ROWS, D_PAD], dtype=tl.int32)
+            for hh in tl.static_range(HEADS):
+                v_runs = (
+                    blocks[:, None, None] * stride_vcb
+                    + (hk0 + hh) * stride_vch
+                    + d[None, :, None] * block_size
+                    + o[None, None, :]
+                )
+                v3 = tl.load(v_cache_ptr + v_runs, mask=j_mask[:, None, None] & d_mask[None, :, None], other=0)
+                vt = tl.reshape(tl.permute(v3, (1, 0, 2)), (D_PAD, BLOCK_N))
+                mine = (row_head == hh)[:, None]
+                o_hi = tl.dot(tl.where(mine, p_hi, 0), tl.trans(vt), o_hi, out_dtype=tl.int32)
+                o_lo = tl.dot(tl.where(mine, p_lo, 0), tl.trans(vt), o_lo, out_dtype=tl.int32)
+            acc = acc * alpha[:, None] + (o_hi * 256 + o_lo).to(tl.float32) * step[:, None]
+            m_i = m_new
 
         _finish_rows(
             acc, m_i, l_i, b, split, n_active, n_splits, n_q_heads, heads, hk0 * GROUP, r_mask, d, d_mask,
@@ -905,7 +846,6 @@ def paged_decode_attention(
     i8_asm: bool | None = None,
     i8_mma: bool | None = None,
     i8_pack_heads: int | None = None,
-    i8_wide: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q: (B, Hq, D)`` over the paged caches; returns ``(B, Hq, D)`` in q's dtype.
 
@@ -918,8 +858,7 @@ def paged_decode_attention(
     cache's tiles widen through byte permutes (CUDA only; see ``INT8_LAUNCH``); ``i8_mma``: an int8 cache whose V
     is transposed within its blocks (kv_cache.py) goes into int8 tensor-core dots as stored, without widening
     (``INT8_LAUNCH["mma"]``; needs a power-of-two block size dividing ``block_n``); ``i8_pack_heads``: with the
-    int8 dots, up to this many KV heads a program (``heads_per_program``; 0 or 1: one); ``i8_wide``: those heads
-    in one dot per product (``_wide_tile``; ``INT8_LAUNCH["pack_wide"]``).
+    int8 dots, up to this many KV heads a program (``heads_per_program``; 0 or 1: one).
     """
     eight_bit = k_scales is not None
     cfg = dict(LAUNCH if not eight_bit else INT8_LAUNCH if k_cache.dtype == torch.int8 else FP8_LAUNCH)
@@ -933,7 +872,6 @@ def paged_decode_attention(
             ("i8_asm", i8_asm),
             ("mma", i8_mma),
             ("pack_heads", i8_pack_heads),
-            ("pack_wide", i8_wide),
         )
         if value is not None
     }
@@ -959,7 +897,7 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, cfg["block_n"],
         min_slice, cfg["num_warps"], cfg["num_stages"], k_scales, v_scales, None, widen_f16=widen_f16,
         i8_asm=bool(cfg.get("i8_asm")) and k_cache.dtype == torch.int8 and f16_tiles and q.is_cuda and not mma,
-        i8_mma=mma, pack_heads=pack, wide=bool(cfg.get("pack_wide")),
+        i8_mma=mma, pack_heads=pack,
     )[0]  # fmt: skip
 
 
@@ -1060,7 +998,7 @@ def _rope_args(q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache, k_cach
 def _decode(
     q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, block_n, min_slice,
     num_warps, num_stages, k_scales, v_scales, rope, widen_f16=False, i8_asm=False, i8_mma=False, pack_heads=0,
-    defer=False, wide=False,
+    defer=False,
 ):  # fmt: skip
     """The launch; returns ``(out, merge)``: ``merge`` is None, or with ``defer`` (one sequence, the fused form,
     split) the workspaces and slicing that ``gemv``'s merging x needs (``decode_attention_o_proj``)."""
@@ -1103,7 +1041,7 @@ def _decode(
             *scales[0].stride()[:2], block_tables.stride(0), out.stride(0), out.stride(1), block_size=block_size,
             GROUP=group, HEADS=heads, ROWS=max(16, next_pow2(heads * group)), D_PAD=d_pad, BLOCK_N=block_n,
             SPLIT=n_split > 1, S_PAD=next_pow2(n_split), PDL=pdl, num_warps=num_warps, num_stages=num_stages,
-            launch_pdl=pdl, WIDE=wide and d_pad == D and heads & (heads - 1) == 0,
+            launch_pdl=pdl,
         )  # fmt: skip
         return out, None
     min_tokens = cdiv(MIN_SLICE_TOKENS if min_slice is None else max(min_slice, 1), block_n) * block_n

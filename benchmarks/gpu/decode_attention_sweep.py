@@ -20,8 +20,10 @@ workload with the best of them against the current defaults.
     python3 $ROOT/benchmarks/gpu/decode_attention_sweep.py --out "$OUT"          # on the device machine
     python3 benchmarks/gpu/decode_attention_sweep.py --out /tmp/x --device cpu   # rehearsal (interpreter, tiny)
 
-``--packed --int8-forms pack,wide``: the packed int8 forms (several KV heads a program; per-head dots or one dot a
-product) at the 256-row cases where the engine runs them, then the offline workload on each form's best tiles.
+``--packed --int8-forms pack,pack4``: the packed int8 forms (several KV heads a program) at the 256-row cases where
+the engine runs them, then the offline workload on each form's best tiles against the current launch (at 82ee2ef it
+compared a form with one dot a product, since removed: results/gpu/engine_h200_dev/
+decode_attention_sweep_packed_h100_82ee2ef.json).
 
 Writes ``decode_attention_sweep.json`` after each part (schema kernellab.bench.decode_attention_sweep/v1).
 """
@@ -41,18 +43,15 @@ import torch
 READ_BW_GBS = 3630.0  # the H200's measured read bandwidth (tests/gpu/run_fp8.py)
 SHAPE = {"Hq": 16, "Hk": 8, "D": 128, "block_size": 16}
 CACHES = ("bf16", "fp8", "int8")
-KEYS = ("block_n", "num_warps", "num_stages", "widen", "i8_asm", "mma", "pack_heads", "pack_wide")
-# the int8 forms: (i8_asm, mma, pack_heads, pack_wide); with mma (V transposed) the tiles are not widened, so i8_asm
-# stays
+KEYS = ("block_n", "num_warps", "num_stages", "widen", "i8_asm", "mma", "pack_heads")
+# the int8 forms: (i8_asm, mma, pack_heads); with mma (V transposed) the tiles are not widened, so i8_asm stays
 INT8_FORMS = {
-    "asm": (True, False, 0, False),  # V dense like K, widened to fp16 by byte permutes
-    "conv": (False, False, 0, False),  # the same, one conversion per value
-    "mma": (True, True, 0, False),  # V transposed, int8 dots, one KV head a program
-    "pack": (True, True, 8, False),  # the same, up to 8 KV heads a program (paged_attention.heads_per_program)
-    "pack4": (True, True, 4, False),  # up to 4
-    "pack2": (True, True, 2, False),  # up to 2
-    "wide": (True, True, 8, True),  # 8 heads a program in one dot per product (paged_attention._wide_tile)
-    "wide4": (True, True, 4, True),  # 4
+    "asm": (True, False, 0),  # V dense like K, widened to fp16 by byte permutes
+    "conv": (False, False, 0),  # the same, one conversion per value
+    "mma": (True, True, 0),  # V transposed, int8 dots, one KV head a program
+    "pack": (True, True, 8),  # the same, up to 8 KV heads a program (paged_attention.heads_per_program)
+    "pack4": (True, True, 4),  # up to 4
+    "pack2": (True, True, 2),  # up to 2
 }
 
 
@@ -116,7 +115,6 @@ def sweep(cases: list[tuple[int, int]], device: str, configs: dict[str, list[dic
                     kw["fp8_widen"] = cfg["widen"]
                 if name == "int8":
                     kw["i8_asm"], kw["i8_mma"], kw["i8_pack_heads"] = cfg["i8_asm"], cfg["mma"], cfg["pack_heads"]
-                    kw["i8_wide"] = cfg.get("pack_wide", False)
                     v = c["int8_v_t"] if cfg["mma"] else c["caches"]["int8"][1]
 
                 def run(c=c, k=k, v=v, sc=sc, kw=kw):
@@ -240,8 +238,8 @@ def _packed_offline(result: dict, path: Path, cfgs: list[dict], form_names: list
     the card holds four engines' pools: 139 GB)."""
     best = {}
     for fname in form_names:
-        _, _, pack, wide = INT8_FORMS[fname]
-        idx = [i for i, c in enumerate(cfgs) if c["pack_heads"] == pack and c["pack_wide"] == wide]
+        pack = INT8_FORMS[fname][2]
+        idx = [i for i, c in enumerate(cfgs) if c["pack_heads"] == pack]
         sub = {"rows": [{**r, "int8": [r["int8"][i] for i in idx]} for r in result["kernel"]["rows"]]}
         cfg = pick(sub, "int8", {"block_n": 0, "num_warps": 0, "num_stages": 0}, batched)
         if cfg is not None:
@@ -254,10 +252,9 @@ def _packed_offline(result: dict, path: Path, cfgs: list[dict], form_names: list
     variants = {"bf16": ("bf16", current["bf16"])} if big else {}
     variants["int8"] = ("int8", current["int8"])
     for fname, cfg in best.items():
-        _, _, pack, wide = INT8_FORMS[fname]
         variants[f"int8-{fname}"] = (
             "int8",
-            {**current["int8"], "pack_heads": pack, "pack_wide": wide, "pack_launch": cfg},
+            {**current["int8"], "pack_heads": INT8_FORMS[fname][2], "pack_launch": cfg},
         )
     if args.rounds < 1:
         return 0
@@ -334,16 +331,16 @@ def main() -> int:
         swept = ["bf16", "int8"]
     configs: dict[str, list[dict]] = {}
     for name in swept:
-        forms = int8_forms if name == "int8" else [(None, None, None, None)]
+        forms = int8_forms if name == "int8" else [(None, None, None)]
         configs[name] = [
             {
                 **current[name],
                 "block_n": bn,
                 "num_warps": w,
                 "num_stages": st,
-                **({"i8_asm": asm, "mma": mma, "pack_heads": pack, "pack_wide": wide} if name == "int8" else {}),
+                **({"i8_asm": asm, "mma": mma, "pack_heads": pack} if name == "int8" else {}),
             }
-            for bn, w, st, (asm, mma, pack, wide) in itertools.product(tiles, warps, stages, forms)
+            for bn, w, st, (asm, mma, pack) in itertools.product(tiles, warps, stages, forms)
         ]
         if args.packed and name == "bf16":
             configs[name] = [dict(current[name])]

@@ -60,8 +60,7 @@ def record() -> dict:
             forms["int8_transposed_v_dots"] = (k8, v_t, forms[name][2], {"i8_mma": True, "i8_pack_heads": 0})
             # the packed form as the engine launches it at 256 rows or more (its own tile settings)
             pack = {"i8_mma": True, "i8_pack_heads": INT8_LAUNCH["pack_heads"], **INT8_LAUNCH["pack_launch"]}
-            forms["int8_packed_heads"] = (k8, v_t, forms[name][2], {**pack, "i8_wide": False})
-            forms["int8_packed_wide"] = (k8, v_t, forms[name][2], {**pack, "i8_wide": True})  # one dot a product
+            forms["int8_packed_heads"] = (k8, v_t, forms[name][2], pack)
     out = {}
     min_rows, INT8_LAUNCH["pack_min_rows"] = INT8_LAUNCH["pack_min_rows"], 0  # this shape's few rows packed too
     for name, (kc, vc, scales, kw) in forms.items():
@@ -122,7 +121,11 @@ def compile_forms(launches: dict) -> dict:
             "heads": heads,
             "per_token": round(len(loop) / block_n / heads, 2),
             "top_opcodes": dict(ops.most_common(10)),
-            "memory_and_sync": {k: n for k, n in sorted(ops.items()) if k.startswith(("BAR", "STS", "LDS", "LDG", "LDSM", "DEPBAR", "SYNCS", "ARRIVES", "WARPSYNC"))},
+            "memory_and_sync": {
+                k: n
+                for k, n in sorted(ops.items())
+                if k.startswith(("BAR", "STS", "LDS", "LDG", "LDSM", "DEPBAR", "SYNCS", "ARRIVES", "WARPSYNC"))
+            },
             "constexprs": launch["constexprs"],
         }
         print(f"{name:24s} {rows[name]['registers']} regs, {kernel.metadata.shared} B shared, loop {len(loop)} / "

@@ -250,18 +250,15 @@ def test_qk_norm_rope_store_kv_writes_a_transposed_v(gen):
 
 
 @pytest.mark.parametrize(
-    "block_size, mma, pack, wide",
-    [(16, True, 0, False), (16, True, 8, False), (16, True, 8, True), (16, False, 0, False), (8, True, 8, False),
-     (8, True, 8, True), (5, True, 8, False)],
-)  # fmt: skip
+    "block_size, mma, pack", [(16, True, 0), (16, True, 8), (16, False, 0), (8, True, 8), (5, True, 8)]
+)
 @pytest.mark.parametrize("splits", [None, 1, 3])
 @pytest.mark.parametrize("Hq, Hk, D", [(4, 2, 32), (9, 3, 64), (16, 8, 128)])
-def test_paged_decode_attention_int8_transposed_v(Hq, Hk, D, block_size, mma, pack, wide, splits, gen):
+def test_paged_decode_attention_int8_transposed_v(Hq, Hk, D, block_size, mma, pack, splits, gen):
     """With V transposed the int8 tiles go into int8 tensor-core dots as stored (q and the probabilities in 16-bit
     fixed point): closer to the reference than the fp16 widening of the dense layout, one KV head a program or
-    several (``i8_pack_heads``: 2, 3 and 8 heads of groups of 2, 3 and 2 here), the packed heads one dot per
-    head or all in one (``i8_wide``; 3 heads, not a power of two, keep the per-head dots). A block size that does
-    not divide the tile (5) or ``i8_mma=False`` reads the transposed V the slow way, with the same result."""
+    several (``i8_pack_heads``: 2, 3 and 8 heads of groups of 2, 3 and 2 here). A block size that does not
+    divide the tile (5) or ``i8_mma=False`` reads the transposed V the slow way, with the same result."""
     lens = [1, 17, 50, 200]
     q, kc, vc, tables, ctx = _paged_case(lens, Hq, Hk, D, block_size, torch.float32, gen)
     k8, ks = ops.quantize_kv(kc * 3, INT8)
@@ -272,9 +269,7 @@ def test_paged_decode_attention_int8_transposed_v(Hq, Hk, D, block_size, mma, pa
     ref = _reference(q, kc, vc, tables, ctx, INT8)
     assert not torch.isnan(ref).any()
     kw = {"k_scales": ks, "v_scales": vs, "splits": splits, "block_n": 16}
-    y = paged_decode_attention(
-        q, k8, _transposed(v8), tables, ctx, D**-0.5, i8_mma=mma, i8_pack_heads=pack, i8_wide=wide, **kw
-    )
+    y = paged_decode_attention(q, k8, _transposed(v8), tables, ctx, D**-0.5, i8_mma=mma, i8_pack_heads=pack, **kw)
     assert_close(y, ref, 8e-3, 8e-3, "int8 paged decode, V transposed")
     dense = paged_decode_attention(q, k8, v8, tables, ctx, D**-0.5, fp8_widen="f16", **kw)
     err = float((y.float() - ref.float()).norm() / ref.float().norm())
