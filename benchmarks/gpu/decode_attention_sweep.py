@@ -231,6 +231,16 @@ def offline_ab(variants: dict[str, tuple[str, dict]], device: str, rounds: int, 
     }
 
 
+def _run_offline(result: dict, path: Path, variants: dict[str, tuple[str, dict]], args) -> int:
+    """The offline A/B of ``variants`` (``--rounds`` of them; none at 0) into ``result``, written to ``path``."""
+    if args.rounds < 1:
+        return 0
+    result["offline"] = offline_ab(variants, args.device, args.rounds, args.offline_blocks)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"offline medians: {result['offline']['median_tok_s']}")
+    return 0
+
+
 def _packed_offline(result: dict, path: Path, cfgs: list[dict], form_names: list[str], current: dict, batched,
                     args) -> int:  # fmt: skip
     """``--packed``: each packed form's best tile setting (``pick`` among that form's settings), then the offline
@@ -256,12 +266,7 @@ def _packed_offline(result: dict, path: Path, cfgs: list[dict], form_names: list
             "int8",
             {**current["int8"], "pack_heads": INT8_FORMS[fname][2], "pack_launch": cfg},
         )
-    if args.rounds < 1:
-        return 0
-    result["offline"] = offline_ab(variants, args.device, args.rounds, args.offline_blocks)
-    path.write_text(json.dumps(result, indent=1))
-    print(f"offline medians: {result['offline']['median_tok_s']}")
-    return 0
+    return _run_offline(result, path, variants, args)
 
 
 def main() -> int:
@@ -377,12 +382,7 @@ def main() -> int:
         variants[vname] = ("int8", {**current["int8"], **json.loads(js)})
     if "int8" in swept and "asm" in args.int8_forms.split(","):  # before V was transposed: dense V, byte permutes
         variants["int8-dense"] = ("int8", {**current["int8"], "mma": False, "i8_asm": True})
-    if args.rounds < 1:
-        return 0
-    result["offline"] = offline_ab(variants, args.device, args.rounds, args.offline_blocks)
-    path.write_text(json.dumps(result, indent=1))
-    print(f"offline medians: {result['offline']['median_tok_s']}")
-    return 0
+    return _run_offline(result, path, variants, args)
 
 
 if __name__ == "__main__":
