@@ -141,6 +141,14 @@ Trade-offs tried
     256 × 1,024 and 106.3 against 104.8 at 256 × 384 (16- and 32-token tiles), 70.7 % of DRAM bandwidth under ncu
     against 79.6; the offline workload within the rounds' spread (23,259 against 23,188 and 23,472 tok/s for the
     current launch run twice, 2 rounds each). No gain on the complete workload: removed.
+
+    Loading a tile's small loads ahead by hand (tried on the CPU only, at a68dd29, not kept): the packed loop's
+    scale gathers are already copied a stage ahead (4-byte ``cp.async``, the compiler's pipelining); what it loads
+    at the tile is the block table, whose ids the next tile's copies wait for with two stages. Carrying the block
+    ids two tiles ahead as loop values made the compiler stop pipelining the K and V copies altogether (plain
+    16-byte loads and shared-memory stores, 93 barriers a tile); carrying only the scales ahead kept the copies
+    pipelined but moved work the compiler already did (983 loop instructions against 946). Neither was worth a GPU
+    run.
 """
 
 from __future__ import annotations
