@@ -251,7 +251,7 @@ def _packed_offline(result: dict, path: Path, cfgs: list[dict], form_names: list
         pack = INT8_FORMS[fname][2]
         idx = [i for i, c in enumerate(cfgs) if c["pack_heads"] == pack]
         sub = {"rows": [{**r, "int8": [r["int8"][i] for i in idx]} for r in result["kernel"]["rows"]]}
-        cfg = pick(sub, "int8", {"block_n": 0, "num_warps": 0, "num_stages": 0}, batched)
+        cfg = pick(sub, "int8", dict.fromkeys(("block_n", "num_warps", "num_stages")), batched)  # the tile keys
         if cfg is not None:
             best[fname] = cfg
     result["best_pack_launch"] = best
@@ -336,6 +336,9 @@ def main() -> int:
         swept = ["bf16", "int8"]
     configs: dict[str, list[dict]] = {}
     for name in swept:
+        if args.packed and name == "bf16":  # the baseline only
+            configs[name] = [dict(current[name])]
+            continue
         forms = int8_forms if name == "int8" else [(None, None, None)]
         configs[name] = [
             {
@@ -347,9 +350,7 @@ def main() -> int:
             }
             for bn, w, st, (asm, mma, pack) in itertools.product(tiles, warps, stages, forms)
         ]
-        if args.packed and name == "bf16":
-            configs[name] = [dict(current[name])]
-        elif current[name] not in configs[name] and not args.packed:
+        if current[name] not in configs[name] and not args.packed:
             configs[name].append(dict(current[name]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

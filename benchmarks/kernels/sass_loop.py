@@ -63,16 +63,18 @@ def record() -> dict:
             forms["int8_packed_heads"] = (k8, v_t, forms[name][2], pack)
     out = {}
     min_rows, INT8_LAUNCH["pack_min_rows"] = INT8_LAUNCH["pack_min_rows"], 0  # this shape's few rows packed too
-    for name, (kc, vc, scales, kw) in forms.items():
-        with compile_check.record_launches(aligned=True) as seen:
-            paged_decode_attention(q, kc, vc, tables, lens, D**-0.5, splits=1, **scales, **kw)
-        (launch,) = seen
-        c = launch["constexprs"]
-        if c.get("WIDEN_F16") and kc.dtype == torch.int8:
-            c["I8_ASM"] = True  # the GPU's form (byte permutes are inline PTX: the CPU launch turns them off)
-        c["PDL"], launch["options"]["launch_pdl"] = True, True  # as the H200 launches it
-        out[name] = launch
-    INT8_LAUNCH["pack_min_rows"] = min_rows
+    try:
+        for name, (kc, vc, scales, kw) in forms.items():
+            with compile_check.record_launches(aligned=True) as seen:
+                paged_decode_attention(q, kc, vc, tables, lens, D**-0.5, splits=1, **scales, **kw)
+            (launch,) = seen
+            c = launch["constexprs"]
+            if c.get("WIDEN_F16") and kc.dtype == torch.int8:
+                c["I8_ASM"] = True  # the GPU's form (byte permutes are inline PTX: the CPU launch turns them off)
+            c["PDL"], launch["options"]["launch_pdl"] = True, True  # as the H200 launches it
+            out[name] = launch
+    finally:
+        INT8_LAUNCH["pack_min_rows"] = min_rows
     return out
 
 
@@ -124,7 +126,7 @@ def compile_forms(launches: dict) -> dict:
             "memory_and_sync": {
                 k: n
                 for k, n in sorted(ops.items())
-                if k.startswith(("BAR", "STS", "LDS", "LDG", "LDSM", "DEPBAR", "SYNCS", "ARRIVES", "WARPSYNC"))
+                if k.startswith(("BAR", "STS", "LDS", "LDG", "DEPBAR", "SYNCS", "ARRIVES", "WARPSYNC"))
             },
             "constexprs": launch["constexprs"],
         }
