@@ -43,15 +43,17 @@ import torch
 READ_BW_GBS = 3630.0  # the H200's measured read bandwidth (tests/gpu/run_fp8.py)
 SHAPE = {"Hq": 16, "Hk": 8, "D": 128, "block_size": 16}
 CACHES = ("bf16", "fp8", "int8")
-KEYS = ("block_n", "num_warps", "num_stages", "widen", "i8_asm", "mma", "pack_heads")
-# the int8 forms: (i8_asm, mma, pack_heads); with mma (V transposed) the tiles are not widened, so i8_asm stays
+KEYS = ("block_n", "num_warps", "num_stages", "widen", "i8_asm", "mma", "pack_heads", "pack_select")
+# the int8 forms: (i8_asm, mma, pack_heads, pack_select); with mma (V transposed) the tiles are not widened, so i8_asm
+# stays
 INT8_FORMS = {
-    "asm": (True, False, 0),  # V dense like K, widened to fp16 by byte permutes
-    "conv": (False, False, 0),  # the same, one conversion per value
-    "mma": (True, True, 0),  # V transposed, int8 dots, one KV head a program
-    "pack": (True, True, 8),  # the same, up to 8 KV heads a program (paged_attention.heads_per_program)
-    "pack4": (True, True, 4),  # up to 4
-    "pack2": (True, True, 2),  # up to 2
+    "asm": (True, False, 0, False),  # V dense like K, widened to fp16 by byte permutes
+    "conv": (False, False, 0, False),  # the same, one conversion per value
+    "mma": (True, True, 0, False),  # V transposed, int8 dots, one KV head a program
+    "pack": (True, True, 8, False),  # the same, up to 8 KV heads a program (paged_attention.heads_per_program)
+    "packsel": (True, True, 8, True),  # the same, every row in each head's dots, the head's rows kept
+    "pack4": (True, True, 4, False),  # up to 4
+    "pack2": (True, True, 2, False),  # up to 2
 }
 
 
@@ -115,6 +117,7 @@ def sweep(cases: list[tuple[int, int]], device: str, configs: dict[str, list[dic
                     kw["fp8_widen"] = cfg["widen"]
                 if name == "int8":
                     kw["i8_asm"], kw["i8_mma"], kw["i8_pack_heads"] = cfg["i8_asm"], cfg["mma"], cfg["pack_heads"]
+                    kw["i8_pack_select"] = bool(cfg.get("pack_select"))
                     v = c["int8_v_t"] if cfg["mma"] else c["caches"]["int8"][1]
 
                 def run(c=c, k=k, v=v, sc=sc, kw=kw):
@@ -248,8 +251,8 @@ def _packed_offline(result: dict, path: Path, cfgs: list[dict], form_names: list
     the card holds four engines' pools: 139 GB)."""
     best = {}
     for fname in form_names:
-        pack = INT8_FORMS[fname][2]
-        idx = [i for i, c in enumerate(cfgs) if c["pack_heads"] == pack]
+        _, _, pack, select = INT8_FORMS[fname]
+        idx = [i for i, c in enumerate(cfgs) if (c["pack_heads"], bool(c.get("pack_select"))) == (pack, select)]
         sub = {"rows": [{**r, "int8": [r["int8"][i] for i in idx]} for r in result["kernel"]["rows"]]}
         cfg = pick(sub, "int8", dict.fromkeys(("block_n", "num_warps", "num_stages")), batched)  # the tile keys
         if cfg is not None:
@@ -264,7 +267,12 @@ def _packed_offline(result: dict, path: Path, cfgs: list[dict], form_names: list
     for fname, cfg in best.items():
         variants[f"int8-{fname}"] = (
             "int8",
-            {**current["int8"], "pack_heads": INT8_FORMS[fname][2], "pack_launch": cfg},
+            {
+                **current["int8"],
+                "pack_heads": INT8_FORMS[fname][2],
+                "pack_select": INT8_FORMS[fname][3],
+                "pack_launch": cfg,
+            },
         )
     return _run_offline(result, path, variants, args)
 
@@ -339,16 +347,16 @@ def main() -> int:
         if args.packed and name == "bf16":  # the baseline only
             configs[name] = [dict(current[name])]
             continue
-        forms = int8_forms if name == "int8" else [(None, None, None)]
+        forms = int8_forms if name == "int8" else [(None, None, None, None)]
         configs[name] = [
             {
                 **current[name],
                 "block_n": bn,
                 "num_warps": w,
                 "num_stages": st,
-                **({"i8_asm": asm, "mma": mma, "pack_heads": pack} if name == "int8" else {}),
+                **({"i8_asm": asm, "mma": mma, "pack_heads": pack, "pack_select": sel} if name == "int8" else {}),
             }
-            for bn, w, st, (asm, mma, pack) in itertools.product(tiles, warps, stages, forms)
+            for bn, w, st, (asm, mma, pack, sel) in itertools.product(tiles, warps, stages, forms)
         ]
         if current[name] not in configs[name] and not args.packed:
             configs[name].append(dict(current[name]))

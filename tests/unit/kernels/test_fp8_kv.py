@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernellab.kernels import compile_check, paged_attention
 from kernellab.kernels.kv_cache import store_kv, v_transposed
 from kernellab.kernels.paged_attention import heads_per_program, paged_decode_attention
 from kernellab.kernels.rope import qk_norm_rope_store_kv
@@ -250,15 +251,18 @@ def test_qk_norm_rope_store_kv_writes_a_transposed_v(gen):
 
 
 @pytest.mark.parametrize(
-    "block_size, mma, pack", [(16, True, 0), (16, True, 8), (16, False, 0), (8, True, 8), (5, True, 8)]
-)
+    "block_size, mma, pack, select",
+    [(16, True, 0, False), (16, True, 8, False), (16, True, 8, True), (16, False, 0, False), (8, True, 8, False),
+     (8, True, 8, True), (5, True, 8, False)],
+)  # fmt: skip
 @pytest.mark.parametrize("splits", [None, 1, 3])
 @pytest.mark.parametrize("Hq, Hk, D", [(4, 2, 32), (9, 3, 64), (16, 8, 128)])
-def test_paged_decode_attention_int8_transposed_v(Hq, Hk, D, block_size, mma, pack, splits, gen):
+def test_paged_decode_attention_int8_transposed_v(Hq, Hk, D, block_size, mma, pack, select, splits, gen, monkeypatch):
     """With V transposed the int8 tiles go into int8 tensor-core dots as stored (q and the probabilities in 16-bit
     fixed point): closer to the reference than the fp16 widening of the dense layout, one KV head a program or
-    several (``i8_pack_heads``: 2, 3 and 8 heads of groups of 2, 3 and 2 here). A block size that does not
-    divide the tile (5) or ``i8_mma=False`` reads the transposed V the slow way, with the same result."""
+    several (``i8_pack_heads``: 2, 3 and 8 heads of groups of 2, 3 and 2 here; with ``i8_pack_select`` each head's
+    rows picked from dots of every row). A block size that does not divide the tile (5) or ``i8_mma=False`` reads
+    the transposed V the slow way, with the same result."""
     lens = [1, 17, 50, 200]
     q, kc, vc, tables, ctx = _paged_case(lens, Hq, Hk, D, block_size, torch.float32, gen)
     k8, ks = ops.quantize_kv(kc * 3, INT8)
@@ -269,7 +273,14 @@ def test_paged_decode_attention_int8_transposed_v(Hq, Hk, D, block_size, mma, pa
     ref = _reference(q, kc, vc, tables, ctx, INT8)
     assert not torch.isnan(ref).any()
     kw = {"k_scales": ks, "v_scales": vs, "splits": splits, "block_n": 16}
-    y = paged_decode_attention(q, k8, _transposed(v8), tables, ctx, D**-0.5, i8_mma=mma, i8_pack_heads=pack, **kw)
+    monkeypatch.setitem(paged_attention.INT8_LAUNCH, "pack_min_rows", 0)  # these four rows packed too
+    monkeypatch.setitem(paged_attention.INT8_LAUNCH, "pack_launch", {})  # at the test's tiles
+    with compile_check.record_launches() as seen:
+        y = paged_decode_attention(
+            q, k8, _transposed(v8), tables, ctx, D**-0.5, i8_mma=mma, i8_pack_heads=pack, i8_pack_select=select, **kw
+        )
+    packed = pack > 1 and mma and block_size in (8, 16)
+    assert {x["kernel"] for x in seen} == {"_paged_decode_i8_heads_kernel" if packed else "_paged_decode_kernel"}
     assert_close(y, ref, 8e-3, 8e-3, "int8 paged decode, V transposed")
     dense = paged_decode_attention(q, k8, v8, tables, ctx, D**-0.5, fp8_widen="f16", **kw)
     err = float((y.float() - ref.float()).norm() / ref.float().norm())
@@ -291,8 +302,6 @@ def test_heads_per_program():
 def test_packed_int8_form_only_from_its_row_count(gen, monkeypatch):
     """``pack_min_rows`` keeps small launches on the one-head form; at the threshold the packed kernel runs with
     its own tile settings (``pack_launch``), and both agree with the one-head form."""
-    from kernellab.kernels import compile_check, paged_attention
-
     Hq, Hk, D, bs = 4, 2, 32, 16
     monkeypatch.setitem(paged_attention.INT8_LAUNCH, "block_n", 64)
     monkeypatch.setitem(paged_attention.INT8_LAUNCH, "pack_heads", 8)
@@ -309,6 +318,20 @@ def test_packed_int8_form_only_from_its_row_count(gen, monkeypatch):
         assert (name, block_n) == (("_paged_decode_i8_heads_kernel", 32) if packed else ("_paged_decode_kernel", 64))
         one = paged_decode_attention(q, k8, vt, tables, ctx, D**-0.5, k_scales=ks, v_scales=vs, i8_pack_heads=0)
         assert_close(y, one, 2e-3, 2e-3, "packed vs one head a program")
+
+
+@pytest.mark.parametrize("Hq, Hk, D", [(16, 8, 128), (9, 3, 64)])
+def test_packed_select_equals_packed_masked(Hq, Hk, D, gen, monkeypatch):
+    """Selecting each head's rows from dots of every row gives the int32 sums of masking the other rows' operands:
+    the two packed forms' outputs are the same bits."""
+    q, kc, vc, tables, ctx = _paged_case([1, 33, 90], Hq, Hk, D, 16, torch.float32, gen)
+    (k8, ks), (v8, vs) = ops.quantize_kv(kc.nan_to_num(0.0), INT8), ops.quantize_kv(vc.nan_to_num(0.0), INT8)
+    q, vt = q.to(torch.bfloat16), _transposed(v8)
+    kw = {"k_scales": ks, "v_scales": vs, "block_n": 32, "i8_pack_heads": 8}
+    monkeypatch.setitem(paged_attention.INT8_LAUNCH, "pack_min_rows", 0)
+    masked = paged_decode_attention(q, k8, vt, tables, ctx, D**-0.5, i8_pack_select=False, **kw)
+    select = paged_decode_attention(q, k8, vt, tables, ctx, D**-0.5, i8_pack_select=True, **kw)
+    assert torch.equal(masked, select)
 
 
 def test_int8_dots_keep_long_flat_contexts_and_small_values(gen):
