@@ -721,7 +721,7 @@ def _paged_decode_i8_heads_kernel(
     SPLIT: tl.constexpr,
     S_PAD: tl.constexpr,
     PDL: tl.constexpr = False,
-    SELECT: tl.constexpr = False,
+    SELECT: tl.constexpr = 0,
 ):
     """The int8 dots (``_attend_tile_i8``) with ``HEADS`` KV heads a program: the ``HEADS · GROUP`` query rows of
     those heads fill the dots' 16 rows instead of one group padded to 16, so the softmax's elementwise work is
@@ -780,13 +780,18 @@ def _paged_decode_i8_heads_kernel(
             for hh in tl.static_range(HEADS):
                 k = tl.load(k_cache_ptr + tok[:, None] + (hk0 + hh) * stride_ch + d[None, :], mask=kv_mask, other=0)
                 mine = (row_head == hh)[:, None]
-                if SELECT:  # every row against this head's K, the head's rows kept: one operand for all heads
+                if SELECT == 1:  # every row against this head's K, the head's rows kept: one operand for all heads
                     s_hi = tl.where(mine, tl.dot(q_hi, tl.trans(k), out_dtype=tl.int32), s_hi)
                     s_lo = tl.where(mine, tl.dot(q_lo, tl.trans(k), out_dtype=tl.int32), s_lo)
+                elif SELECT == 2:  # the same, the halves summed in the dot (|.| < 2^29): fewer registers
+                    s_h = tl.dot(q_hi, tl.trans(k), out_dtype=tl.int32) * 256
+                    s_hi = tl.where(mine, tl.dot(q_lo, tl.trans(k), s_h, out_dtype=tl.int32), s_hi)
                 else:
                     s_hi = tl.dot(tl.where(mine, q_hi, 0), tl.trans(k), s_hi, out_dtype=tl.int32)
                     s_lo = tl.dot(tl.where(mine, q_lo, 0), tl.trans(k), s_lo, out_dtype=tl.int32)
-            s = (s_hi * 256 + s_lo).to(tl.float32) * s_scale[:, None] * ks
+            if SELECT != 2:  # SELECT 2 summed the halves in its dots
+                s_hi = s_hi * 256 + s_lo
+            s = s_hi.to(tl.float32) * s_scale[:, None] * ks
             s = tl.where(t_mask[None, :], s, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
@@ -807,13 +812,18 @@ def _paged_decode_i8_heads_kernel(
                 v3 = tl.load(v_cache_ptr + v_runs, mask=j_mask[:, None, None] & d_mask[None, :, None], other=0)
                 vt = tl.reshape(tl.permute(v3, (1, 0, 2)), (D_PAD, BLOCK_N))
                 mine = (row_head == hh)[:, None]
-                if SELECT:
+                if SELECT == 1:
                     o_hi = tl.where(mine, tl.dot(p_hi, tl.trans(vt), out_dtype=tl.int32), o_hi)
                     o_lo = tl.where(mine, tl.dot(p_lo, tl.trans(vt), out_dtype=tl.int32), o_lo)
+                elif SELECT == 2:  # |.| ≤ 32,512 · 127 · BLOCK_N
+                    o_h = tl.dot(p_hi, tl.trans(vt), out_dtype=tl.int32) * 256
+                    o_hi = tl.where(mine, tl.dot(p_lo, tl.trans(vt), o_h, out_dtype=tl.int32), o_hi)
                 else:
                     o_hi = tl.dot(tl.where(mine, p_hi, 0), tl.trans(vt), o_hi, out_dtype=tl.int32)
                     o_lo = tl.dot(tl.where(mine, p_lo, 0), tl.trans(vt), o_lo, out_dtype=tl.int32)
-            acc = acc * alpha[:, None] + (o_hi * 256 + o_lo).to(tl.float32) * step[:, None]
+            if SELECT != 2:
+                o_hi = o_hi * 256 + o_lo
+            acc = acc * alpha[:, None] + o_hi.to(tl.float32) * step[:, None]
             m_i = m_new
 
         _finish_rows(
@@ -863,7 +873,7 @@ def paged_decode_attention(
     i8_asm: bool | None = None,
     i8_mma: bool | None = None,
     i8_pack_heads: int | None = None,
-    i8_pack_select: bool | None = None,
+    i8_pack_select: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q: (B, Hq, D)`` over the paged caches; returns ``(B, Hq, D)`` in q's dtype.
 
@@ -877,7 +887,9 @@ def paged_decode_attention(
     is transposed within its blocks (kv_cache.py) goes into int8 tensor-core dots as stored, without widening
     (``INT8_LAUNCH["mma"]``; needs a power-of-two block size dividing ``block_n``); ``i8_pack_heads``: with the
     int8 dots, up to this many KV heads a program (``heads_per_program``; 0 or 1: one); ``i8_pack_select``: the
-    packed form's dots take every row and keep each head's rows of the result (``INT8_LAUNCH["pack_select"]``).
+    packed form's dots take every row and keep each head's rows of the result, 1 with q's and P's 16-bit halves in
+    dots of their own, 2 summed in one dot's accumulator (``INT8_LAUNCH["pack_select"]``; 0: each head's operand
+    rows masked instead).
     """
     eight_bit = k_scales is not None
     cfg = dict(LAUNCH if not eight_bit else INT8_LAUNCH if k_cache.dtype == torch.int8 else FP8_LAUNCH)
@@ -917,7 +929,7 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, cfg["block_n"],
         min_slice, cfg["num_warps"], cfg["num_stages"], k_scales, v_scales, None, widen_f16=widen_f16,
         i8_asm=bool(cfg.get("i8_asm")) and k_cache.dtype == torch.int8 and f16_tiles and q.is_cuda and not mma,
-        i8_mma=mma, pack_heads=pack, pack_select=bool(cfg.get("pack_select")),
+        i8_mma=mma, pack_heads=pack, pack_select=int(cfg.get("pack_select") or 0),
     )[0]  # fmt: skip
 
 
@@ -1018,7 +1030,7 @@ def _rope_args(q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache, k_cach
 def _decode(
     q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, block_n, min_slice,
     num_warps, num_stages, k_scales, v_scales, rope, widen_f16=False, i8_asm=False, i8_mma=False, pack_heads=0,
-    defer=False, pack_select=False,
+    defer=False, pack_select=0,
 ):  # fmt: skip
     """The launch; returns ``(out, merge)``: ``merge`` is None, or with ``defer`` (one sequence, the fused form,
     split) the workspaces and slicing that ``gemv``'s merging x needs (``decode_attention_o_proj``)."""

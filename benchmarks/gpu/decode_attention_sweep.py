@@ -47,13 +47,14 @@ KEYS = ("block_n", "num_warps", "num_stages", "widen", "i8_asm", "mma", "pack_he
 # the int8 forms: (i8_asm, mma, pack_heads, pack_select); with mma (V transposed) the tiles are not widened, so i8_asm
 # stays
 INT8_FORMS = {
-    "asm": (True, False, 0, False),  # V dense like K, widened to fp16 by byte permutes
-    "conv": (False, False, 0, False),  # the same, one conversion per value
-    "mma": (True, True, 0, False),  # V transposed, int8 dots, one KV head a program
-    "pack": (True, True, 8, False),  # the same, up to 8 KV heads a program (paged_attention.heads_per_program)
-    "packsel": (True, True, 8, True),  # the same, every row in each head's dots, the head's rows kept
-    "pack4": (True, True, 4, False),  # up to 4
-    "pack2": (True, True, 2, False),  # up to 2
+    "asm": (True, False, 0, 0),  # V dense like K, widened to fp16 by byte permutes
+    "conv": (False, False, 0, 0),  # the same, one conversion per value
+    "mma": (True, True, 0, 0),  # V transposed, int8 dots, one KV head a program
+    "pack": (True, True, 8, 0),  # the same, up to 8 KV heads a program (paged_attention.heads_per_program)
+    "packsel": (True, True, 8, 1),  # the same, every row in each head's dots, the head's rows kept
+    "packsel2": (True, True, 8, 2),  # the same, the 16-bit halves summed in the dots (fewer registers)
+    "pack4": (True, True, 4, 0),  # up to 4
+    "pack2": (True, True, 2, 0),  # up to 2
 }
 
 
@@ -117,7 +118,7 @@ def sweep(cases: list[tuple[int, int]], device: str, configs: dict[str, list[dic
                     kw["fp8_widen"] = cfg["widen"]
                 if name == "int8":
                     kw["i8_asm"], kw["i8_mma"], kw["i8_pack_heads"] = cfg["i8_asm"], cfg["mma"], cfg["pack_heads"]
-                    kw["i8_pack_select"] = bool(cfg.get("pack_select"))
+                    kw["i8_pack_select"] = int(cfg.get("pack_select") or 0)
                     v = c["int8_v_t"] if cfg["mma"] else c["caches"]["int8"][1]
 
                 def run(c=c, k=k, v=v, sc=sc, kw=kw):
@@ -252,7 +253,7 @@ def _packed_offline(result: dict, path: Path, cfgs: list[dict], form_names: list
     best = {}
     for fname in form_names:
         _, _, pack, select = INT8_FORMS[fname]
-        idx = [i for i, c in enumerate(cfgs) if (c["pack_heads"], bool(c.get("pack_select"))) == (pack, select)]
+        idx = [i for i, c in enumerate(cfgs) if (c["pack_heads"], int(c.get("pack_select") or 0)) == (pack, select)]
         sub = {"rows": [{**r, "int8": [r["int8"][i] for i in idx]} for r in result["kernel"]["rows"]]}
         cfg = pick(sub, "int8", dict.fromkeys(("block_n", "num_warps", "num_stages")), batched)  # the tile keys
         if cfg is not None:

@@ -61,8 +61,9 @@ def record() -> dict:
             # the packed form as the engine launches it at 256 rows or more (its own tile settings)
             pack = {"i8_mma": True, "i8_pack_heads": INT8_LAUNCH["pack_heads"], **INT8_LAUNCH["pack_launch"]}
             forms["int8_packed_heads"] = (k8, v_t, forms[name][2], pack)
-            if not INT8_LAUNCH.get("pack_select"):  # the other packed form: operands shared, outputs selected
-                forms["int8_packed_select"] = (k8, v_t, forms[name][2], {**pack, "i8_pack_select": True})
+            for sel in (1, 2):  # the packed forms whose operands are shared and outputs selected
+                if sel != INT8_LAUNCH.get("pack_select"):
+                    forms[f"int8_packed_select{sel}"] = (k8, v_t, forms[name][2], {**pack, "i8_pack_select": sel})
     out = {}
     min_rows, INT8_LAUNCH["pack_min_rows"] = INT8_LAUNCH["pack_min_rows"], 0  # this shape's few rows packed too
     try:
