@@ -199,6 +199,9 @@ FP8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16"}
 # kernel above); "pack_min_rows": only for launches of at least this many sequences (the form wins at 256 × 1,024
 # alone: "Several KV heads a program" above); "pack_launch": the packed launches' own block_n / num_warps /
 # num_stages, over the ones above (the settings' offline A/B: "Several KV heads a program" above).
+# "pack_select": the packed form's dots take every row and keep each head's rows (1: the 16-bit halves in dots of
+# their own; 2: summed in one accumulator; 0: each head's operand rows masked); "pack_splits": the packed launches'
+# slices per sequence (0: ``num_splits``, ~2 programs an SM).
 INT8_LAUNCH = {
     "block_n": 64,
     "num_warps": 4,
@@ -923,6 +926,7 @@ def paged_decode_attention(
     if pack > 1:  # the packed form's own tile settings, under the caller's
         cfg.update({**(cfg.get("pack_launch") or {}), **given})
         require(cfg["block_n"] % bs == 0, "the packed int8 form needs block_n a multiple of the block size")
+        splits = splits or cfg.get("pack_splits") or None  # a fixed split count of the packed launches
     widen_f16 = widen == "f16" and eight_bit and q.dtype == torch.bfloat16 and not mma
     f16_tiles = widen_f16 or (eight_bit and q.dtype == torch.float16)
     return _decode(

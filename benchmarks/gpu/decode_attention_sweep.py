@@ -43,9 +43,9 @@ import torch
 READ_BW_GBS = 3630.0  # the H200's measured read bandwidth (tests/gpu/run_fp8.py)
 SHAPE = {"Hq": 16, "Hk": 8, "D": 128, "block_size": 16}
 CACHES = ("bf16", "fp8", "int8")
-KEYS = ("block_n", "num_warps", "num_stages", "widen", "i8_asm", "mma", "pack_heads", "pack_select")
-# the int8 forms: (i8_asm, mma, pack_heads, pack_select); with mma (V transposed) the tiles are not widened, so i8_asm
-# stays
+KEYS = ("block_n", "num_warps", "num_stages", "widen", "i8_asm", "mma", "pack_heads", "pack_select", "pack_splits")
+# the int8 forms: (i8_asm, mma, pack_heads, pack_select[, pack_splits]); with mma (V transposed) the tiles are not
+# widened, so i8_asm stays
 INT8_FORMS = {
     "asm": (True, False, 0, 0),  # V dense like K, widened to fp16 by byte permutes
     "conv": (False, False, 0, 0),  # the same, one conversion per value
@@ -53,9 +53,23 @@ INT8_FORMS = {
     "pack": (True, True, 8, 0),  # the same, up to 8 KV heads a program (paged_attention.heads_per_program)
     "packsel": (True, True, 8, 1),  # the same, every row in each head's dots, the head's rows kept
     "packsel2": (True, True, 8, 2),  # the same, the 16-bit halves summed in the dots (fewer registers)
+    "packsel2s3": (True, True, 8, 2, 3),  # in 3 slices a sequence: 768 programs fill two waves of 3 CTAs an SM
+    "packsels3": (True, True, 8, 1, 3),
     "pack4": (True, True, 4, 0),  # up to 4
     "pack2": (True, True, 2, 0),  # up to 2
 }
+
+
+def _form(name: str) -> tuple:
+    """``INT8_FORMS[name]`` with every field: (i8_asm, mma, pack_heads, pack_select, pack_splits)."""
+    f = INT8_FORMS[name]
+    return f + (0,) * (5 - len(f))
+
+
+def _cfg_form(cfg: dict) -> tuple:
+    """The form of one swept int8 setting, as ``_form`` gives it."""
+    keys = ("i8_asm", "mma", "pack_heads", "pack_select", "pack_splits")
+    return tuple(cfg.get(k) or 0 if k not in ("i8_asm", "mma") else cfg.get(k) for k in keys)
 
 
 def _launch_dicts():
@@ -119,6 +133,7 @@ def sweep(cases: list[tuple[int, int]], device: str, configs: dict[str, list[dic
                 if name == "int8":
                     kw["i8_asm"], kw["i8_mma"], kw["i8_pack_heads"] = cfg["i8_asm"], cfg["mma"], cfg["pack_heads"]
                     kw["i8_pack_select"] = int(cfg.get("pack_select") or 0)
+                    kw["splits"] = cfg.get("pack_splits") or None
                     v = c["int8_v_t"] if cfg["mma"] else c["caches"]["int8"][1]
 
                 def run(c=c, k=k, v=v, sc=sc, kw=kw):
@@ -252,8 +267,8 @@ def _packed_offline(result: dict, path: Path, cfgs: list[dict], form_names: list
     the card holds four engines' pools: 139 GB)."""
     best = {}
     for fname in form_names:
-        _, _, pack, select = INT8_FORMS[fname]
-        idx = [i for i, c in enumerate(cfgs) if (c["pack_heads"], int(c.get("pack_select") or 0)) == (pack, select)]
+        form = _form(fname)
+        idx = [i for i, c in enumerate(cfgs) if _cfg_form(c) == form]
         sub = {"rows": [{**r, "int8": [r["int8"][i] for i in idx]} for r in result["kernel"]["rows"]]}
         cfg = pick(sub, "int8", dict.fromkeys(("block_n", "num_warps", "num_stages")), batched)  # the tile keys
         if cfg is not None:
@@ -271,7 +286,8 @@ def _packed_offline(result: dict, path: Path, cfgs: list[dict], form_names: list
             {
                 **current["int8"],
                 "pack_heads": INT8_FORMS[fname][2],
-                "pack_select": INT8_FORMS[fname][3],
+                "pack_select": _form(fname)[3],
+                "pack_splits": _form(fname)[4],
                 "pack_launch": cfg,
             },
         )
@@ -339,7 +355,7 @@ def main() -> int:
             cases = [(256, 1024), (256, 384)] if gpu else [(2, 64)]
         if not gpu:  # the interpreter's few rows: packed as the GPU packs 256
             _launch_dicts()["int8"]["pack_min_rows"] = 0
-    int8_forms = [INT8_FORMS[f] for f in form_names]
+    int8_forms = [_form(f) for f in form_names]
     swept = [c for c in CACHES if c == "bf16" or c in args.caches.split(",")]
     if args.packed:
         swept = ["bf16", "int8"]
@@ -348,16 +364,20 @@ def main() -> int:
         if args.packed and name == "bf16":  # the baseline only
             configs[name] = [dict(current[name])]
             continue
-        forms = int8_forms if name == "int8" else [(None, None, None, None)]
+        forms = int8_forms if name == "int8" else [(None,) * 5]
         configs[name] = [
             {
                 **current[name],
                 "block_n": bn,
                 "num_warps": w,
                 "num_stages": st,
-                **({"i8_asm": asm, "mma": mma, "pack_heads": pack, "pack_select": sel} if name == "int8" else {}),
+                **(
+                    {"i8_asm": asm, "mma": mma, "pack_heads": pack, "pack_select": sel, "pack_splits": spl}
+                    if name == "int8"
+                    else {}
+                ),
             }
-            for bn, w, st, (asm, mma, pack, sel) in itertools.product(tiles, warps, stages, forms)
+            for bn, w, st, (asm, mma, pack, sel, spl) in itertools.product(tiles, warps, stages, forms)
         ]
         if current[name] not in configs[name] and not args.packed:
             configs[name].append(dict(current[name]))

@@ -320,6 +320,19 @@ def test_packed_int8_form_only_from_its_row_count(gen, monkeypatch):
         assert (name, block_n) == (("_paged_decode_i8_heads_kernel", 32) if packed else ("_paged_decode_kernel", 64))
         one = paged_decode_attention(q, k8, vt, tables, ctx, D**-0.5, k_scales=ks, v_scales=vs, i8_pack_heads=0)
         assert_close(y, one, 2e-3, 2e-3, "packed vs one head a program")
+    # pack_splits: the packed launches' slices a sequence, fixed (as the caller's splits would fix them; here 3
+    # slices of whole 32-token tiles of the 112-token bound make 2)
+    sc = {"k_scales": ks, "v_scales": vs}
+    with compile_check.record_launches() as auto:
+        paged_decode_attention(q, k8, vt, tables, ctx, D**-0.5, **sc)
+    monkeypatch.setitem(paged_attention.INT8_LAUNCH, "pack_splits", 3)
+    with compile_check.record_launches() as fixed:
+        y3 = paged_decode_attention(q, k8, vt, tables, ctx, D**-0.5, **sc)
+    with compile_check.record_launches() as given:
+        paged_decode_attention(q, k8, vt, tables, ctx, D**-0.5, splits=3, **sc)
+    split = [{(x["constexprs"]["SPLIT"], x["constexprs"]["S_PAD"]) for x in s} for s in (auto, fixed, given)]
+    assert split[1] == split[2] == {(True, 2)} != split[0], split
+    assert_close(y3, one, 2e-3, 2e-3, "packed in slices vs one head a program")
 
 
 @pytest.mark.parametrize("Hq, Hk, D", [(16, 8, 128), (9, 3, 64)])
