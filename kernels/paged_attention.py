@@ -149,6 +149,20 @@ Trade-offs tried
     16-byte loads and shared-memory stores, 93 barriers a tile); carrying only the scales ahead kept the copies
     pipelined but moved work the compiler already did (983 loop instructions against 946). Neither was worth a GPU
     run.
+
+    Shared operands, selected results (``INT8_LAUNCH["pack_select"]``, 2026-12-07). Most of the 41 barriers come
+    from the masking: each head's ``where`` on q's halves and on P's halves makes a new operand, and each one
+    changes layout through shared memory. With every row in each head's dots and the head's rows picked from the
+    int32 result (a ``where`` in the accumulator's layout, no shared memory), q's halves convert once for the whole
+    walk and P's once a tile; the sums are the same integers, so the output is the same bits. sm_90 SASS (32-token
+    tiles, 4 warps): 857 loop instructions against 949, 12 barriers against 41, 42 ldmatrix against 112, 75 KB of
+    shared memory against 103, but 176 registers against 156 (``pack_select`` 1); summing the halves in one dot's
+    accumulator (hi's product times 256 as the lo dot's start, 2) takes 166 registers, under the 168 of three CTAs
+    an SM, for 987 instructions. ncu on an H100 at 256 × 1,024 (results/gpu/engine_h200_dev/
+    decode_attention_ncu_packsel_h100_6067fea.txt): 234.1 and 233.4 µs against the masked form's 222.1, with 17 %
+    occupancy against 12 % but 72 % of DRAM bandwidth against 75.6 %. Three CTAs an SM leave the launch's 512
+    programs (256 sequences in 2 slices) at 1.29 waves, the masked form's two at 1.94; ``pack_splits`` fixes the
+    packed launches' slices (3: 768 programs, 1.94 waves of three), which the next sweep times.
 """
 
 from __future__ import annotations
