@@ -55,6 +55,7 @@ INT8_FORMS = {
     "packsel2": (True, True, 8, 2),  # the same, the 16-bit halves summed in the dots (fewer registers)
     "packsel2s3": (True, True, 8, 2, 3),  # in 3 slices a sequence: 768 programs fill two waves of 3 CTAs an SM
     "packsels3": (True, True, 8, 1, 3),
+    "packs1": (True, True, 8, 0, 1),  # the masked form in one slice: 256 programs, 0.97 waves of 2 CTAs, no merge
     "pack4": (True, True, 4, 0),  # up to 4
     "pack2": (True, True, 2, 0),  # up to 2
 }
