@@ -25,6 +25,10 @@ the engine runs them, then the offline workload on each form's best tiles agains
 compared a form with one dot a product, since removed: results/gpu/engine_h200_dev/
 decode_attention_sweep_packed_h100_82ee2ef.json).
 
+Before the timed loop, ``--precompile`` child processes (8 on the GPU) compile every setting at the first case's
+shapes into Triton's on-disk cache: a packed int8 setting's sm_90 compile takes ~15-18 s, which made a 24-setting
+sweep run past a device call's time at 2026-12-07.
+
 Writes ``decode_attention_sweep.json`` after each part (schema kernellab.bench.decode_attention_sweep/v1).
 """
 
@@ -79,7 +83,9 @@ def _launch_dicts():
     return {"bf16": pa.LAUNCH, "fp8": pa.FP8_LAUNCH, "int8": pa.INT8_LAUNCH}
 
 
-def _case(batch: int, ctx: int, device: str) -> dict:
+def _case(batch: int, ctx: int, device: str, refs: bool = True) -> dict:
+    """Random q and caches of ``batch`` sequences of ``ctx`` tokens in every cache dtype, with the fp32 reference
+    outputs (None without ``refs``)."""
     from kernellab.runtime import ops
 
     Hq, Hk, D, bs = SHAPE["Hq"], SHAPE["Hk"], SHAPE["D"], SHAPE["block_size"]
@@ -91,15 +97,79 @@ def _case(batch: int, ctx: int, device: str) -> dict:
     tables = torch.randperm(nblocks, device=device).to(torch.int32).view(batch, -1)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
     c = {"q": q, "tables": tables, "lens": lens, "caches": {}}
-    c["caches"]["bf16"] = (k, v, {}, ops.paged_decode_attention(q.float(), k.float(), v.float(), tables, lens, D**-0.5))
+    ref = ops.paged_decode_attention(q.float(), k.float(), v.float(), tables, lens, D**-0.5) if refs else None
+    c["caches"]["bf16"] = (k, v, {}, ref)
     for name, dtype in (("fp8", ops.FP8_DTYPE), ("int8", ops.INT8_DTYPE)):
         (k8, ks), (v8, vs) = ops.quantize_kv(k, dtype), ops.quantize_kv(v, dtype)
         sc = {"k_scales": ks, "v_scales": vs}
-        c["caches"][name] = (k8, v8, sc, ops.paged_decode_attention(q, k8, v8, tables, lens, D**-0.5, **sc).float())
+        ref = ops.paged_decode_attention(q, k8, v8, tables, lens, D**-0.5, **sc).float() if refs else None
+        c["caches"][name] = (k8, v8, sc, ref)
     # the engine's int8 layout: the same values, V transposed within its blocks (ops.v_cache_zeros)
     v8 = c["caches"]["int8"][1]
     c["int8_v_t"] = ops.v_cache_zeros(v8.shape, v8.dtype, v8.device).copy_(v8)
     return c
+
+
+def _kwargs(name: str, cfg: dict, c: dict) -> tuple:
+    """The cache tensors and keyword arguments of one setting's launch on case ``c``."""
+    k, v, sc, _ = c["caches"][name]
+    kw = {k_: cfg[k_] for k_ in ("block_n", "num_warps", "num_stages")}
+    if name != "bf16":
+        kw["fp8_widen"] = cfg["widen"]
+    if name == "int8":
+        kw["i8_asm"], kw["i8_mma"], kw["i8_pack_heads"] = cfg["i8_asm"], cfg["mma"], cfg["pack_heads"]
+        kw["i8_pack_select"] = int(cfg.get("pack_select") or 0)
+        kw["splits"] = cfg.get("pack_splits") or None
+        v = c["int8_v_t"] if cfg["mma"] else c["caches"]["int8"][1]
+    return k, v, {**sc, **kw}
+
+
+def _warm(case: tuple[int, int], settings: list[tuple[str, dict]], launch_dicts: dict, device: str) -> int:
+    """In a child process: launch each setting once on ``case`` (the timed launches' shapes, so the same
+    specialization), filling Triton's on-disk cache for the parent; returns how many launched. (On the CPU: the
+    interpreter, nothing to cache; the path only.)"""
+    if device == "cpu":
+        from kernellab.kernels.testing import patch_interpreter
+
+        patch_interpreter()
+    from kernellab.kernels.paged_attention import paged_decode_attention
+
+    for name, launch in launch_dicts.items():  # the parent's dicts (the packed form's row threshold included)
+        _launch_dicts()[name].clear()
+        _launch_dicts()[name].update(launch)
+    c = _case(*case, device, refs=False)
+    done = 0
+    for name, cfg in settings:
+        k, v, kw = _kwargs(name, cfg, c)
+        try:
+            paged_decode_attention(c["q"], k, v, c["tables"], c["lens"], SHAPE["D"] ** -0.5, **kw)
+            done += 1
+        except Exception:  # the parent's own launch records the error
+            pass
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return done
+
+
+def precompile(case: tuple[int, int], configs: dict[str, list[dict]], procs: int, device: str) -> None:
+    """Compile every setting in ``procs`` child processes at once (each an sm_90 compile of ~15 s, most of a serial
+    sweep's time), so the timed loop finds them in Triton's cache."""
+    import concurrent.futures
+    import multiprocessing
+
+    settings = [(name, cfg) for name in configs for cfg in configs[name]]
+    procs = min(procs, len(settings))
+    if procs < 2:
+        return
+    t = time.perf_counter()
+    chunks = [settings[i::procs] for i in range(procs)]
+    dicts = {name: dict(d) for name, d in _launch_dicts().items()}
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx) as pool:
+        done = sum(pool.map(_warm, [case] * procs, chunks, [dicts] * procs, [device] * procs))
+    print(
+        f"precompiled {done}/{len(settings)} settings in {procs} processes, {time.perf_counter() - t:.0f}s", flush=True
+    )
 
 
 def sweep(cases: list[tuple[int, int]], device: str, configs: dict[str, list[dict]], launch_only: bool = False) -> dict:
@@ -125,20 +195,13 @@ def sweep(cases: list[tuple[int, int]], device: str, configs: dict[str, list[dic
         tokens = batch * ctx
         row = {"batch": batch, "context": ctx, **{name: [] for name in configs}}
         for name in configs:
-            k, v, sc, ref = c["caches"][name]
+            ref = c["caches"][name][3]
             nbytes = 2 * tokens * Hk * (D * 2 if name == "bf16" else D + 4)
             for cfg in configs[name]:
-                kw = {k_: cfg[k_] for k_ in ("block_n", "num_warps", "num_stages")}
-                if name != "bf16":
-                    kw["fp8_widen"] = cfg["widen"]
-                if name == "int8":
-                    kw["i8_asm"], kw["i8_mma"], kw["i8_pack_heads"] = cfg["i8_asm"], cfg["mma"], cfg["pack_heads"]
-                    kw["i8_pack_select"] = int(cfg.get("pack_select") or 0)
-                    kw["splits"] = cfg.get("pack_splits") or None
-                    v = c["int8_v_t"] if cfg["mma"] else c["caches"]["int8"][1]
+                k, v, kw = _kwargs(name, cfg, c)
 
-                def run(c=c, k=k, v=v, sc=sc, kw=kw):
-                    return paged_decode_attention(c["q"], k, v, c["tables"], c["lens"], D**-0.5, **sc, **kw)
+                def run(c=c, k=k, v=v, kw=kw):
+                    return paged_decode_attention(c["q"], k, v, c["tables"], c["lens"], D**-0.5, **kw)
 
                 if launch_only:  # one launch each, for a profiler (ncu) to catch
                     run()
@@ -308,6 +371,11 @@ def main() -> int:
     ap.add_argument("--cases", help="BATCHxCONTEXT cases, comma-separated (default: the gate's five)")
     ap.add_argument("--launch-only", action="store_true", help="launch each setting once, untimed (for ncu)")
     ap.add_argument(
+        "--precompile",
+        type=int,
+        help="child processes compiling the settings first (default 8 on the GPU, 0 on the CPU)",
+    )
+    ap.add_argument(
         "--packed",
         action="store_true",
         help="the packed int8 forms of --int8-forms only, at 256-row cases (bf16 at its launch); the offline A/B "
@@ -384,6 +452,8 @@ def main() -> int:
             configs[name].append(dict(current[name]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if not args.launch_only:
+        precompile(cases[0], configs, args.precompile if args.precompile is not None else 8 if gpu else 0, args.device)
     result = {
         "schema": "kernellab.bench.decode_attention_sweep/v1",
         "provenance": provenance(args.device),
