@@ -111,3 +111,22 @@ def test_the_tree_ab_runs_each_tree_in_its_own_process_in_alternating_order(tmp_
     assert [(r["tree"], r["round"]) for r in data["runs"]] == [("old", 0), ("new", 0), ("new", 1), ("old", 1)]
     assert set(data["summary"]) == {"itl_ms_p50@64", "ttft_ms_p50@48"}
     assert all(r["ttft_ms_p50@48"] > 0 for r in data["runs"])
+
+
+def test_the_decode_attention_sweep_times_the_packed_int8_forms(tmp_path):
+    """``decode_attention_sweep.py --packed``: each packed form's settings checked against the reference and timed
+    (here under the interpreter), their settings compiled first in child processes as on the GPU, each form's best
+    tiles picked; kernel times only (``--rounds 0``)."""
+    data = run(
+        "decode_attention_sweep.py",
+        tmp_path,
+        *("--packed", "--int8-forms", "pack,packsels3,packs1", "--tiles", "16", "--warps", "4", "--stages", "2"),
+        *("--rounds", "0", "--precompile", "2"),
+    )
+    assert validate(data) == "kernellab.bench.decode_attention_sweep/v1"
+    assert data["provenance"]["commit"]
+    (row,) = data["kernel"]["rows"]
+    forms = [(c["pack_heads"], c["pack_select"], c["pack_splits"]) for c in row["int8"]]
+    assert forms == [(8, 0, 0), (8, 1, 3), (8, 0, 1)]
+    assert all(c["rel_err_vs_reference"] < 1e-2 and c["us"] > 0 for c in row["int8"] + row["bf16"])
+    assert set(data["best_pack_launch"]) == {"pack", "packsels3", "packs1"}
