@@ -48,33 +48,26 @@ READ_BW_GBS = 3630.0  # the H200's measured read bandwidth (tests/gpu/run_fp8.py
 SHAPE = {"Hq": 16, "Hk": 8, "D": 128, "block_size": 16}
 CACHES = ("bf16", "fp8", "int8")
 KEYS = ("block_n", "num_warps", "num_stages", "widen", "i8_asm", "mma", "pack_heads", "pack_select", "pack_splits")
-# the int8 forms: (i8_asm, mma, pack_heads, pack_select[, pack_splits]); with mma (V transposed) the tiles are not
-# widened, so i8_asm stays
+# the int8 forms, as values of FORM_KEYS; with mma (V transposed) the tiles are not widened, so i8_asm stays
+FORM_KEYS = ("i8_asm", "mma", "pack_heads", "pack_select", "pack_splits")
 INT8_FORMS = {
-    "asm": (True, False, 0, 0),  # V dense like K, widened to fp16 by byte permutes
-    "conv": (False, False, 0, 0),  # the same, one conversion per value
-    "mma": (True, True, 0, 0),  # V transposed, int8 dots, one KV head a program
-    "pack": (True, True, 8, 0),  # the same, up to 8 KV heads a program (paged_attention.heads_per_program)
-    "packsel": (True, True, 8, 1),  # the same, every row in each head's dots, the head's rows kept
-    "packsel2": (True, True, 8, 2),  # the same, the 16-bit halves summed in the dots (fewer registers)
+    "asm": (True, False, 0, 0, 0),  # V dense like K, widened to fp16 by byte permutes
+    "conv": (False, False, 0, 0, 0),  # the same, one conversion per value
+    "mma": (True, True, 0, 0, 0),  # V transposed, int8 dots, one KV head a program
+    "pack": (True, True, 8, 0, 0),  # the same, up to 8 KV heads a program (paged_attention.heads_per_program)
+    "packsel": (True, True, 8, 1, 0),  # the same, every row in each head's dots, the head's rows kept
+    "packsel2": (True, True, 8, 2, 0),  # the same, the 16-bit halves summed in the dots (fewer registers)
     "packsel2s3": (True, True, 8, 2, 3),  # in 3 slices a sequence: 768 programs fill two waves of 3 CTAs an SM
-    "packsels3": (True, True, 8, 1, 3),
+    "packsels3": (True, True, 8, 1, 3),  # packsel in 3 slices, likewise
     "packs1": (True, True, 8, 0, 1),  # the masked form in one slice: 256 programs, 0.97 waves of 2 CTAs, no merge
-    "pack4": (True, True, 4, 0),  # up to 4
-    "pack2": (True, True, 2, 0),  # up to 2
+    "pack4": (True, True, 4, 0, 0),  # up to 4
+    "pack2": (True, True, 2, 0, 0),  # up to 2
 }
 
 
-def _form(name: str) -> tuple:
-    """``INT8_FORMS[name]`` with every field: (i8_asm, mma, pack_heads, pack_select, pack_splits)."""
-    f = INT8_FORMS[name]
-    return f + (0,) * (5 - len(f))
-
-
 def _cfg_form(cfg: dict) -> tuple:
-    """The form of one swept int8 setting, as ``_form`` gives it."""
-    keys = ("i8_asm", "mma", "pack_heads", "pack_select", "pack_splits")
-    return tuple(cfg.get(k) or 0 if k not in ("i8_asm", "mma") else cfg.get(k) for k in keys)
+    """The form of one swept int8 setting, comparable with ``INT8_FORMS``' values (absent keys read as 0)."""
+    return tuple(cfg.get(k) or 0 for k in FORM_KEYS)
 
 
 def _launch_dicts():
@@ -331,8 +324,7 @@ def _packed_offline(result: dict, path: Path, cfgs: list[dict], form_names: list
     the card holds four engines' pools: 139 GB)."""
     best = {}
     for fname in form_names:
-        form = _form(fname)
-        idx = [i for i, c in enumerate(cfgs) if _cfg_form(c) == form]
+        idx = [i for i, c in enumerate(cfgs) if _cfg_form(c) == INT8_FORMS[fname]]
         sub = {"rows": [{**r, "int8": [r["int8"][i] for i in idx]} for r in result["kernel"]["rows"]]}
         cfg = pick(sub, "int8", dict.fromkeys(("block_n", "num_warps", "num_stages")), batched)  # the tile keys
         if cfg is not None:
@@ -347,13 +339,7 @@ def _packed_offline(result: dict, path: Path, cfgs: list[dict], form_names: list
     for fname, cfg in best.items():
         variants[f"int8-{fname}"] = (
             "int8",
-            {
-                **current["int8"],
-                "pack_heads": INT8_FORMS[fname][2],
-                "pack_select": _form(fname)[3],
-                "pack_splits": _form(fname)[4],
-                "pack_launch": cfg,
-            },
+            {**current["int8"], **dict(zip(FORM_KEYS[2:], INT8_FORMS[fname][2:], strict=True)), "pack_launch": cfg},
         )
     return _run_offline(result, path, variants, args)
 
@@ -424,7 +410,7 @@ def main() -> int:
             cases = [(256, 1024), (256, 384)] if gpu else [(2, 64)]
         if not gpu:  # the interpreter's few rows: packed as the GPU packs 256
             _launch_dicts()["int8"]["pack_min_rows"] = 0
-    int8_forms = [_form(f) for f in form_names]
+    int8_forms = [INT8_FORMS[f] for f in form_names]
     swept = [c for c in CACHES if c == "bf16" or c in args.caches.split(",")]
     if args.packed:
         swept = ["bf16", "int8"]
@@ -433,20 +419,16 @@ def main() -> int:
         if args.packed and name == "bf16":  # the baseline only
             configs[name] = [dict(current[name])]
             continue
-        forms = int8_forms if name == "int8" else [(None,) * 5]
+        forms = int8_forms if name == "int8" else [()]
         configs[name] = [
             {
                 **current[name],
                 "block_n": bn,
                 "num_warps": w,
                 "num_stages": st,
-                **(
-                    {"i8_asm": asm, "mma": mma, "pack_heads": pack, "pack_select": sel, "pack_splits": spl}
-                    if name == "int8"
-                    else {}
-                ),
+                **(dict(zip(FORM_KEYS, form, strict=True)) if form else {}),  # int8's form
             }
-            for bn, w, st, (asm, mma, pack, sel, spl) in itertools.product(tiles, warps, stages, forms)
+            for bn, w, st, form in itertools.product(tiles, warps, stages, forms)
         ]
         if current[name] not in configs[name] and not args.packed:
             configs[name].append(dict(current[name]))
