@@ -76,6 +76,13 @@ def _launch_dicts():
     return {"bf16": pa.LAUNCH, "fp8": pa.FP8_LAUNCH, "int8": pa.INT8_LAUNCH}
 
 
+def _apply_launch(cache: str, launch: dict) -> None:
+    """The kernels' launch dict of ``cache`` replaced in place by ``launch`` (read at each launch and capture)."""
+    d = _launch_dicts()[cache]
+    d.clear()
+    d.update(launch)
+
+
 def _case(batch: int, ctx: int, device: str, refs: bool = True) -> dict:
     """Random q and caches of ``batch`` sequences of ``ctx`` tokens in every cache dtype, with the fp32 reference
     outputs (None without ``refs``)."""
@@ -128,8 +135,7 @@ def _warm(case: tuple[int, int], settings: list[tuple[str, dict]], launch_dicts:
     from kernellab.kernels.paged_attention import paged_decode_attention
 
     for name, launch in launch_dicts.items():  # the parent's dicts (the packed form's row threshold included)
-        _launch_dicts()[name].clear()
-        _launch_dicts()[name].update(launch)
+        _apply_launch(name, launch)
     c = _case(*case, device, refs=False)
     done = 0
     for name, cfg in settings:
@@ -265,10 +271,6 @@ def offline_ab(variants: dict[str, tuple[str, dict]], device: str, rounds: int, 
     dicts = _launch_dicts()
     saved = {k: dict(v) for k, v in dicts.items()}
 
-    def apply(cache: str, launch: dict) -> None:
-        dicts[cache].clear()
-        dicts[cache].update(launch)
-
     # engines side by side: 20,480 blocks cover the workload's 256 sequences at once (~18,000 blocks at the end)
     blocks = blocks or (20480 if device == "cuda" else 512)
     engines, cfgs = {}, {}
@@ -277,7 +279,7 @@ def offline_ab(variants: dict[str, tuple[str, dict]], device: str, rounds: int, 
         cfg, prompts, outs = gate_offline_setup(
             device, kv_cache_dtype="auto" if cache == "bf16" else cache, num_kv_blocks=blocks
         )
-        apply(cache, launch)
+        _apply_launch(cache, launch)
         ops.INT8_V_TRANSPOSED = bool(launch.get("mma", True))
         engines[name] = LLMEngine(EngineConfig(**cfg))  # graphs captured with this setting, the cache laid out
         ops.INT8_V_TRANSPOSED = True
@@ -287,7 +289,7 @@ def offline_ab(variants: dict[str, tuple[str, dict]], device: str, rounds: int, 
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             cache, launch = variants[name]
-            apply(cache, launch)
+            _apply_launch(cache, launch)
             eng = engines[name]
             if not eng.reset_prefix_cache():
                 raise RuntimeError("the engine is not idle between runs")
@@ -295,7 +297,7 @@ def offline_ab(variants: dict[str, tuple[str, dict]], device: str, rounds: int, 
             runs.append({"variant": name, "round": r, **{k: run[k] for k in ("output_tok_per_s", "seconds")}})
             print(f"offline round {r} {name:10s} {run['output_tok_per_s']:>9.0f} tok/s", flush=True)
     for cache, launch in saved.items():
-        apply(cache, launch)
+        _apply_launch(cache, launch)
     median = {n: statistics.median(x["output_tok_per_s"] for x in runs if x["variant"] == n) for n in names}
     base = names[0]
     return {
