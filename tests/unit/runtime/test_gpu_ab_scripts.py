@@ -130,3 +130,11 @@ def test_the_decode_attention_sweep_times_the_packed_int8_forms(tmp_path):
     assert forms == [(8, 0, 0), (8, 1, 3), (8, 0, 1)]
     assert all(c["rel_err_vs_reference"] < 1e-2 and c["us"] > 0 for c in row["int8"] + row["bf16"])
     assert set(data["best_pack_launch"]) == {"pack", "packsels3", "packs1"}
+
+
+def test_the_ttft_engines_ab_compares_the_gates_weights_with_the_engines_own(tmp_path):
+    data = run("ttft_engines_ab.py", tmp_path, "--rounds", "2")
+    assert validate(data) == "kernellab.bench.ttft_engines_ab/v1"
+    assert data["holds_hf_weights"] == {"hf": True, "random": False}
+    assert [(r["engine"], r["round"]) for r in data["runs"]] == [("hf", 0), ("random", 0), ("random", 1), ("hf", 1)]
+    assert all(r["ttft_ms_p50@64"] > 0 for r in data["runs"])
