@@ -43,6 +43,12 @@ QKV_ROPE_MIN_ROWS = 1024
 # against 5.015 without (H100, 06e7fe6, 6 interleaved rounds, ``engine_h200_dev/knob_ab_prune_last_layer_h100_
 # 06e7fe6.json``): the one-row attention here is ~20 small kernels in torch, which cost what the skipped GEMMs saved.
 PRUNE_LAST_LAYER = False
+# Logits of several rows (decode steps, several prompts' last tokens) stay in the model's dtype: widening them was
+# a pass of its own in every decode step (256 rows × 151,936: ~120 µs an H100 step, `kv_dtype_profile_h100_
+# c7665a7.json`'s direct_copy_kernel), and a greedy argmax of the stored values is that of the widened ones. True
+# restores the fp32 copy (the form before, for ``knob_ab.py``). Read when a step runs, so a CUDA graph keeps the form
+# its bucket was captured with.
+WIDEN_LOGITS = False
 
 if TYPE_CHECKING:
     from kernellab.runtime.quant import Int4Pair, Int4Weight
@@ -113,7 +119,8 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """``forward(input_ids (T,), meta, kv_caches) → hidden (T, H)``; ``compute_logits(hidden) → (N, V) fp32``."""
+    """``forward(input_ids (T,), meta, kv_caches) → hidden (T, H)``; ``compute_logits(hidden) → (N, V)`` (the LM
+    head's values in the model's dtype; one row stored as fp32)."""
 
     def __init__(self, cfg: ModelConfig, ops: Ops, cos_sin_cache: torch.Tensor):
         super().__init__()
@@ -435,9 +442,9 @@ class CausalLM(nn.Module):
     def logits(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[LayerKV], rows: torch.Tensor | None
     ) -> torch.Tensor:
-        """fp32 logits of the step's ``rows`` (``meta.logits_indices``; None: every row, as a decode step needs):
-        the final norm runs on those rows only (a prefill's last token, not its 2,048). The values of
-        ``compute_logits(forward(…)[rows])``."""
+        """Logits (``compute_logits``) of the step's ``rows`` (``meta.logits_indices``; None: every row, as a
+        decode step needs): the final norm runs on those rows only (a prefill's last token, not its 2,048). The
+        values of ``compute_logits(forward(…)[rows])``."""
         prune = rows is not None and PRUNE_LAST_LAYER and meta.num_decode_tokens == 0 and meta.prefill_gather is None
         hidden, residual = self._layers(input_ids, meta, kv_caches, rows=rows if prune else None)
         if rows is not None and not prune:
@@ -486,11 +493,15 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of final hidden states: the LM head's output rounded to the model's dtype, stored as fp32 by
-        the projection itself (a GEMV row; no cast kernel after it) where the weight is dense."""
+        """Logits of final hidden states: the LM head's output rounded to the model's dtype. One row (batch-1
+        decode, a prompt's last token) is stored as fp32 by the GEMV itself, at no cost; more rows stay in the
+        model's dtype, since widening them is a pass of its own (256 decode rows × 151,936: 233 MB moved, ~120 µs
+        an H100 step) that a greedy argmax does not need: widening is exact and keeps the order, so the argmax of
+        the stored values is the argmax of the fp32 ones. Whoever computes with logits widens them (the sampler's
+        temperature, penalties, biases and masks; log-probabilities)."""
         if self.lm_head.int4 is not None and hidden.shape[0] <= self.int4_max_rows:
             return self.lm_head.int4.mm(hidden).float()
-        if hidden.dtype == torch.float32:
+        if hidden.dtype == torch.float32 or (hidden.shape[0] != 1 and not WIDEN_LOGITS):
             return self.ops.linear(hidden, self.lm_head.weight)
         out = torch.empty((hidden.shape[0], self.cfg.vocab_size), dtype=torch.float32, device=hidden.device)
         return self.ops.linear(hidden, self.lm_head.weight, out=out)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernellab.runtime import ops as reference
 from kernellab.runtime.request.outputs import TokenLogprob
 from kernellab.runtime.request.sequence import Sequence
 
@@ -36,9 +37,9 @@ def _row_generator(seed: int, index: int, device: torch.device) -> torch.Generat
 
 
 class Sampler:
-    def __init__(self, device: torch.device, argmax=torch.argmax, device_wait=contextlib.nullcontext):
+    def __init__(self, device: torch.device, argmax=reference.argmax, device_wait=contextlib.nullcontext):
         self.device = device
-        self.argmax = argmax  # the dispatcher's (Triton on a GPU where accepted)
+        self.argmax = argmax  # a row's greedy token: the dispatcher's (Triton on a GPU where accepted)
         self.device_wait = device_wait  # around the wait for the tokens (runtime/host_gate.py)
         self.generator = torch.Generator(device=device)
         self.generator.seed()
@@ -47,19 +48,22 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob] | None]:
-        """``logits: (S, V)`` fp32, one row per sequence that samples this step. Called right after the forward
-        is launched: the host work (grammar masks) comes first, before anything waits for the device, so on a
-        GPU it overlaps the forward."""
+        """``logits: (S, V)``, one row per sequence that samples this step, fp32 or the model's dtype
+        (``CausalLM.compute_logits``). Greedy rows without biases or masks take the argmax of the values as
+        stored; anything that computes with them (biases, grammar masks, penalties, temperature) works on an fp32
+        copy. Called right after the forward is launched: the host work (grammar masks) comes first, before
+        anything waits for the device, so on a GPU it overlaps the forward."""
         constraints = self.constraints(seqs, logits.shape[-1])
         want_logprobs = any(s.params.logprobs is not None for s in seqs)
-        raw = processed = logits
-        if constraints is not None:
-            processed = logits.clone()
-            self._apply_constraints(processed, constraints)
-        if all(s.params.greedy and not s.params.has_penalties for s in seqs):
-            tokens = self.argmax(processed)
+        greedy = all(s.params.greedy and not s.params.has_penalties for s in seqs)
+        raw = logits
+        if constraints is None and greedy:
+            tokens = self.argmax(logits)
         else:
-            tokens = self._sample(processed.clone() if processed is raw else processed, seqs)
+            processed = logits.float() if logits.dtype != torch.float32 else logits.clone()  # never the caller's
+            if constraints is not None:
+                self._apply_constraints(processed, constraints)
+            tokens = self.argmax(processed) if greedy else self._sample(processed, seqs)
         with self.device_wait():
             token_list = tokens.tolist()
         return token_list, (self._logprobs(raw, token_list, seqs) if want_logprobs else None)

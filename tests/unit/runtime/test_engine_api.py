@@ -259,3 +259,38 @@ def test_nucleus_filter_keeps_the_smallest_prefix_and_top_p_zero_keeps_the_top_t
     seqs = [Sequence(str(i), [1, 2], SamplingParams(top_p=p), 4) for i, p in enumerate((0.0, 0.7, 0.85))]
     kept = (Sampler._filter(probs, seqs) > 0).tolist()
     assert kept == [[False, True, False, False], [False, True, True, False], [False, True, True, True]]
+
+
+def test_the_sampler_takes_logits_in_the_models_dtype_and_computes_in_fp32():
+    """Decode steps of several rows hand the sampler the LM head's bf16 values (no widening pass): greedy rows take
+    their argmax as stored, and whatever computes with them (a bias, a mask, a temperature) widens first, so the
+    tokens are those of the fp32 values."""
+    import torch
+
+    from kernellab.runtime.request.sequence import Sequence
+    from kernellab.runtime.sampler import Sampler
+
+    gen = torch.Generator().manual_seed(0)
+    bf16 = (torch.randn(4, 300, generator=gen) * 8).to(torch.bfloat16)
+    wide = bf16.float()
+    bf16[1, 7] = bf16[1, 9] = bf16[1].max() + 1  # a tie: the lowest index wins in either dtype
+    wide[1, 7] = wide[1, 9] = wide[1].max() + 1
+    sampler = Sampler(torch.device("cpu"))
+
+    def seqs(**params):
+        return [Sequence(str(i), [1, 2], SamplingParams(**params), 4) for i in range(4)]
+
+    greedy = seqs(temperature=0.0)
+    assert sampler(bf16, greedy)[0] == sampler(wide, greedy)[0] == wide.argmax(-1).tolist()
+    assert sampler(bf16, greedy)[0][1] == 7
+    # a bias that fp32 keeps and bf16 would round away: 199 + 1.01 = 200.01 beats 200 in fp32, while in bf16
+    # (steps of 1 there) it rounds to 200, a tie that the lower index 5 would win
+    bf16[0, 5], bf16[0, 10] = 200.0, 199.0
+    wide[0, 5], wide[0, 10] = 200.0, 199.0
+    assert float(torch.tensor(199.0, dtype=torch.bfloat16) + torch.tensor(1.01, dtype=torch.bfloat16)) == 200.0
+    biased = seqs(temperature=0.0, logit_bias={10: 1.01})
+    assert sampler(bf16, biased)[0][0] == sampler(wide, biased)[0][0] == 10
+    before = bf16.clone()
+    hot = seqs(temperature=0.8, seed=3)
+    assert sampler(bf16, hot)[0] == sampler(wide, hot)[0]
+    assert torch.equal(bf16, before)  # the caller's logits are never written

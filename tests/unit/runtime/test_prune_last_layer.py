@@ -144,3 +144,18 @@ def test_the_triton_prefill_attention_runs_in_the_prefill_graph_not_eagerly(tiny
         attention_kernels.append(sum(1 for x in first_step if "causal_attention" in x["kernel"]))
     assert got[0] == got[1] == got[2] and len(got[0]) == 3
     assert attention_kernels == [0, 2, 2]  # the graph's prefill: one launch a layer of the 2-layer model
+
+
+def test_logits_of_several_rows_stay_in_the_models_dtype(tiny_checkpoints):
+    """``compute_logits``: one row is the GEMV's fp32 store (free), several rows the LM head's output as computed
+    (bf16 here), never a widening pass over them; the values are the LM head's either way."""
+    eng = LLMEngine(
+        model=str(tiny_checkpoints["qwen3"]), device="cpu", dtype="bfloat16", num_kv_blocks=64, max_model_len=256
+    )
+    model = eng.runner.model
+    weight = model.lm_head.weight
+    hidden = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    many, one = model.compute_logits(hidden), model.compute_logits(hidden[:1])
+    assert many.dtype == torch.bfloat16 and one.dtype == torch.float32
+    assert torch.equal(many, torch.nn.functional.linear(hidden, weight))
+    assert torch.equal(one, torch.nn.functional.linear(hidden[:1], weight).float())
