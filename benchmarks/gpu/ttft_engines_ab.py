@@ -33,15 +33,11 @@ import torch
 
 
 def _sm_clock_mhz() -> int | None:
+    """The SM clock the driver reports now (MHz), or None where nvidia-smi does not answer."""
+    query = ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"]
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        return int(out.stdout.split()[0])
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return int(subprocess.check_output(query, text=True, timeout=10).split()[0])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
         return None
 
 
