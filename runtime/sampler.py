@@ -56,17 +56,16 @@ class Sampler:
         constraints = self.constraints(seqs, logits.shape[-1])
         want_logprobs = any(s.params.logprobs is not None for s in seqs)
         greedy = all(s.params.greedy and not s.params.has_penalties for s in seqs)
-        raw = logits
         if constraints is None and greedy:
             tokens = self.argmax(logits)
         else:
-            processed = logits.float() if logits.dtype != torch.float32 else logits.clone()  # never the caller's
+            processed = logits.to(torch.float32, copy=True)  # never the caller's
             if constraints is not None:
                 self._apply_constraints(processed, constraints)
             tokens = self.argmax(processed) if greedy else self._sample(processed, seqs)
         with self.device_wait():
             token_list = tokens.tolist()
-        return token_list, (self._logprobs(raw, token_list, seqs) if want_logprobs else None)
+        return token_list, (self._logprobs(logits, token_list, seqs) if want_logprobs else None)
 
     def constraints(self, seqs: list[Sequence], vocab_size: int) -> Constraints | None:
         """Host half of logit_bias and grammars; None (no work) when no row has either."""
