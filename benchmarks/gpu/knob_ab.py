@@ -10,7 +10,10 @@ built with the constant set (graphs captured with it), and the rounds alternate 
 - with ``--decode-batches``, the decode step at those batch sizes (``engine_decode_step``: 40-token prompts,
   128 tokens each);
 - with ``--ttft``, the time to first token of a fresh prompt of each length (``engine_ttft``, median of 10);
-- the greedy tokens of one request must be the same from every engine.
+- with ``--offline-blocks N``, the gate's offline workload (nano-vllm's 256 prompts, ``gate_offline_setup``) on a
+  second set of engines, one per value, with N KV blocks each (``--offline-kv`` picks their cache dtype), built
+  after the first set is freed, in interleaved rounds: the complete workload the kernel-lab rule asks for;
+- the greedy tokens of one request must be the same from every engine, and the offline run's first prompt too.
 
     python3 benchmarks/gpu/knob_ab.py --out "$OUT/knob" \\
         --knob kernellab.kernels.paged_attention.MIN_SLICE_TOKENS --values 64,128 --contexts 128,512,2048
@@ -19,6 +22,8 @@ built with the constant set (graphs captured with it), and the rounds alternate 
     python3 benchmarks/gpu/knob_ab.py --out "$OUT/op" --knob op:decode_attention_o_proj --values off,on
     python3 benchmarks/gpu/knob_ab.py --out "$OUT/seq" --knob kernellab.kernels.paged_attention.SEQ_MERGE_SLICES \\
         --values 2,16 --disable decode_attention_o_proj   # ops off in every engine
+    python3 benchmarks/gpu/knob_ab.py --out "$OUT/widen" --knob kernellab.runtime.model.WIDEN_LOGITS \\
+        --values True,False --contexts 128 --offline-blocks 10240 --offline-kv int8   # offline, int8 cache
     python3 benchmarks/gpu/knob_ab.py --out /tmp/knob --device cpu --knob ... --values ...   # the path, on a CPU
 
 ``op:NAME`` with values ``off``/``on`` is an op of the dispatcher instead of a constant: "on" builds the engine with
@@ -63,6 +68,14 @@ def main() -> int:
     ap.add_argument(
         "--disable", default="", type=lambda s: tuple(v for v in s.split(",") if v), help="ops off in every engine"
     )
+    ap.add_argument(
+        "--offline-blocks",
+        type=int,
+        default=0,
+        help="KV blocks of each offline engine: the offline workload too (0: not run; 10,240 fit three H100 engines)",
+    )
+    ap.add_argument("--offline-kv", default="auto", help="the offline engines' kv_cache_dtype (auto, int8, fp8)")
+    ap.add_argument("--offline-rounds", type=int, default=2)
     args = ap.parse_args()
     args.values = [parse_value(v.strip()) for v in args.values.split(args.sep)]
     from kernellab.bench.engine_ab import interleaved_rounds, itl_figures, median_summary, same_greedy_tokens
@@ -119,7 +132,15 @@ def main() -> int:
     if not gpu:
         args.ttft = [min(n, 256) for n in args.ttft]
 
+    values = dict(args.values)
+
+    def knob_set(name: str):
+        """The knob at ``name``'s value while its engine runs: graphs keep the form they were captured with, but
+        eager steps (prefill, a step no graph holds) read the constant when they run."""
+        setattr(module, const, values[name])
+
     def measure(eng) -> dict:
+        knob_set(next(n for n, e in engines.items() if e is eng))
         row = itl_figures(eng, contexts, 64 if gpu else 12)
         for b in args.decode_batches:
             row[f"decode_step_ms@{b}"] = engine_decode_step(eng, b, new_tokens=128 if gpu else 8)["step_ms"]
@@ -128,10 +149,18 @@ def main() -> int:
         return row
 
     names = list(engines)
-    runs = interleaved_rounds(engines, args.rounds, "value", measure)
-    same = same_greedy_tokens(engines, 96 if gpu else 8)
-    summary = median_summary(runs, "value", names)
+    try:
+        runs = interleaved_rounds(engines, args.rounds, "value", measure)
+        same = same_greedy_tokens(engines, 96 if gpu else 8)
+        fast_path = {name: describe_fast_path(eng.runner.fast_path) for name, eng in engines.items()}
+        summary = median_summary(runs, "value", names)
+        engines.clear()  # the latency engines' memory, for the offline ones
+        offline = offline_rounds(args, module, const, values, disabled) if args.offline_blocks else None
+    finally:
+        setattr(module, const, standing)
     print(f"same greedy tokens from every engine: {same}", flush=True)
+    if offline is not None:
+        same = same and offline["same_first_prompt_tokens"]
     result = {
         "schema": "kernellab.bench.knob_ab/v1",
         "provenance": provenance(args.device),
@@ -145,12 +174,64 @@ def main() -> int:
         "rounds, one engine per value",
         "same_tokens": same,
         # what each engine ran on (dispatch.describe_fast_path): a knob that turns a path off shows here
-        "fast_path": {name: describe_fast_path(eng.runner.fast_path) for name, eng in engines.items()},
+        "fast_path": fast_path,
         "runs": runs,
         "summary": summary,
     }
+    if offline is not None:
+        result["offline"] = offline
     write(Path(args.out) / "knob_ab.json", result)
     return 0 if same else 1
+
+
+def offline_rounds(args, module, const: str, values: dict, disabled: dict) -> dict:
+    """The offline workload on engines of the gate's offline configuration, one per value (the latency engines
+    freed first), ``--offline-rounds`` interleaved rounds; each engine runs with the knob at its value."""
+    import gc
+
+    import torch
+
+    from kernellab.bench.engine_ab import interleaved_rounds, median_summary
+    from kernellab.bench.offline import gate_offline_setup, run_engine
+    from kernellab.runtime.config import EngineConfig
+    from kernellab.runtime.engine import LLMEngine
+
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    cfg, prompts, outs = gate_offline_setup(
+        args.device, kv_cache_dtype=args.offline_kv, num_kv_blocks=args.offline_blocks
+    )
+    engines = {}
+    for name, value in values.items():
+        setattr(module, const, value)
+        off = tuple(cfg.get("disabled_kernels", ())) + args.disable + disabled.get(name, ())
+        engines[name] = LLMEngine(EngineConfig(**{**cfg, "disabled_kernels": off}))
+    first: dict[str, list[int]] = {}
+
+    def measure(eng) -> dict:
+        name = next(n for n, e in engines.items() if e is eng)
+        setattr(module, const, values[name])
+        if not eng.reset_prefix_cache():
+            raise RuntimeError("the engine is not idle between runs")
+        run = run_engine(eng, prompts, outs, "nanovllm-256", cfg["dtype"])
+        first.setdefault(name, run["first_prompt_token_ids"])
+        return {"output_tok_per_s": run["output_tok_per_s"], "seconds": run["seconds"]}
+
+    runs = interleaved_rounds(engines, args.offline_rounds, "value", measure)
+    summary = median_summary(runs, "value", list(engines))
+    same = len({tuple(t) for t in first.values()}) == 1
+    print(f"offline: the same first prompt's tokens from every engine: {same}", flush=True)
+    result = {
+        "engine": cfg,
+        "workload": f"nano-vllm's {len(prompts)} prompts, greedy, ignore_eos, {sum(outs)} output tokens",
+        "same_first_prompt_tokens": same,
+        "runs": runs,
+        "summary": summary,
+    }
+    engines.clear()
+    gc.collect()
+    return result
 
 
 if __name__ == "__main__":

@@ -7,10 +7,14 @@
 #   run(command="KERNELLAB_COMMIT=<sha> bash benchmarks/gpu/pending_ab.sh \"$OUT\" 560", carry=[".carry"],
 #       timeout_s=600)
 # Steps (docs/gpu-engine.md says what each decides):
-#   widen   model.WIDEN_LOGITS True/False: the fp32 widening of several rows' logits, decode steps of 64 and 256 rows
-#   ttft    ttft_engines_ab.py: the gate's latency engine against one drawing its own weights (the 0.27 ms gap)
-#   packed  decode_attention_sweep.py --packed: the int8 packed forms (masked, select in 3 slices, one slice)
-#   qkv     knob_ab.py op:qkv_proj_norm_rope_store_kv off/on: TTFT at 2,048 and 4,000 tokens
+#   widen   model.WIDEN_LOGITS True/False on the offline workload with the int8 cache (the decode steps of 64 and
+#           256 rows were 2.2 % and 4.8 % faster without the widening at 43718b3 on an H100; the complete workload
+#           decides)
+#   packed  decode_attention_sweep.py --packed: the int8 packed form with its slices a sequence fixed at one
+#           (packs1: 200 against 214 µs at 256 × 1,024 and 89 against 103 at 256 × 384 at 43718b3 on an H100)
+#           against the standing launch, on the offline workload (10,240 blocks an engine: three fit an H100)
+# Done at 43718b3 (results/gpu/engine_h200_dev/*_43718b3.json): widen's decode steps, ttft (the gate's engine
+# against one drawing its own weights), qkv (op:qkv_proj_norm_rope_store_kv, no TTFT gain).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 export ROOT
@@ -36,11 +40,9 @@ step() {
   echo "$name rc=$? at $(($(date +%s) - T0))s" | tee -a "$LOG"
 }
 
-step widen 150 90 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/widen" \
-  --knob kernellab.runtime.model.WIDEN_LOGITS --values True,False --contexts 128 --decode-batches 64,256 --rounds 4
-step ttft 150 60 python3 "$ROOT/benchmarks/gpu/ttft_engines_ab.py" --out "$OUT_DIR/ttft" --rounds 6
-step packed 330 200 python3 "$ROOT/benchmarks/gpu/decode_attention_sweep.py" --out "$OUT_DIR/packed" --packed \
-  --int8-forms pack,packsels3,packs1 --tiles 32 --warps 4 --stages 2,3 --rounds 2
-step qkv 300 90 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/qkv" \
-  --knob op:qkv_proj_norm_rope_store_kv --values off,on --contexts 128 --ttft 2048,4000 --rounds 6
+step widen 240 150 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/widen" \
+  --knob kernellab.runtime.model.WIDEN_LOGITS --values True,False --contexts 128 --rounds 2 \
+  --offline-blocks 10240 --offline-kv int8 --offline-rounds 3
+step packed 330 150 python3 "$ROOT/benchmarks/gpu/decode_attention_sweep.py" --out "$OUT_DIR/packed" --packed \
+  --int8-forms pack,packs1 --tiles 32 --warps 4 --stages 2 --rounds 3 --offline-blocks 10240
 ls -R "$OUT_DIR"

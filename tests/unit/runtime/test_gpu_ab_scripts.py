@@ -37,6 +37,25 @@ def test_the_knob_ab_builds_one_engine_per_value_and_restores_the_constant(tmp_p
     assert paged_attention.MIN_SLICE_TOKENS == 64  # this process's constant is untouched (the script's own restored)
 
 
+def test_the_knob_ab_runs_the_offline_workload_with_the_knob_set_while_each_engine_runs(tmp_path):
+    from kernellab.runtime import model
+
+    data = run(
+        "knob_ab.py",
+        tmp_path,
+        *("--knob", "kernellab.runtime.model.WIDEN_LOGITS", "--values", "True,False", "--contexts", "64"),
+        *("--rounds", "2", "--offline-blocks", "512", "--offline-kv", "int8"),
+    )
+    assert validate(data) == "kernellab.bench.knob_ab/v1"
+    offline = data["offline"]
+    assert offline["engine"]["kv_cache_dtype"] == "int8" and offline["engine"]["num_kv_blocks"] == 512
+    assert offline["same_first_prompt_tokens"] and data["same_tokens"]
+    assert [(r["value"], r["round"]) for r in offline["runs"]] == [("True", 0), ("False", 0), ("False", 1), ("True", 1)]
+    assert all(r["output_tok_per_s"] > 0 for r in offline["runs"])
+    assert set(offline["summary"]["output_tok_per_s"]) == {"True", "False", "over_True"}
+    assert model.WIDEN_LOGITS is False  # this process's constant is untouched
+
+
 def test_the_knob_ab_takes_dicts_for_launch_settings(tmp_path):
     from kernellab.kernels import paged_attention
 
