@@ -7,14 +7,13 @@
 #   run(command="KERNELLAB_COMMIT=<sha> bash benchmarks/gpu/pending_ab.sh \"$OUT\" 560", carry=[".carry"],
 #       timeout_s=600)
 # Steps (docs/gpu-engine.md says what each decides):
-#   widen   model.WIDEN_LOGITS True/False on the offline workload with the int8 cache (the decode steps of 64 and
-#           256 rows were 2.2 % and 4.8 % faster without the widening at 43718b3 on an H100; the complete workload
-#           decides)
-#   packed  decode_attention_sweep.py --packed: the int8 packed form with its slices a sequence fixed at one
-#           (packs1: 200 against 214 µs at 256 × 1,024 and 89 against 103 at 256 × 384 at 43718b3 on an H100)
-#           against the standing launch, on the offline workload (10,240 blocks an engine: three fit an H100)
-# Done at 43718b3 (results/gpu/engine_h200_dev/*_43718b3.json): widen's decode steps, ttft (the gate's engine
-# against one drawing its own weights), qkv (op:qkv_proj_norm_rope_store_kv, no TTFT gain).
+#   rows    decode_attention_sweep.py: the int8 forms (one head a program; 8 heads packed, slices as the count
+#           picks, one, two) at the mid batches where most of the offline workload's decode steps run (the packed
+#           form is used from 256 rows only, the bucket of 225-256, ~a fifth of the workload's steps); kernel only
+#   pmin    knob_ab.py INT8_LAUNCH with pack_min_rows 256 (standing) / 128 / 192 on the offline workload, int8
+# Done at 43718b3 and 8319336 (results/gpu/engine_h200_dev/*_43718b3.json, *_8319336.json): the logits' widening
+# (kept off: +1.3 % offline with int8), the gate's engine against one drawing its own weights (alike), the fused QKV
+# op (no TTFT gain), the packed form in one slice (200 against 214 µs at 256 × 1,024, no offline gain).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 export ROOT
@@ -40,9 +39,11 @@ step() {
   echo "$name rc=$? at $(($(date +%s) - T0))s" | tee -a "$LOG"
 }
 
-step widen 240 150 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/widen" \
-  --knob kernellab.runtime.model.WIDEN_LOGITS --values True,False --contexts 128 --rounds 2 \
-  --offline-blocks 10240 --offline-kv int8 --offline-rounds 3
-step packed 330 150 python3 "$ROOT/benchmarks/gpu/decode_attention_sweep.py" --out "$OUT_DIR/packed" --packed \
-  --int8-forms pack,packs1 --tiles 32 --warps 4 --stages 2 --rounds 3 --offline-blocks 10240
+step rows 150 90 python3 "$ROOT/benchmarks/gpu/decode_attention_sweep.py" --out "$OUT_DIR/rows" --caches int8 \
+  --int8-forms mma,pack,packs1,packs2 --tiles 32,64 --warps 4 --stages 2,3 --rounds 0 \
+  --cases 128x1024,160x1024,192x1024,192x512,224x768
+step pmin 360 200 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/pmin" \
+  --knob kernellab.kernels.paged_attention.INT8_LAUNCH --sep ';' --contexts 128 --rounds 2 \
+  --offline-blocks 10240 --offline-kv int8 --offline-rounds 3 \
+  --values "{'block_n': 64, 'num_warps': 4, 'num_stages': 3, 'widen': 'f16', 'i8_asm': True, 'mma': True, 'pack_heads': 8, 'pack_min_rows': 256, 'pack_launch': {'block_n': 32, 'num_stages': 2}}; {'block_n': 64, 'num_warps': 4, 'num_stages': 3, 'widen': 'f16', 'i8_asm': True, 'mma': True, 'pack_heads': 8, 'pack_min_rows': 128, 'pack_launch': {'block_n': 32, 'num_stages': 2}}; {'block_n': 64, 'num_warps': 4, 'num_stages': 3, 'widen': 'f16', 'i8_asm': True, 'mma': True, 'pack_heads': 8, 'pack_min_rows': 192, 'pack_launch': {'block_n': 32, 'num_stages': 2}}"
 ls -R "$OUT_DIR"
