@@ -47,8 +47,8 @@ PRUNE_LAST_LAYER = False
 # a pass of its own in every decode step (256 rows × 151,936: ~120 µs an H100 step, `kv_dtype_profile_h100_
 # c7665a7.json`'s direct_copy_kernel), and a greedy argmax of the stored values is that of the widened ones. True
 # restores the fp32 copy (the form before, for ``knob_ab.py``). Read when a step runs, so a CUDA graph keeps the form
-# its bucket was captured with.
-WIDEN_LOGITS = False
+# its bucket was captured with. An int N widens the logits of up to N rows (one row always is: the GEMV stores fp32).
+WIDEN_LOGITS: bool | int = False
 
 if TYPE_CHECKING:
     from kernellab.runtime.quant import Int4Pair, Int4Weight
@@ -501,7 +501,8 @@ class CausalLM(nn.Module):
         temperature, penalties, biases and masks; log-probabilities)."""
         if self.lm_head.int4 is not None and hidden.shape[0] <= self.int4_max_rows:
             return self.lm_head.int4.mm(hidden).float()
-        if hidden.dtype == torch.float32 or (hidden.shape[0] != 1 and not WIDEN_LOGITS):
+        rows, widen = hidden.shape[0], WIDEN_LOGITS
+        if hidden.dtype == torch.float32 or not (rows == 1 or widen is True or (type(widen) is int and rows <= widen)):
             return self.ops.linear(hidden, self.lm_head.weight)
         out = torch.empty((hidden.shape[0], self.cfg.vocab_size), dtype=torch.float32, device=hidden.device)
         return self.ops.linear(hidden, self.lm_head.weight, out=out)

@@ -146,7 +146,9 @@ def test_the_triton_prefill_attention_runs_in_the_prefill_graph_not_eagerly(tiny
     assert attention_kernels == [0, 2, 2]  # the graph's prefill: one launch a layer of the 2-layer model
 
 
-def test_logits_of_several_rows_stay_in_the_models_dtype(tiny_checkpoints):
+def test_logits_of_several_rows_stay_in_the_models_dtype(tiny_checkpoints, monkeypatch):
+    from kernellab.runtime import model as model_module
+
     """``compute_logits``: one row is the GEMV's fp32 store (free), several rows the LM head's output as computed
     (bf16 here), never a widening pass over them; the values are the LM head's either way."""
     eng = LLMEngine(
@@ -159,3 +161,10 @@ def test_logits_of_several_rows_stay_in_the_models_dtype(tiny_checkpoints):
     assert many.dtype == torch.bfloat16 and one.dtype == torch.float32
     assert torch.equal(many, torch.nn.functional.linear(hidden, weight))
     assert torch.equal(one, torch.nn.functional.linear(hidden[:1], weight).float())
+    # the knob: True widens every row, an int the logits of up to that many rows
+    for knob, rows_widened in ((True, (2, 4, 5)), (4, (2, 4)), (0, ())):
+        monkeypatch.setattr(model_module, "WIDEN_LOGITS", knob)
+        for n in (2, 4, 5):
+            got = model.compute_logits(hidden[:n])
+            assert got.dtype == (torch.float32 if n in rows_widened else torch.bfloat16), (knob, n)
+            assert torch.equal(got, torch.nn.functional.linear(hidden[:n], weight).to(got.dtype))
