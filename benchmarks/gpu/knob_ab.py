@@ -10,6 +10,8 @@ built with the constant set (graphs captured with it), and the rounds alternate 
 - with ``--decode-batches``, the decode step at those batch sizes (``engine_decode_step``: 40-token prompts,
   128 tokens each);
 - with ``--ttft``, the time to first token of a fresh prompt of each length (``engine_ttft``, median of 10);
+- with ``--replay``, the bucket-1 decode graph replayed alone, back to back (``decode_replay_ms@1``: device time a
+  replay, stale inputs, no KV write): tells a batch-1 ITL difference on the device from one on the host;
 - with ``--offline-blocks N``, the gate's offline workload (nano-vllm's 256 prompts, ``gate_offline_setup``) on a
   second set of engines, one per value, with N KV blocks each (``--offline-kv`` picks their cache dtype), built
   after the first set is freed, in interleaved rounds: the complete workload the kernel-lab rule asks for;
@@ -74,6 +76,7 @@ def main() -> int:
         default=0,
         help="KV blocks of each offline engine: the offline workload too (0: not run; 10,240 fit three H100 engines)",
     )
+    ap.add_argument("--replay", action="store_true", help="the bucket-1 decode graph replayed alone too")
     ap.add_argument("--offline-kv", default="auto", help="the offline engines' kv_cache_dtype (auto, int8, fp8)")
     ap.add_argument("--offline-rounds", type=int, default=2)
     args = ap.parse_args()
@@ -142,6 +145,8 @@ def main() -> int:
     def measure(eng) -> dict:
         knob_set(next(n for n, e in engines.items() if e is eng))
         row = itl_figures(eng, contexts, 64 if gpu else 12)
+        if args.replay:
+            row["decode_replay_ms@1"] = replay_alone(eng, 200 if gpu else 4)
         for b in args.decode_batches:
             row[f"decode_step_ms@{b}"] = engine_decode_step(eng, b, new_tokens=128 if gpu else 8)["step_ms"]
         for n in args.ttft:
@@ -182,6 +187,32 @@ def main() -> int:
         result["offline"] = offline
     write(Path(args.out) / "knob_ab.json", result)
     return 0 if same else 1
+
+
+def replay_alone(eng, n: int) -> float:
+    """ms a replay of the engine's bucket-1 decode graph, ``n`` back to back on its static inputs as the last step
+    left them (slots set to -1: the cache is not written), timed on the device (CUDA events; wall time on a CPU)."""
+    import torch
+
+    graphs = eng.runner.graphs
+    graph = graphs.graphs[("decode", 1)]
+    with torch.inference_mode():  # the runner's buffers are inference tensors
+        graphs.inputs[2].fill_(-1)
+    if not graphs.inputs.is_cuda:
+        t = time.perf_counter()
+        with torch.inference_mode():
+            for _ in range(n):
+                graph.replay()
+        return round((time.perf_counter() - t) * 1e3 / n, 4)
+    for _ in range(10):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return round(start.elapsed_time(end) / n, 4)
 
 
 def offline_rounds(args, module, const: str, values: dict, disabled: dict) -> dict:

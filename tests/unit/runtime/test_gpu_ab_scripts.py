@@ -28,12 +28,13 @@ def test_the_knob_ab_builds_one_engine_per_value_and_restores_the_constant(tmp_p
         "knob_ab.py",
         tmp_path,
         *("--knob", "kernellab.kernels.paged_attention.MIN_SLICE_TOKENS", "--values", "64,128"),
-        *("--contexts", "64", "--decode-batches", "4", "--rounds", "2"),
+        *("--contexts", "64", "--decode-batches", "4", "--rounds", "2", "--replay"),
     )
     assert validate(data) == "kernellab.bench.knob_ab/v1"
     assert data["same_tokens"] and data["values"] == ["64", "128"] and data["standing"] == "64"
     assert [(r["value"], r["round"]) for r in data["runs"]] == [("64", 0), ("128", 0), ("128", 1), ("64", 1)]
-    assert set(data["summary"]) == {"itl_ms_p50@64", "decode_step_ms@4"}
+    assert set(data["summary"]) == {"itl_ms_p50@64", "decode_replay_ms@1", "decode_step_ms@4"}
+    assert all(r["decode_replay_ms@1"] > 0 for r in data["runs"])
     assert paged_attention.MIN_SLICE_TOKENS == 64  # this process's constant is untouched (the script's own restored)
 
 
