@@ -41,6 +41,10 @@ from kernellab.runtime.request.block_manager import slot_of
 
 log = logging.getLogger(__name__)
 
+# The batch-1 decode graph in a memory pool of its own, so its buffers' addresses do not depend on the buckets captured
+# before it into the shared pool (their widths and logits dtype). On an H100 the same bucket-1 graph replayed 0.802 or
+# 0.822 ms depending only on that layout (``engine_h200_dev/knob_ab_widen_logits_replay_h100_94b5be2.json``).
+DECODE_B1_OWN_POOL = False
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 PREFILL_BUCKETS = (128, 256, 512, 1024, 2048, 4096)
 CHUNK_BUCKETS = (32, 128, 512)  # a chunk after a cached context: its new tokens …
@@ -206,9 +210,11 @@ class GraphRunner:
                 self.model.logits(ids, meta, self.kv_caches, rows)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            own = key == ("decode", 1) and DECODE_B1_OWN_POOL
+            with torch.cuda.graph(graph, pool=None if own else self.pool):
                 self.logits[key] = self.model.logits(ids, meta, self.kv_caches, rows)
-        self.pool = graph.pool()
+        if not own:
+            self.pool = graph.pool()
         self.graphs[key] = graph
         self.metas[key] = meta
 
