@@ -42,9 +42,12 @@ from kernellab.runtime.request.block_manager import slot_of
 log = logging.getLogger(__name__)
 
 # The batch-1 decode graph in a memory pool of its own, so its buffers' addresses do not depend on the buckets captured
-# before it into the shared pool (their widths and logits dtype). On an H100 the same bucket-1 graph replayed 0.802 or
-# 0.822 ms depending only on that layout (``engine_h200_dev/knob_ab_widen_logits_replay_h100_94b5be2.json``).
-DECODE_B1_OWN_POOL = False
+# before it into the shared pool (how many, their logits' dtype). On an H100 the same bucket-1 graph, same kernels and
+# inputs, replayed at 0.802 or 0.821 ms a token at context 128 depending only on that layout; in a pool of its own,
+# 0.803 against 0.821 (ITL 0.820 against 0.835) in the latency engine's 4 buckets, ITL 0.805 against 0.821 in an
+# engine of 256 rows' buckets, the same at context 2,048 and at 256 rows (``engine_h200_dev/knob_ab_b1_own_pool_*``,
+# interleaved rounds, the same tokens). Which buffer's placement costs the 19 µs is not traced.
+DECODE_B1_OWN_POOL = True
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 PREFILL_BUCKETS = (128, 256, 512, 1024, 2048, 4096)
 CHUNK_BUCKETS = (32, 128, 512)  # a chunk after a cached context: its new tokens …
