@@ -6,14 +6,14 @@
 # Needs .carry (scripts/gpu-carry.sh); from this machine, with the device tool:
 #   run(command="KERNELLAB_COMMIT=<sha> bash benchmarks/gpu/pending_ab.sh \"$OUT\" 560", carry=[".carry"],
 #       timeout_s=600)
-# Steps (docs/gpu-engine.md says what each decides):
-#   rows    decode_attention_sweep.py: the int8 forms (one head a program; 8 heads packed, slices as the count
-#           picks, one, two) at the mid batches where most of the offline workload's decode steps run (the packed
-#           form is used from 256 rows only, the bucket of 225-256, ~a fifth of the workload's steps); kernel only
-#   pmin    knob_ab.py INT8_LAUNCH with pack_min_rows 256 (standing) / 128 / 192 on the offline workload, int8
-# Done at 43718b3 and 8319336 (results/gpu/engine_h200_dev/*_43718b3.json, *_8319336.json): the logits' widening
-# (kept off: +1.3 % offline with int8), the gate's engine against one drawing its own weights (alike), the fused QKV
-# op (no TTFT gain), the packed form in one slice (200 against 214 µs at 256 × 1,024, no offline gain).
+# Steps (docs/gpu-engine.md says what each decides), for the next H200 (every figure so far is an H100's):
+#   pool    graphs.DECODE_B1_OWN_POOL False/True: the bucket-1 decode graph in a pool of its own (H100: replay 0.821 →
+#           0.803 ms at context 128), batch-1 ITL and the graph replayed alone
+#   widen   model.WIDEN_LOGITS True/False: 256-row decode steps and the offline workload with the int8 cache (H100:
+#           −4.8 % a step, +1.3 % offline), at the H200's 20,480 blocks an engine
+# Done on H100s at 43718b3-1e89f97 (results/gpu/engine_h200_dev/*_h100_{43718b3,8319336,43ac9ce,4395e96,94b5be2,
+# 1e89f97}.json): the gate's engine against one drawing its own weights (alike), the fused QKV op (no TTFT gain),
+# the int8 packed forms at 128-256 rows (no offline gain).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 export ROOT
@@ -39,11 +39,9 @@ step() {
   echo "$name rc=$? at $(($(date +%s) - T0))s" | tee -a "$LOG"
 }
 
-step rows 150 90 python3 "$ROOT/benchmarks/gpu/decode_attention_sweep.py" --out "$OUT_DIR/rows" --caches int8 \
-  --int8-forms mma,pack,packs1,packs2 --tiles 32,64 --warps 4 --stages 2,3 --rounds 0 \
-  --cases 128x1024,160x1024,192x1024,192x512,224x768
-step pmin 360 200 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/pmin" \
-  --knob kernellab.kernels.paged_attention.INT8_LAUNCH --sep ';' --contexts 128 --rounds 2 \
-  --offline-blocks 10240 --offline-kv int8 --offline-rounds 3 \
-  --values "{'block_n': 64, 'num_warps': 4, 'num_stages': 3, 'widen': 'f16', 'i8_asm': True, 'mma': True, 'pack_heads': 8, 'pack_min_rows': 256, 'pack_launch': {'block_n': 32, 'num_stages': 2}}; {'block_n': 64, 'num_warps': 4, 'num_stages': 3, 'widen': 'f16', 'i8_asm': True, 'mma': True, 'pack_heads': 8, 'pack_min_rows': 128, 'pack_launch': {'block_n': 32, 'num_stages': 2}}; {'block_n': 64, 'num_warps': 4, 'num_stages': 3, 'widen': 'f16', 'i8_asm': True, 'mma': True, 'pack_heads': 8, 'pack_min_rows': 192, 'pack_launch': {'block_n': 32, 'num_stages': 2}}"
+step pool 150 60 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/pool" \
+  --knob kernellab.runtime.graphs.DECODE_B1_OWN_POOL --values False,True --contexts 2048,128 --replay --rounds 4
+step widen 300 200 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/widen" \
+  --knob kernellab.runtime.model.WIDEN_LOGITS --values True,False --contexts 128 --decode-batches 256 --rounds 2 \
+  --offline-blocks 20480 --offline-kv int8 --offline-rounds 3
 ls -R "$OUT_DIR"
