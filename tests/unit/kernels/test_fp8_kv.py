@@ -301,6 +301,24 @@ def test_heads_per_program():
     assert heads_per_program(5, 2) == 5
 
 
+def test_a_cache_of_larger_blocks_than_the_packed_tile_runs_the_one_head_form(gen, monkeypatch):
+    """An engine may take larger KV blocks (``block_size`` 64): the packed form's 32-token tiles hold no whole block
+    there, so its launches fall back to the one-head form (whose 64-token tiles do) instead of refusing the step."""
+    Hq, Hk, D, bs = 4, 2, 32, 64
+    monkeypatch.setitem(paged_attention.INT8_LAUNCH, "block_n", 64)
+    monkeypatch.setitem(paged_attention.INT8_LAUNCH, "pack_heads", 8)
+    monkeypatch.setitem(paged_attention.INT8_LAUNCH, "pack_min_rows", 0)
+    monkeypatch.setitem(paged_attention.INT8_LAUNCH, "pack_launch", {"block_n": 32})
+    q, kc, vc, tables, ctx = _paged_case([40, 150, 200], Hq, Hk, D, bs, torch.float32, gen)
+    (k8, ks), (v8, vs) = ops.quantize_kv(kc.nan_to_num(0.0), INT8), ops.quantize_kv(vc.nan_to_num(0.0), INT8)
+    q, vt = q.to(torch.bfloat16), _transposed(v8)
+    with compile_check.record_launches() as seen:
+        y = paged_decode_attention(q, k8, vt, tables, ctx, D**-0.5, k_scales=ks, v_scales=vs)
+    assert {(x["kernel"], x["constexprs"]["BLOCK_N"]) for x in seen} == {("_paged_decode_kernel", 64)}
+    ref = ops.paged_decode_attention(q.float(), k8, v8, tables, ctx, D**-0.5, k_scales=ks, v_scales=vs)
+    assert_close(y.float(), ref, 2e-2, 2e-2, "one head a program at 64-token blocks vs the reference")
+
+
 def test_packed_int8_form_only_from_its_row_count(gen, monkeypatch):
     """``pack_min_rows`` keeps small launches on the one-head form; at the threshold the packed kernel runs with
     its own tile settings (``pack_launch``), and both agree with the one-head form."""
