@@ -28,6 +28,9 @@ built with the constant set (graphs captured with it), and the rounds alternate 
         --values True,False --contexts 128 --offline-blocks 10240 --offline-kv int8   # offline, int8 cache
     python3 benchmarks/gpu/knob_ab.py --out /tmp/knob --device cpu --knob ... --values ...   # the path, on a CPU
 
+``config:FIELD`` builds each engine with that ``EngineConfig`` field at each value (``config:block_size`` with
+``16,64``: the KV cache's block size).
+
 ``op:NAME`` with values ``off``/``on`` is an op of the dispatcher instead of a constant: "on" builds the engine with
 that op allowed as if accepted, "off" with it disabled (``EngineConfig.disabled_kernels``); every other op as the
 engine's ``kernels`` level and ``runtime/kernel_status.json`` have it (the gate's engine, experimental ops on).
@@ -89,7 +92,22 @@ def main() -> int:
     from kernellab.runtime.dispatch import describe_fast_path
     from kernellab.runtime.engine import LLMEngine
 
-    if args.knob.startswith("op:"):  # an op of the dispatcher, allowed or as its status has it
+    overrides: dict[str, dict] = {}  # config:FIELD: each value's EngineConfig field
+    if args.knob.startswith("config:"):  # a field of EngineConfig (block_size, ...), each engine built with its value
+        import dataclasses
+        import types
+
+        field = args.knob[7:]
+        fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+        if field not in fields or field in ("model", "device"):
+            raise SystemExit(f"config:FIELD takes a field of EngineConfig, not {field!r}")
+        module, const = types.SimpleNamespace(value=None), "value"  # nothing to set at module level
+        standing = fields[field].default
+        standing_note = repr(standing)
+        overrides = {repr(v): {field: v} for v in args.values}
+        args.values = [(repr(v), v) for v in args.values]
+        disabled = {}
+    elif args.knob.startswith("op:"):  # an op of the dispatcher, allowed or as its status has it
         from kernellab.runtime import dispatch
         from kernellab.runtime.op_names import REPLACEABLE
 
@@ -125,7 +143,9 @@ def main() -> int:
         for name, value in args.values:
             setattr(module, const, value)
             off = tuple(eng_cfg.get("disabled_kernels", ())) + args.disable + disabled.get(name, ())
-            engines[name] = LLMEngine(EngineConfig(**{**eng_cfg, "disabled_kernels": off}))
+            engines[name] = LLMEngine(
+                EngineConfig(**same_tokens({**eng_cfg, "disabled_kernels": off}, overrides.get(name)))
+            )
             if not gpu:
                 engines[name].runner.eager_windows(8)
     finally:
@@ -160,7 +180,7 @@ def main() -> int:
         fast_path = {name: describe_fast_path(eng.runner.fast_path) for name, eng in engines.items()}
         summary = median_summary(runs, "value", names)
         engines.clear()  # the latency engines' memory, for the offline ones
-        offline = offline_rounds(args, module, const, values, disabled) if args.offline_blocks else None
+        offline = offline_rounds(args, module, const, values, disabled, overrides) if args.offline_blocks else None
     finally:
         setattr(module, const, standing)
     print(f"same greedy tokens from every engine: {same}", flush=True)
@@ -183,10 +203,23 @@ def main() -> int:
         "runs": runs,
         "summary": summary,
     }
+    if overrides:  # config:FIELD: what each value's engine was built with
+        result["engine_per_value"] = {name: same_tokens(eng_cfg, overrides[name]) for name in names}
     if offline is not None:
         result["offline"] = offline
     write(Path(args.out) / "knob_ab.json", result)
     return 0 if same else 1
+
+
+def same_tokens(cfg: dict, override: dict | None) -> dict:
+    """``cfg`` with a config knob's field set; a block size scales the KV pool's block count so that every engine
+    holds the same tokens (as many as ``cfg``'s blocks of its own size)."""
+    if not override:
+        return cfg
+    out = {**cfg, **override}
+    if "block_size" in override and cfg.get("num_kv_blocks"):
+        out["num_kv_blocks"] = max(1, cfg["num_kv_blocks"] * cfg.get("block_size", 16) // override["block_size"])
+    return out
 
 
 def replay_alone(eng, n: int) -> float:
@@ -215,7 +248,7 @@ def replay_alone(eng, n: int) -> float:
     return round(start.elapsed_time(end) / n, 4)
 
 
-def offline_rounds(args, module, const: str, values: dict, disabled: dict) -> dict:
+def offline_rounds(args, module, const: str, values: dict, disabled: dict, overrides: dict) -> dict:
     """The offline workload on engines of the gate's offline configuration, one per value (the latency engines
     freed first), ``--offline-rounds`` interleaved rounds; each engine runs with the knob at its value."""
     import gc
@@ -237,7 +270,7 @@ def offline_rounds(args, module, const: str, values: dict, disabled: dict) -> di
     for name, value in values.items():
         setattr(module, const, value)
         off = tuple(cfg.get("disabled_kernels", ())) + args.disable + disabled.get(name, ())
-        engines[name] = LLMEngine(EngineConfig(**{**cfg, "disabled_kernels": off}))
+        engines[name] = LLMEngine(EngineConfig(**same_tokens({**cfg, "disabled_kernels": off}, overrides.get(name))))
     first: dict[str, list[int]] = {}
 
     def measure(eng) -> dict:

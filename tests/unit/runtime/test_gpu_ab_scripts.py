@@ -57,6 +57,21 @@ def test_the_knob_ab_runs_the_offline_workload_with_the_knob_set_while_each_engi
     assert model.WIDEN_LOGITS is False  # this process's constant is untouched
 
 
+def test_the_knob_ab_takes_an_engine_config_field_with_pools_of_the_same_tokens(tmp_path):
+    data = run(
+        "knob_ab.py",
+        tmp_path,
+        *("--knob", "config:block_size", "--values", "16,64", "--contexts", "64", "--rounds", "2"),
+        *("--offline-blocks", "512", "--offline-kv", "int8"),
+    )
+    assert validate(data) == "kernellab.bench.knob_ab/v1"
+    assert data["values"] == ["16", "64"] and data["standing"] == "16" and data["same_tokens"]
+    per = data["engine_per_value"]
+    assert per["16"]["block_size"] == 16 and per["64"]["block_size"] == 64
+    assert per["16"]["num_kv_blocks"] == 4 * per["64"]["num_kv_blocks"]  # the same tokens in either pool
+    assert data["offline"]["same_first_prompt_tokens"]
+
+
 def test_the_knob_ab_takes_dicts_for_launch_settings(tmp_path):
     from kernellab.kernels import paged_attention
 
