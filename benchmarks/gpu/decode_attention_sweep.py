@@ -45,7 +45,9 @@ from pathlib import Path
 import torch
 
 READ_BW_GBS = 3630.0  # the H200's measured read bandwidth (tests/gpu/run_fp8.py)
-SHAPE = {"Hq": 16, "Hk": 8, "D": 128, "block_size": 16}
+# Qwen3-0.6B's attention; the KV block size from --block-size (through the environment: the precompiling children
+# import this module afresh)
+SHAPE = {"Hq": 16, "Hk": 8, "D": 128, "block_size": int(os.environ.get("KERNELLAB_SWEEP_BLOCK_SIZE", "16"))}
 CACHES = ("bf16", "fp8", "int8")
 KEYS = ("block_n", "num_warps", "num_stages", "widen", "i8_asm", "mma", "pack_heads", "pack_select", "pack_splits")
 # the int8 forms, as values of FORM_KEYS; with mma (V transposed) the tiles are not widened, so i8_asm stays
@@ -371,6 +373,11 @@ def main() -> int:
         "then runs each form's best as its pack_launch against the current int8 launch",
     )
     ap.add_argument(
+        "--block-size",
+        type=int,
+        help="the KV cache's block size in the kernel cases (default 16, the engine's; the offline A/B keeps 16)",
+    )
+    ap.add_argument(
         "--offline-blocks", type=int, help="KV blocks of each offline engine (default 20,480: three fit an H200)"
     )
     ap.add_argument(
@@ -382,6 +389,9 @@ def main() -> int:
         'pack256=\'{"pack_heads": 8, "pack_min_rows": 256, "pack_launch": {"block_n": 32, "num_stages": 2}}\'',
     )
     args = ap.parse_args()
+    if args.block_size:
+        os.environ["KERNELLAB_SWEEP_BLOCK_SIZE"] = str(args.block_size)
+        SHAPE["block_size"] = args.block_size
     gpu = args.device == "cuda"
     if not gpu:  # Triton's interpreter, read when a kernel is decorated, with the fixes the CPU tests use
         os.environ["TRITON_INTERPRET"] = "1"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU A/Bs that are prepared and not yet run, most useful first, inside one device call's time. Each step gets
 # what is left of the budget (seconds, default 560) up to its own cap, and is skipped when too little is left; each
-# step's artifact lands in $1/<step>/ and every step's output in $1/pending_log.txt (five files at most, two folders
+# step's artifact lands in $1/<step>/ and every step's output in $1/pending_log.txt (six files at most, two folders
 # down: the device tool brings back eight).
 # Needs .carry (scripts/gpu-carry.sh); from this machine, with the device tool:
 #   run(command="KERNELLAB_COMMIT=<sha> bash benchmarks/gpu/pending_ab.sh \"$OUT\" 560", carry=[".carry"],
@@ -9,6 +9,10 @@
 # Steps (docs/gpu-engine.md says what each decides), for the next H200 (every figure so far is an H100's):
 #   pool    graphs.DECODE_B1_OWN_POOL False/True: the bucket-1 decode graph in a pool of its own (H100: replay 0.821 →
 #           0.803 ms at context 128), batch-1 ITL and the graph replayed alone
+#   bs16, bs64  decode_attention_sweep.py: the int8 one-head form (and bf16) at 16- and 64-token KV blocks. A
+#           64-token tile of one block reads the block table once and takes V as one [D, 64] run per head, without
+#           the permute of four blocks' [D, 16] runs that goes through shared memory
+#   blocks  knob_ab.py config:block_size 16/64 on the offline workload with the int8 cache (pools of equal tokens)
 #   widen   model.WIDEN_LOGITS True/False: 256-row decode steps and the offline workload with the int8 cache (H100:
 #           −4.8 % a step, +1.3 % offline), at the H200's 20,480 blocks an engine
 # Done on H100s at 43718b3-1e89f97 (results/gpu/engine_h200_dev/*_h100_{43718b3,8319336,43ac9ce,4395e96,94b5be2,
@@ -41,6 +45,13 @@ step() {
 
 step pool 150 60 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/pool" \
   --knob kernellab.runtime.graphs.DECODE_B1_OWN_POOL --values False,True --contexts 2048,128 --replay --rounds 4
+for bs in 16 64; do
+  step "bs$bs" 90 45 python3 "$ROOT/benchmarks/gpu/decode_attention_sweep.py" --out "$OUT_DIR/bs$bs" --caches int8 \
+    --int8-forms mma --tiles 64 --warps 4 --stages 2,3 --rounds 0 --block-size "$bs" \
+    --cases 128x1024,192x1024,256x1024,192x512
+done
+step blocks 240 180 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/blocks" --knob config:block_size \
+  --values 16,64 --contexts 128,2048 --rounds 2 --offline-blocks 10240 --offline-kv int8 --offline-rounds 3
 step widen 300 200 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/widen" \
   --knob kernellab.runtime.model.WIDEN_LOGITS --values True,False --contexts 128 --decode-batches 256 --rounds 2 \
   --offline-blocks 20480 --offline-kv int8 --offline-rounds 3
