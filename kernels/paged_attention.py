@@ -937,12 +937,13 @@ def paged_decode_attention(
         and q.dtype != torch.float32
     )
     pack = int(cfg.get("pack_heads") or 0) if mma and q.shape[0] >= cfg.get("pack_min_rows", 0) else 0
-    pack_cfg = {**cfg, **(cfg.get("pack_launch") or {}), **given}  # the packed form's own tiles, under the caller's
-    if pack > 1 and pack_cfg["block_n"] % bs:  # its tiles hold no whole block (an engine of larger blocks)
-        pack = 0  # the one-head form, whose tiles do
     if pack > 1:
-        cfg = pack_cfg
-        splits = splits or cfg.get("pack_splits") or None  # a fixed split count of the packed launches
+        pack_cfg = {**cfg, **(cfg.get("pack_launch") or {}), **given}  # its own tiles, under the caller's
+        if pack_cfg["block_n"] % bs:  # its tiles hold no whole block (an engine of larger blocks)
+            pack = 0  # the one-head form, whose tiles do
+        else:
+            cfg = pack_cfg
+            splits = splits or cfg.get("pack_splits") or None  # a fixed split count of the packed launches
     widen_f16 = widen == "f16" and eight_bit and q.dtype == torch.bfloat16 and not mma
     f16_tiles = widen_f16 or (eight_bit and q.dtype == torch.float16)
     return _decode(

@@ -157,13 +157,10 @@ def main() -> int:
 
     values = dict(args.values)
 
-    def knob_set(name: str):
-        """The knob at ``name``'s value while its engine runs: graphs keep the form they were captured with, but
-        eager steps (prefill, a step no graph holds) read the constant when they run."""
-        setattr(module, const, values[name])
-
     def measure(eng) -> dict:
-        knob_set(next(n for n, e in engines.items() if e is eng))
+        # the knob at this engine's value while it runs: graphs keep the form they were captured with, but eager
+        # steps (prefill, a step no graph holds) read the constant when they run
+        setattr(module, const, values[next(n for n, e in engines.items() if e is eng)])
         row = itl_figures(eng, contexts, 64 if gpu else 12)
         if args.replay:
             row["decode_replay_ms@1"] = replay_alone(eng, 200 if gpu else 4)

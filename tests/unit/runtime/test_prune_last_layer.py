@@ -147,10 +147,10 @@ def test_the_triton_prefill_attention_runs_in_the_prefill_graph_not_eagerly(tiny
 
 
 def test_logits_of_several_rows_stay_in_the_models_dtype(tiny_checkpoints, monkeypatch):
-    from kernellab.runtime import model as model_module
-
     """``compute_logits``: one row is the GEMV's fp32 store (free), several rows the LM head's output as computed
     (bf16 here), never a widening pass over them; the values are the LM head's either way."""
+    from kernellab.runtime import model as model_module
+
     eng = LLMEngine(
         model=str(tiny_checkpoints["qwen3"]), device="cpu", dtype="bfloat16", num_kv_blocks=64, max_model_len=256
     )
