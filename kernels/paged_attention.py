@@ -171,6 +171,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import gemv as _gemv_module
 from ._common import cached_empty, cached_zeros, cdiv, next_pow2, num_sms, require, use_pdl
@@ -185,6 +186,7 @@ __all__ = [
     "num_splits",
     "paged_decode_attention",
     "paged_decode_attention_qk_norm_rope",
+    "tma_ready",
 ]
 
 _LOG2E = 1.4426950408889634
@@ -850,6 +852,110 @@ def _paged_decode_i8_heads_kernel(
         )  # fmt: skip
 
 
+@triton.jit
+def _paged_decode_i8_tma_kernel(
+    q_ptr,
+    k_desc,
+    v_desc,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    acc_ws_ptr,
+    ml_ws_ptr,
+    cnt_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    qk_scale,
+    n_splits,
+    min_slice,
+    n_q_heads,
+    n_kv_heads,
+    stride_qb,
+    stride_qh,
+    stride_sb,
+    stride_so,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    block_size: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    SPLIT: tl.constexpr,
+    S_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """The int8 dots (``_attend_tile_i8``) over tiles that are whole KV blocks, each copied by a tensor
+    descriptor (TMA on Hopper): K as the ``[block_size, D]`` box of the ``(N·bs, Hk·D)`` matrix at the block's
+    rows and the head's columns, V (transposed within its block) as the ``[D, block_size]`` box of the
+    ``(N·Hk·D, bs)`` matrix. One bulk copy an operand and a tile, no address arithmetic per element, and the
+    compiler's pipeliner keeps ``num_stages`` tiles in flight in shared memory, where the pointer form's gathered
+    tile gets one buffer (see "Occupancy of the int8 dots"). Same slices and merge as ``_paged_decode_kernel``."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + b)
+    start, end, n_active = _slice_of(ctx, split, n_splits, min_slice, block_size, SPLIT)
+    if split < n_active:
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D)
+        g_mask = g < GROUP
+        heads = hk * GROUP + g
+        q = tl.load(
+            q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+            mask=g_mask[:, None],
+            other=0.0,
+        )
+        qf = q.to(tl.float32)
+        q_step = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) * (1.0 / _I16_TOP)
+        q_hi, q_lo = _split_i16(qf, 1.0 / q_step[:, None])
+        s_scale = q_step * qk_scale
+        m_i = tl.full([G_PAD], -float("inf"), dtype=tl.float32)
+        l_i = tl.zeros([G_PAD], dtype=tl.float32)
+        acc = tl.zeros([G_PAD, D], dtype=tl.float32)
+        table = block_tables_ptr + b.to(tl.int64) * stride_bt
+        o = tl.arange(0, block_size)
+        blk = tl.load(table + start // block_size)
+        for t0 in range(start, end, block_size):
+            # this tile's block id came with the tile before: the copies depend on no load of their own iteration
+            nxt = tl.minimum(t0 + block_size, end - 1)
+            blk_next = tl.load(table + nxt // block_size)
+            k = k_desc.load([blk * block_size, hk * D])
+            vt = v_desc.load([(blk * n_kv_heads + hk) * D, 0])
+            t_mask = t0 + o < end
+            srow = blk.to(tl.int64) * stride_sb + o * stride_so + hk
+            ks = tl.load(k_scale_ptr + srow, mask=t_mask, other=0.0)
+            vs = tl.load(v_scale_ptr + srow, mask=t_mask, other=0.0)
+            m_i, l_i, acc = _attend_tile_i8(q_hi, q_lo, s_scale, k, vt, ks, vs, t_mask, m_i, l_i, acc)
+            blk = blk_next
+        _finish_rows(
+            acc, m_i, l_i, b, split, n_active, n_splits, n_q_heads, heads, hk * GROUP, g_mask, d, d >= 0,
+            cnt_ptr + b * n_kv_heads + hk, out_ptr, stride_ob, stride_oh, acc_ws_ptr, ml_ws_ptr, GROUP, D, S_PAD,
+            SPLIT,
+        )  # fmt: skip
+
+
+def tma_ready(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor | None) -> bool:
+    """Whether ``_paged_decode_i8_tma_kernel`` can read these caches: int8 with scales, K dense and V transposed
+    within its blocks, blocks of 32-128 tokens (a tile is one block, and ``P·V``'s int8 dot reduces over at least
+    32), a power-of-two head_dim of 32-256, 16-byte-aligned rows and bases (what a tensor descriptor needs)."""
+    if k_cache.dtype != torch.int8 or k_scales is None or not v_transposed(v_cache):
+        return False
+    _, bs, hk, d = k_cache.shape
+    return (
+        bs in (32, 64, 128)
+        and 32 <= d <= 256
+        and d & (d - 1) == 0
+        and k_cache.is_contiguous()
+        and (hk * d) % 16 == 0
+        and k_cache.data_ptr() % 16 == 0
+        and v_cache.data_ptr() % 16 == 0
+    )
+
+
 def heads_per_program(kv_heads: int, group: int, most: int = 16, rows: int = 16) -> int:
     """The most KV heads (at most ``most``) whose query rows fit ``rows`` and that divide ``kv_heads`` (1 when a
     group alone fills them): Qwen3-0.6B (8 KV heads of 2) → 8, a Llama-3.2-1B shape (8 of 4) → 4, SmolLM2-135M
@@ -891,6 +997,7 @@ def paged_decode_attention(
     i8_mma: bool | None = None,
     i8_pack_heads: int | None = None,
     i8_pack_select: int | None = None,
+    i8_tma: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q: (B, Hq, D)`` over the paged caches; returns ``(B, Hq, D)`` in q's dtype.
 
@@ -906,7 +1013,8 @@ def paged_decode_attention(
     int8 dots, up to this many KV heads a program (``heads_per_program``; 0 or 1: one); ``i8_pack_select``: the
     packed form's dots take every row and keep each head's rows of the result, 1 with q's and P's 16-bit halves in
     dots of their own, 2 summed in one dot's accumulator (``INT8_LAUNCH["pack_select"]``; 0: each head's operand
-    rows masked instead).
+    rows masked instead); ``i8_tma``: with the int8 dots, tiles of one whole KV block copied by tensor descriptors
+    (``_paged_decode_i8_tma_kernel``; where ``tma_ready`` holds: blocks of 32-128 tokens), before any packing.
     """
     eight_bit = k_scales is not None
     cfg = dict(LAUNCH if not eight_bit else INT8_LAUNCH if k_cache.dtype == torch.int8 else FP8_LAUNCH)
@@ -921,6 +1029,7 @@ def paged_decode_attention(
             ("mma", i8_mma),
             ("pack_heads", i8_pack_heads),
             ("pack_select", i8_pack_select),
+            ("tma", i8_tma),
         )
         if value is not None
     }
@@ -936,7 +1045,8 @@ def paged_decode_attention(
         and cfg["block_n"] % bs == 0
         and q.dtype != torch.float32
     )
-    pack = int(cfg.get("pack_heads") or 0) if mma and q.shape[0] >= cfg.get("pack_min_rows", 0) else 0
+    tma = mma and bool(cfg.get("tma")) and tma_ready(k_cache, v_cache, k_scales)
+    pack = int(cfg.get("pack_heads") or 0) if mma and not tma and q.shape[0] >= cfg.get("pack_min_rows", 0) else 0
     if pack > 1:
         pack_cfg = {**cfg, **(cfg.get("pack_launch") or {}), **given}  # its own tiles, under the caller's
         if pack_cfg["block_n"] % bs:  # its tiles hold no whole block (an engine of larger blocks)
@@ -950,7 +1060,7 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, cfg["block_n"],
         min_slice, cfg["num_warps"], cfg["num_stages"], k_scales, v_scales, None, widen_f16=widen_f16,
         i8_asm=bool(cfg.get("i8_asm")) and k_cache.dtype == torch.int8 and f16_tiles and q.is_cuda and not mma,
-        i8_mma=mma, pack_heads=pack, pack_select=int(cfg.get("pack_select") or 0),
+        i8_mma=mma, pack_heads=pack, pack_select=int(cfg.get("pack_select") or 0), i8_tma=tma,
     )[0]  # fmt: skip
 
 
@@ -1051,7 +1161,7 @@ def _rope_args(q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache, k_cach
 def _decode(
     q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len, splits, block_n, min_slice,
     num_warps, num_stages, k_scales, v_scales, rope, widen_f16=False, i8_asm=False, i8_mma=False, pack_heads=0,
-    defer=False, pack_select=0,
+    defer=False, pack_select=0, i8_tma=False,
 ):  # fmt: skip
     """The launch; returns ``(out, merge)``: ``merge`` is None, or with ``defer`` (one sequence, the fused form,
     split) the workspaces and slicing that ``gemv``'s merging x needs (``decode_attention_o_proj``)."""
@@ -1072,7 +1182,9 @@ def _decode(
     if B == 0:
         return out, None
     group = Hq // Hk
-    heads = heads_per_program(Hk, group, pack_heads) if pack_heads > 1 else 1
+    if i8_tma:
+        block_n = block_size  # a tile is one block
+    heads = heads_per_program(Hk, group, pack_heads) if pack_heads > 1 and not i8_tma else 1
     bound = max_context_len if max_context_len is not None else block_tables.shape[1] * block_size
     bound = max(bound, 1)
     n_split = splits or num_splits(B, Hk // heads, bound, block_n, q.device)
@@ -1098,6 +1210,18 @@ def _decode(
         )  # fmt: skip
         return out, None
     min_tokens = cdiv(MIN_SLICE_TOKENS if min_slice is None else max(min_slice, 1), block_n) * block_n
+    if i8_tma:
+        assert scales is not None and v_t
+        N = k_cache.shape[0]
+        _paged_decode_i8_tma_kernel[(B, Hk, n_split)](
+            q, TensorDescriptor(k_cache, [N * block_size, Hk * D], [Hk * D, 1], [block_size, D]),
+            TensorDescriptor(v_cache, [N * Hk * D, block_size], [block_size, 1], [D, block_size]), block_tables,
+            context_lens, out, acc_ws, ml_ws, counters, *scales, scale * _LOG2E, n_split, min_tokens, Hq, Hk,
+            q.stride(0), q.stride(1), *scales[0].stride()[:2], block_tables.stride(0), out.stride(0), out.stride(1),
+            block_size=block_size, GROUP=group, G_PAD=max(16, next_pow2(group)), D=D, SPLIT=n_split > 1,
+            S_PAD=next_pow2(n_split), PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        )  # fmt: skip
+        return out, None
     defer = defer and B == 1 and n_split > 1 and rope is not None
     s_pad = next_pow2(n_split)
     seq_s = min(max(2, SEQ_MERGE_SLICES), s_pad)  # knobs, read at launch

@@ -49,22 +49,25 @@ READ_BW_GBS = 3630.0  # the H200's measured read bandwidth (tests/gpu/run_fp8.py
 # import this module afresh)
 SHAPE = {"Hq": 16, "Hk": 8, "D": 128, "block_size": int(os.environ.get("KERNELLAB_SWEEP_BLOCK_SIZE", "16"))}
 CACHES = ("bf16", "fp8", "int8")
-KEYS = ("block_n", "num_warps", "num_stages", "widen", "i8_asm", "mma", "pack_heads", "pack_select", "pack_splits")
+KEYS = (
+    "block_n", "num_warps", "num_stages", "widen", "i8_asm", "mma", "pack_heads", "pack_select", "pack_splits", "tma"
+)  # fmt: skip
 # the int8 forms, as values of FORM_KEYS; with mma (V transposed) the tiles are not widened, so i8_asm stays
-FORM_KEYS = ("i8_asm", "mma", "pack_heads", "pack_select", "pack_splits")
+FORM_KEYS = ("i8_asm", "mma", "pack_heads", "pack_select", "pack_splits", "tma")
 INT8_FORMS = {
-    "asm": (True, False, 0, 0, 0),  # V dense like K, widened to fp16 by byte permutes
-    "conv": (False, False, 0, 0, 0),  # the same, one conversion per value
-    "mma": (True, True, 0, 0, 0),  # V transposed, int8 dots, one KV head a program
-    "pack": (True, True, 8, 0, 0),  # the same, up to 8 KV heads a program (paged_attention.heads_per_program)
-    "packsel": (True, True, 8, 1, 0),  # the same, every row in each head's dots, the head's rows kept
-    "packsel2": (True, True, 8, 2, 0),  # the same, the 16-bit halves summed in the dots (fewer registers)
-    "packsel2s3": (True, True, 8, 2, 3),  # in 3 slices a sequence: 768 programs fill two waves of 3 CTAs an SM
-    "packsels3": (True, True, 8, 1, 3),  # packsel in 3 slices, likewise
-    "packs1": (True, True, 8, 0, 1),  # the masked form in one slice: 256 programs, 0.97 waves of 2 CTAs, no merge
-    "packs2": (True, True, 8, 0, 2),  # in 2 slices (below 256 rows the default count may take 3)
-    "pack4": (True, True, 4, 0, 0),  # up to 4
-    "pack2": (True, True, 2, 0, 0),  # up to 2
+    "asm": (True, False, 0, 0, 0, 0),  # V dense like K, widened to fp16 by byte permutes
+    "conv": (False, False, 0, 0, 0, 0),  # the same, one conversion per value
+    "mma": (True, True, 0, 0, 0, 0),  # V transposed, int8 dots, one KV head a program
+    "pack": (True, True, 8, 0, 0, 0),  # the same, up to 8 KV heads a program (paged_attention.heads_per_program)
+    "packsel": (True, True, 8, 1, 0, 0),  # the same, every row in each head's dots, the head's rows kept
+    "packsel2": (True, True, 8, 2, 0, 0),  # the same, the 16-bit halves summed in the dots (fewer registers)
+    "packsel2s3": (True, True, 8, 2, 3, 0),  # in 3 slices a sequence: 768 programs fill two waves of 3 CTAs an SM
+    "packsels3": (True, True, 8, 1, 3, 0),  # packsel in 3 slices, likewise
+    "packs1": (True, True, 8, 0, 1, 0),  # the masked form in one slice: 256 programs, 0.97 waves of 2 CTAs, no merge
+    "packs2": (True, True, 8, 0, 2, 0),  # in 2 slices (below 256 rows the default count may take 3)
+    "pack4": (True, True, 4, 0, 0, 0),  # up to 4
+    "pack2": (True, True, 2, 0, 0, 0),  # up to 2
+    "tma": (True, True, 0, 0, 0, 1),  # int8 dots, one KV head a program, each tile one block copied by TMA
 }
 
 
@@ -123,6 +126,7 @@ def _kwargs(name: str, cfg: dict, c: dict) -> tuple:
         kw["i8_asm"], kw["i8_mma"], kw["i8_pack_heads"] = cfg["i8_asm"], cfg["mma"], cfg["pack_heads"]
         kw["i8_pack_select"] = int(cfg.get("pack_select") or 0)
         kw["splits"] = cfg.get("pack_splits") or None
+        kw["i8_tma"] = bool(cfg.get("tma"))
         v = c["int8_v_t"] if cfg["mma"] else c["caches"]["int8"][1]
     return k, v, {**sc, **kw}
 

@@ -29,7 +29,9 @@ built with the constant set (graphs captured with it), and the rounds alternate 
     python3 benchmarks/gpu/knob_ab.py --out /tmp/knob --device cpu --knob ... --values ...   # the path, on a CPU
 
 ``config:FIELD`` builds each engine with that ``EngineConfig`` field at each value (``config:block_size`` with
-``16,64``: the KV cache's block size).
+``16,64``: the KV cache's block size). ``--set MODULE.NAME=LITERAL`` (or ``MODULE.DICT[KEY]=LITERAL``) sets a
+constant for every engine, e.g. the int8 cache's descriptor tiles beside a block-size knob:
+``--knob config:block_size --values 16,64 --set 'kernellab.kernels.paged_attention.INT8_LAUNCH[tma]=True'``.
 
 ``op:NAME`` with values ``off``/``on`` is an op of the dispatcher instead of a constant: "on" builds the engine with
 that op allowed as if accepted, "off" with it disabled (``EngineConfig.disabled_kernels``); every other op as the
@@ -82,8 +84,16 @@ def main() -> int:
     ap.add_argument("--replay", action="store_true", help="the bucket-1 decode graph replayed alone too")
     ap.add_argument("--offline-kv", default="auto", help="the offline engines' kv_cache_dtype (auto, int8, fp8)")
     ap.add_argument("--offline-rounds", type=int, default=2)
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="MODULE.NAME=LITERAL",
+        help="a module constant (or MODULE.DICT[KEY]) set for every engine, before any is built; repeatable",
+    )
     args = ap.parse_args()
     args.values = [parse_value(v.strip()) for v in args.values.split(args.sep)]
+    fixed = [apply_setting(text) for text in args.set]
     from kernellab.bench.engine_ab import interleaved_rounds, itl_figures, median_summary, same_greedy_tokens
     from kernellab.bench.latency import engine_decode_step, engine_ttft
     from kernellab.bench.offline import gate_offline_setup
@@ -191,6 +201,7 @@ def main() -> int:
         "values": names,
         "engine": eng_cfg,
         "disabled_in_every_engine": list(args.disable),
+        "set_in_every_engine": fixed,
         "workload": "one greedy sequence, 64 tokens after a random prompt of each context; decode steps of "
         "40-token prompts × 128 tokens at each batch; TTFT of fresh prompts of each --ttft length; interleaved "
         "rounds, one engine per value",
@@ -206,6 +217,27 @@ def main() -> int:
         result["offline"] = offline
     write(Path(args.out) / "knob_ab.json", result)
     return 0 if same else 1
+
+
+def apply_setting(text: str) -> str:
+    """``--set``: ``pkg.module.NAME=LITERAL`` sets a module constant, ``pkg.module.DICT[KEY]=LITERAL`` one key of a
+    module-level dict (``kernellab.kernels.paged_attention.INT8_LAUNCH[tma]=True``); returns the text applied."""
+    target, sep, literal = text.partition("=")
+    if not sep:
+        raise SystemExit(f"--set takes MODULE.NAME=LITERAL, not {text!r}")
+    key = None
+    if target.endswith("]") and "[" in target:
+        target, _, key = target[:-1].partition("[")
+    module_name, _, name = target.strip().rpartition(".")
+    module = importlib.import_module(module_name)
+    if not hasattr(module, name):
+        raise SystemExit(f"{module_name} has no {name}")
+    value = parse_value(literal.strip())
+    if key is None:
+        setattr(module, name, value)
+    else:
+        getattr(module, name)[parse_value(key.strip())] = value
+    return text
 
 
 def same_tokens(cfg: dict, override: dict | None) -> dict:

@@ -7,6 +7,13 @@
 #   run(command="KERNELLAB_COMMIT=<sha> bash benchmarks/gpu/pending_ab.sh \"$OUT\" 560", carry=[".carry"],
 #       timeout_s=600)
 # Steps (docs/gpu-engine.md says what each decides), for the next H200 (every figure so far is an H100's):
+#   tma     decode_attention_sweep.py at 64-token KV blocks: the int8 cache's one-block tiles copied by tensor
+#           descriptors (paged_attention._paged_decode_i8_tma_kernel; its copies in 2-3 shared buffers, where the
+#           pointer form's gathered tile gets one) against the pointer form, warps × stages
+#   tmaoff  knob_ab.py config:block_size 16/64 with INT8_LAUNCH["tma"] on: the standing int8 engine (16-token
+#           blocks, pointer forms) against 64-token blocks read through descriptors, offline workload + batch-1 ITL
+#   idle    paged_attention.IDLE_SLICES_WAIT True/False: idle slices of the fused batch-1 attention exit at once,
+#           so the o_proj GEMV's PDL programs find their SMs free sooner
 #   pool    graphs.DECODE_B1_OWN_POOL False/True: the bucket-1 decode graph in a pool of its own (H100: replay 0.821 →
 #           0.803 ms at context 128), batch-1 ITL and the graph replayed alone
 #   bs16, bs64  decode_attention_sweep.py: the int8 one-head form (and bf16) at 16- and 64-token KV blocks. A
@@ -43,6 +50,14 @@ step() {
   echo "$name rc=$? at $(($(date +%s) - T0))s" | tee -a "$LOG"
 }
 
+step tma 150 60 python3 "$ROOT/benchmarks/gpu/decode_attention_sweep.py" --out "$OUT_DIR/tma" --caches int8 \
+  --int8-forms mma,tma --tiles 64 --warps 4,8 --stages 2,3,4 --rounds 0 --block-size 64 \
+  --cases 64x1024,128x1024,192x1024,256x1024,192x512,1x4096
+step tmaoff 330 200 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/tmaoff" --knob config:block_size \
+  --values 16,64 --set 'kernellab.kernels.paged_attention.INT8_LAUNCH[tma]=True' --contexts 2048 --rounds 2 \
+  --offline-blocks 20480 --offline-kv int8 --offline-rounds 3
+step idle 100 60 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/idle" \
+  --knob kernellab.kernels.paged_attention.IDLE_SLICES_WAIT --values True,False --contexts 2048,128 --replay --rounds 4
 step pool 150 60 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/pool" \
   --knob kernellab.runtime.graphs.DECODE_B1_OWN_POOL --values False,True --contexts 2048,128 --replay --rounds 4
 for bs in 16 64; do

@@ -386,3 +386,43 @@ def test_int8_dots_keep_long_flat_contexts_and_small_values(gen):
         errs[name] = float((y.float() - ref).norm() / ref.norm())
     rounding = float((ref.bfloat16().float() - ref).norm() / ref.norm())  # the output's own bf16 rounding
     assert errs["int8 dots"] <= max(errs["fp16 widening"], rounding) * 1.05, (errs, rounding)
+
+
+@pytest.mark.parametrize("block_size", [32, 64])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("Hq, Hk, D", [(4, 2, 32), (9, 3, 64), (16, 8, 128)])
+def test_int8_tiles_through_tensor_descriptors_equal_the_pointer_form(Hq, Hk, D, block_size, splits, gen):
+    """``i8_tma``: a tile is one KV block, K and V copied by tensor descriptors (TMA on the GPU) instead of gathered
+    through per-element pointers. The same tiles in the same order through the same int8 dots: the pointer form at
+    one-block tiles gives the same bits, and both stay close to the reference. Unused slots of the last block hold
+    poisoned scales and values (their scores masked, their scales read as 0)."""
+    lens = [1, 17, 50, 200]
+    q, kc, vc, tables, ctx = _paged_case(lens, Hq, Hk, D, block_size, torch.float32, gen)
+    k8, ks = ops.quantize_kv(kc * 3, INT8)
+    v8, vs = ops.quantize_kv(vc, INT8)
+    ks[torch.isnan(kc).all(-1)] = float("nan")
+    vs[torch.isnan(vc).all(-1)] = float("nan")
+    q, vt = q.to(torch.bfloat16), _transposed(v8)
+    assert paged_attention.tma_ready(k8, vt, ks)
+    kw = {"k_scales": ks, "v_scales": vs, "splits": splits, "i8_pack_heads": 0}
+    with compile_check.record_launches() as seen:
+        y = paged_decode_attention(q, k8, vt, tables, ctx, D**-0.5, i8_tma=True, **kw)
+    assert {x["kernel"] for x in seen} == {"_paged_decode_i8_tma_kernel"}
+    pointer = paged_decode_attention(q, k8, vt, tables, ctx, D**-0.5, i8_tma=False, block_n=block_size, **kw)
+    assert torch.equal(y, pointer)
+    assert_close(y, _reference(q, kc, vc, tables, ctx, INT8), 8e-3, 8e-3, "int8 paged decode through descriptors")
+
+
+def test_the_descriptor_form_takes_only_what_tma_can_read(gen):
+    """Blocks under 32 tokens (P·V's int8 dot reduces over a block), a dense V or an 8-bit cache of another kind
+    keep the pointer forms; the flag then changes nothing."""
+    q, kc, vc, tables, ctx = _paged_case([20, 40], 4, 2, 32, 16, torch.float32, gen)
+    (k8, ks), (v8, vs) = ops.quantize_kv(kc.nan_to_num(0.0), INT8), ops.quantize_kv(vc.nan_to_num(0.0), INT8)
+    assert not paged_attention.tma_ready(k8, _transposed(v8), ks)  # 16-token blocks
+    assert not paged_attention.tma_ready(k8, v8, ks)  # V dense
+    f8, f8s = ops.quantize_kv(kc.nan_to_num(0.0), FP8)
+    assert not paged_attention.tma_ready(f8, f8, f8s)
+    q = q.to(torch.bfloat16)
+    with compile_check.record_launches() as seen:
+        paged_decode_attention(q, k8, _transposed(v8), tables, ctx, 0.2, k_scales=ks, v_scales=vs, i8_tma=True)
+    assert "_paged_decode_i8_tma_kernel" not in {x["kernel"] for x in seen}

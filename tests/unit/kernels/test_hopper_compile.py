@@ -34,11 +34,11 @@ from kernellab.runtime import ops
 BS = 16
 
 
-def _paged(gen, B, ctx, Hq, Hk, D, dtype, fp8):
+def _paged(gen, B, ctx, Hq, Hk, D, dtype, fp8, bs=BS):
     """``fp8``: False, or the 8-bit cache's dtype (True: FP8; "int8-vt": int8 with V transposed within its
     blocks, the engine's int8 layout)."""
-    blocks = B * -(-ctx // BS)
-    cache = lambda: torch.randn(blocks, BS, Hk, D, generator=gen).to(dtype)  # noqa: E731
+    blocks = B * -(-ctx // bs)
+    cache = lambda: torch.randn(blocks, bs, Hk, D, generator=gen).to(dtype)  # noqa: E731
     k_cache, v_cache = cache(), cache()
     scales = {}
     if fp8:
@@ -98,6 +98,9 @@ def _exercise(gen: torch.Generator) -> None:
                 for B, ctx in ((1, 300), (40, 20)):  # split across slices; one slice per sequence
                     qd, kc2, vc2, tables, lens, sc = _paged(gen, B, ctx, Hq, Hk, D, dtype, fp8)
                     paged_attention.paged_decode_attention(qd, kc2, vc2, tables, lens, D**-0.5, **sc)
+                    if fp8 == "int8-vt":  # one-block tiles copied by tensor descriptors (64-token blocks)
+                        qd, kc2, vc2, tables, lens, sc = _paged(gen, B, ctx, Hq, Hk, D, dtype, fp8, bs=64)
+                        paged_attention.paged_decode_attention(qd, kc2, vc2, tables, lens, D**-0.5, i8_tma=True, **sc)
                     if not fp8:  # the decode attention with the QK-norm, RoPE and KV write inside
                         kd, vd = rnd(B, Hk, D, dtype=dtype), rnd(B, Hk, D, dtype=dtype)
                         paged_attention.paged_decode_attention_qk_norm_rope(
@@ -199,6 +202,7 @@ def test_every_recorded_launch_compiles_for_sm90():
         "_qk_rope_kernel",
         "_store_kv_kernel",
         "_paged_decode_kernel",
+        "_paged_decode_i8_tma_kernel",
         "_add_kernel",
         "_softmax_row_kernel",
         "_softmax_partial_kernel",
@@ -224,6 +228,7 @@ def test_every_recorded_launch_compiles_for_sm90():
         "_qk_rope_kernel",
         "_store_kv_kernel",
         "_paged_decode_kernel",
+        "_paged_decode_i8_tma_kernel",
         "_causal_attention_desc_kernel",  # the prefill attention's descriptor forms (attention.PREFILL_PDL)
         "_packed_causal_attention_kernel",
         "_gemm_desc_kernel",

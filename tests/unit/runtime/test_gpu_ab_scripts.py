@@ -63,9 +63,11 @@ def test_the_knob_ab_takes_an_engine_config_field_with_pools_of_the_same_tokens(
         tmp_path,
         *("--knob", "config:block_size", "--values", "16,64", "--contexts", "64", "--rounds", "2"),
         *("--offline-blocks", "512", "--offline-kv", "int8"),
+        *("--set", "kernellab.kernels.paged_attention.INT8_LAUNCH[tma]=True"),
     )
     assert validate(data) == "kernellab.bench.knob_ab/v1"
     assert data["values"] == ["16", "64"] and data["standing"] == "16" and data["same_tokens"]
+    assert data["set_in_every_engine"] == ["kernellab.kernels.paged_attention.INT8_LAUNCH[tma]=True"]
     per = data["engine_per_value"]
     assert per["16"]["block_size"] == 16 and per["64"]["block_size"] == 64
     assert per["16"]["num_kv_blocks"] == 4 * per["64"]["num_kv_blocks"]  # the same tokens in either pool
@@ -165,6 +167,23 @@ def test_the_decode_attention_sweep_times_the_packed_int8_forms(tmp_path):
     assert forms == [(8, 0, 0), (8, 1, 3), (8, 0, 1)]
     assert all(c["rel_err_vs_reference"] < 1e-2 and c["us"] > 0 for c in row["int8"] + row["bf16"])
     assert set(data["best_pack_launch"]) == {"pack", "packsels3", "packs1"}
+
+
+def test_the_decode_attention_sweep_times_the_int8_descriptor_form(tmp_path):
+    """``--int8-forms tma`` at 32-token KV blocks: the one-block tiles copied by tensor descriptors, checked against
+    the reference beside the pointer form."""
+    data = run(
+        "decode_attention_sweep.py",
+        tmp_path,
+        *("--caches", "int8", "--int8-forms", "mma,tma", "--tiles", "32", "--warps", "4", "--stages", "2"),
+        *("--rounds", "0", "--precompile", "0", "--block-size", "32"),
+    )
+    assert validate(data) == "kernellab.bench.decode_attention_sweep/v1"
+    assert data["kernel"]["shape"]["block_size"] == 32
+    for row in data["kernel"]["rows"]:
+        forms = {bool(c.get("tma")): c for c in row["int8"] if c.get("mma")}
+        assert set(forms) == {False, True}
+        assert all(c["rel_err_vs_reference"] < 1e-2 and c["us"] > 0 for c in forms.values())
 
 
 def test_the_ttft_engines_ab_compares_the_gates_weights_with_the_engines_own(tmp_path):
