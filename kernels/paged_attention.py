@@ -228,6 +228,8 @@ INT8_LAUNCH = {
     "pack_heads": 8,
     "pack_min_rows": 256,
     "pack_launch": {"block_n": 32, "num_stages": 2},
+    "tma": True,
+    "tma_launch": {"num_stages": 2},
 }
 # Four int8 (one 32-bit register) → four fp16 (two), exactly: flip the sign bits (x + 128, offset binary), set
 # each byte as the low half of an fp16 whose high byte is 0x64 (the value 1024 + x + 128, as 1024's ulp is 1),
@@ -1046,6 +1048,8 @@ def paged_decode_attention(
         and q.dtype != torch.float32
     )
     tma = mma and bool(cfg.get("tma")) and tma_ready(k_cache, v_cache, k_scales)
+    if tma:
+        cfg = {**cfg, **(cfg.get("tma_launch") or {}), **given}  # its own stages, under the caller's
     pack = int(cfg.get("pack_heads") or 0) if mma and not tma and q.shape[0] >= cfg.get("pack_min_rows", 0) else 0
     if pack > 1:
         pack_cfg = {**cfg, **(cfg.get("pack_launch") or {}), **given}  # its own tiles, under the caller's

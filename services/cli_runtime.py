@@ -100,11 +100,11 @@ def preflight(
     model: str,
     memory_gib: Annotated[float, typer.Option(help="GPU/CPU memory to plan for")] = 80.0,
     dtype: str = "bfloat16",
-    block_size: int = 16,
+    block_size: Annotated[int, typer.Option(help="KV block size (0: 64 for the int8 cache, else 16)")] = 0,
     kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="auto | fp8 | int8")] = "auto",
 ) -> None:
     """Plan memory without weights: parameter bytes, KV bytes per token, how many tokens/sequences fit."""
-    from kernellab.runtime.config import ModelConfig
+    from kernellab.runtime.config import ModelConfig, default_block_size
     from kernellab.runtime.request.registry import resolve_model
 
     try:
@@ -120,6 +120,7 @@ def preflight(
     if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "int8"):
         fail(KernellabError(f"--kv-cache-dtype must be auto, fp8 or int8, got {kv_cache_dtype!r}"))
     eight_bit = kv_cache_dtype != "auto"
+    block_size = block_size or default_block_size(kv_cache_dtype)
     kv_8bit = cfg.kv_bytes_per_token(1, 4)  # one byte per value and a 4-byte scale per (token, KV head)
     kv_token = kv_8bit if eight_bit else cfg.kv_bytes_per_token(width)
     free = memory_gib * 2**30 - weight_bytes - 2 * 2**30

@@ -177,7 +177,7 @@ class WorkerSettings(StackSettings):
     # sixteenth of max_num_batched_tokens), so interactive requests wait behind short steps.
     background_prefill_tokens: int | None = Field(None, ge=1)
     num_kv_blocks: int | None = None
-    block_size: int = 16
+    block_size: int = Field(0, ge=0)  # 0: the cache's default (runtime/config.py default_block_size: 64 for int8)
     # KERNELLAB_PIECEWISE_GRAPHS: steps that prefill replay per-token-bucket CUDA graphs of the forward's row-wise
     # pieces, attention eager in between (GPU; off: they run eagerly, host-bound; the serving benchmark's A/B)
     piecewise_graphs: bool = True

@@ -26,6 +26,7 @@ def _decode_case(batch: int, ctx: int, Hq: int, Hk: int, D: int, bs: int) -> dic
 
     from kernellab.kernels.paged_attention import paged_decode_attention
     from kernellab.runtime import ops
+    from kernellab.runtime.config import default_block_size
 
     nblocks = batch * (ctx // bs)
     gen = torch.Generator(device="cuda").manual_seed(batch)
@@ -46,6 +47,10 @@ def _decode_case(batch: int, ctx: int, Hq: int, Hk: int, D: int, bs: int) -> dic
         "bf16_gbs": round(bytes_bf16 / t_bf16 / 1e6, 1),
     }
     for name, dtype in (("fp8", ops.FP8_DTYPE), ("int8", ops.INT8_DTYPE)):
+        cache_bs = default_block_size(name)  # each cache in the engine's block size (int8: 64-token blocks)
+        if cache_bs != bs:  # the same tokens in blocks of that size, the table drawn again
+            k, v = k.view(-1, cache_bs, Hk, D), v.view(-1, cache_bs, Hk, D)
+            tables = torch.randperm(k.shape[0], device="cuda").to(torch.int32).view(batch, -1)
         k8, ks = ops.quantize_kv(k, dtype)
         v8, vs = ops.quantize_kv(v, dtype)
         v8 = ops.v_cache_zeros(v8.shape, dtype, v8.device).copy_(v8)  # the engine's layout (int8: V transposed)
@@ -54,7 +59,9 @@ def _decode_case(batch: int, ctx: int, Hq: int, Hk: int, D: int, bs: int) -> dic
         out = paged_decode_attention(q, k8, v8, tables, lens, scale, **sc)
         err = float((out.float() - ref.float()).norm() / ref.float().norm())
         t = do_bench(
-            lambda k8=k8, v8=v8, sc=sc: paged_decode_attention(q, k8, v8, tables, lens, scale, **sc), warmup=25, rep=200
+            lambda k8=k8, v8=v8, sc=sc, tb=tables: paged_decode_attention(q, k8, v8, tb, lens, scale, **sc),
+            warmup=25,
+            rep=200,
         )
         row |= {
             f"{name}_us": round(t * 1e3, 2),
@@ -68,6 +75,8 @@ def _decode_case(batch: int, ctx: int, Hq: int, Hk: int, D: int, bs: int) -> dic
 
 
 def _decode_kernel(report: dict, log) -> None:
+    from kernellab.runtime.config import default_block_size
+
     Hq, Hk, D, bs = 16, 8, 128, 16
     rows = []
     for batch, ctx in ((64, 1024), (256, 1024), (1, 4096)):
@@ -80,7 +89,10 @@ def _decode_kernel(report: dict, log) -> None:
             f"rel err {row['int8_rel_err_vs_reference']:.1e}"
         )
         torch.cuda.empty_cache()
-    report["kernel"] = {"shape": {"Hq": Hq, "Hk": Hk, "D": D, "block_size": bs}, "rows": rows}
+    report["kernel"] = {
+        "shape": {"Hq": Hq, "Hk": Hk, "D": D, "block_size": bs, "int8_block_size": default_block_size("int8")},
+        "rows": rows,
+    }
 
 
 def _numerics(hf_bf16, weights, report: dict, engine, hf_model, log) -> None:

@@ -309,12 +309,19 @@ def test_a_cache_of_larger_blocks_than_the_packed_tile_runs_the_one_head_form(ge
     monkeypatch.setitem(paged_attention.INT8_LAUNCH, "pack_heads", 8)
     monkeypatch.setitem(paged_attention.INT8_LAUNCH, "pack_min_rows", 0)
     monkeypatch.setitem(paged_attention.INT8_LAUNCH, "pack_launch", {"block_n": 32})
+    monkeypatch.setitem(paged_attention.INT8_LAUNCH, "tma", False)  # the pointer forms (the default reads by TMA)
     q, kc, vc, tables, ctx = _paged_case([40, 150, 200], Hq, Hk, D, bs, torch.float32, gen)
     (k8, ks), (v8, vs) = ops.quantize_kv(kc.nan_to_num(0.0), INT8), ops.quantize_kv(vc.nan_to_num(0.0), INT8)
     q, vt = q.to(torch.bfloat16), _transposed(v8)
     with compile_check.record_launches() as seen:
         y = paged_decode_attention(q, k8, vt, tables, ctx, D**-0.5, k_scales=ks, v_scales=vs)
     assert {(x["kernel"], x["constexprs"]["BLOCK_N"]) for x in seen} == {("_paged_decode_kernel", 64)}
+    monkeypatch.setitem(paged_attention.INT8_LAUNCH, "tma", True)
+    with compile_check.record_launches() as seen:  # the default: one block a tile through descriptors, not packed
+        y_tma = paged_decode_attention(q, k8, vt, tables, ctx, D**-0.5, k_scales=ks, v_scales=vs)
+    ((launch,),) = [seen]
+    assert launch["kernel"] == "_paged_decode_i8_tma_kernel" and launch["options"]["num_stages"] == 2
+    assert torch.equal(y_tma, y)  # the same 64-token tiles through the same dots
     ref = ops.paged_decode_attention(q.float(), k8, v8, tables, ctx, D**-0.5, k_scales=ks, v_scales=vs)
     assert_close(y.float(), ref, 2e-2, 2e-2, "one head a program at 64-token blocks vs the reference")
 
