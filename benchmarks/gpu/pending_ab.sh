@@ -43,12 +43,12 @@ step() {
   echo "$name rc=$? at $(($(date +%s) - T0))s" | tee -a "$LOG"
 }
 
+step fp8kv 240 150 bash "$ROOT/tests/gpu/run.sh" "$OUT_DIR/fp8" --only fp8_kv
 step tmaattr 330 200 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/tmaattr" \
   --knob kernellab.kernels.paged_attention.INT8_LAUNCH --sep ';' --values "$(python3 -c '
 from kernellab.kernels.paged_attention import INT8_LAUNCH as L
 print(repr({**L, "tma": False}) + "; " + repr({**L, "tma": True}))')" --contexts 2048 --rounds 2 \
   --offline-blocks 5120 --offline-kv int8 --offline-rounds 3
-step fp8kv 240 150 bash "$ROOT/tests/gpu/run.sh" "$OUT_DIR/fp8" --only fp8_kv
 step widen 300 200 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/widen" \
   --knob kernellab.runtime.model.WIDEN_LOGITS --values True,False --contexts 128 --decode-batches 256 --rounds 2 \
   --offline-blocks 20480 --offline-kv int8 --offline-rounds 3
