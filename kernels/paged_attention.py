@@ -150,6 +150,14 @@ Trade-offs tried
     pipelined but moved work the compiler already did (983 loop instructions against 946). Neither was worth a GPU
     run.
 
+    One block a tile through tensor descriptors (``_paged_decode_i8_tma_kernel``, ``INT8_LAUNCH["tma"]``, the
+    default where ``tma_ready``: the engine's int8 cache takes 64-token blocks). K's ``[bs, D]`` and V's ``[D, bs]``
+    boxes are TMA copies; the block id comes a tile ahead as a loop value, so the copies depend on no load of their
+    iteration and the pipeliner may buffer them (two buffers at 3 stages). H100 (results/gpu/engine_h200_dev/
+    decode_attention_sweep_int8_tma_bs64_h100_0decfa7.json): ~2.5 % under the pointer form at the same blocks, best
+    at 2 stages (``tma_launch``; 128 × 1,024 113.6 against 116.3 µs); the engine at 64-token blocks through it
+    +4.35 % offline against 16-token blocks and the pointer forms (docs/gpu-engine.md).
+
     Shared operands, selected results (``INT8_LAUNCH["pack_select"]``, 2026-12-07). Most of the 41 barriers come
     from the masking: each head's ``where`` on q's halves and on P's halves makes a new operand, and each one
     changes layout through shared memory. With every row in each head's dots and the head's rows picked from the
@@ -217,7 +225,11 @@ FP8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16"}
 # num_stages, over the ones above (the settings' offline A/B: "Several KV heads a program" above).
 # "pack_select": the packed form's dots take every row and keep each head's rows (1: the 16-bit halves in dots of
 # their own; 2: summed in one accumulator; 0: each head's operand rows masked); "pack_splits": the packed launches'
-# slices per sequence (0: ``num_splits``, ~2 programs an SM).
+# slices per sequence (0: ``num_splits``, ~2 programs an SM). "tma": with "mma", caches of 32-128-token blocks
+# (``tma_ready``) read one block a tile through tensor descriptors (``_paged_decode_i8_tma_kernel``) before any
+# packing, with "tma_launch" over the settings above (H100, 64-token blocks: 2 stages best, ~2.5 % under the pointer
+# form; the engine's int8 cache at 64-token blocks through it +4.35 % offline against 16-token blocks;
+# results/gpu/engine_h200_dev/*_0decfa7.json).
 INT8_LAUNCH = {
     "block_n": 64,
     "num_warps": 4,
