@@ -112,7 +112,7 @@ def main() -> int:
         if field not in fields or field in ("model", "device"):
             raise SystemExit(f"config:FIELD takes a field of EngineConfig, not {field!r}")
         module, const = types.SimpleNamespace(value=None), "value"  # nothing to set at module level
-        standing = fields[field].default
+        standing = getattr(EngineConfig(), field)  # resolved (block_size 0 → the default cache's 16)
         standing_note = repr(standing)
         overrides = {repr(v): {field: v} for v in args.values}
         args.values = [(repr(v), v) for v in args.values]
