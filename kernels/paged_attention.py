@@ -344,6 +344,16 @@ def _split_i16(x, inv):
 
 
 @triton.jit
+def _q16(q, qk_scale):
+    """q in 16-bit fixed point per row as the int8 dots take it: its two int8 halves and the scores' scale (q's step
+    times the softmax scale)."""
+    qf = q.to(tl.float32)
+    q_step = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) * (1.0 / _I16_TOP)
+    q_hi, q_lo = _split_i16(qf, 1.0 / q_step[:, None])
+    return q_hi, q_lo, q_step * qk_scale
+
+
+@triton.jit
 def _dot_i16(a_hi, a_lo, b):
     """``(a_hi · 256 + a_lo) @ b`` for int8 operands, as int32: two int8 tensor-core dots."""
     return tl.dot(a_hi, b, out_dtype=tl.int32) * 256 + tl.dot(a_lo, b, out_dtype=tl.int32)
@@ -655,10 +665,7 @@ def _paged_decode_kernel(
             if WIDEN_F16:  # FP8 tiles widen to fp16 (one conversion instruction per pair): q joins them there
                 q = q.to(tl.float16)
             if I8_MMA:  # int8 tiles go into int8 dots as stored: q as 16-bit fixed point per head, in two halves
-                qf = q.to(tl.float32)
-                q_step = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) * (1.0 / _I16_TOP)
-                q_hi, q_lo = _split_i16(qf, 1.0 / q_step[:, None])
-                s_scale = q_step * qk_scale
+                q_hi, q_lo, s_scale = _q16(q, qk_scale)
 
         for t0 in range(loop_start, walk_end, BLOCK_N):
             if I8_MMA:
@@ -783,10 +790,7 @@ def _paged_decode_i8_heads_kernel(
             mask=r_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
-        qf = q.to(tl.float32)
-        q_step = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) * (1.0 / _I16_TOP)
-        q_hi, q_lo = _split_i16(qf, 1.0 / q_step[:, None])
-        s_scale = q_step * qk_scale
+        q_hi, q_lo, s_scale = _q16(q, qk_scale)
         m_i = tl.full([ROWS], -float("inf"), dtype=tl.float32)
         l_i = tl.zeros([ROWS], dtype=tl.float32)
         acc = tl.zeros([ROWS, D_PAD], dtype=tl.float32)
@@ -923,10 +927,7 @@ def _paged_decode_i8_tma_kernel(
             mask=g_mask[:, None],
             other=0.0,
         )
-        qf = q.to(tl.float32)
-        q_step = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) * (1.0 / _I16_TOP)
-        q_hi, q_lo = _split_i16(qf, 1.0 / q_step[:, None])
-        s_scale = q_step * qk_scale
+        q_hi, q_lo, s_scale = _q16(q, qk_scale)
         m_i = tl.full([G_PAD], -float("inf"), dtype=tl.float32)
         l_i = tl.zeros([G_PAD], dtype=tl.float32)
         acc = tl.zeros([G_PAD, D], dtype=tl.float32)
