@@ -5,7 +5,8 @@ At ce2e67b the int8 cache's decode attention ran faster than the bf16 one's at t
 (218.7 against 261.1 µs a layer at 256 sequences × 1,024 tokens), yet the whole workload ran 5.5 % slower on it
 (23,085 against 24,429 tok/s). This script says where the difference lies instead of guessing. For each cache, on
 an engine of the gate's offline configuration (``kernellab.bench.offline.gate_offline_setup``: nano-vllm's 256
-prompts, greedy, ``ignore_eos``; 20,480 KV blocks for every cache, so the pool size is the same):
+prompts, greedy, ``ignore_eos``; 20,480 KV blocks for every cache, of the cache's own block size: 16 tokens, 64 for
+int8 since 7e35b30, so its pool holds 4× the tokens; either holds the whole batch, where pool size changed nothing):
 
 0. the whole run once, untimed: the warm-up's eight prompts leave specializations the workload meets later
    uncompiled (at 407f0fb the packed prefill attention's, 2.8 s of JIT inside the first cache's timed prefill
