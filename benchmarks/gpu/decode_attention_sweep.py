@@ -382,7 +382,9 @@ def main() -> int:
         help="the KV cache's block size in the kernel cases (default 16, the engine's; the offline A/B keeps 16)",
     )
     ap.add_argument(
-        "--offline-blocks", type=int, help="KV blocks of each offline engine, of its cache's block size (16 tokens, int8 64; default 20,480)"
+        "--offline-blocks",
+        type=int,
+        help="KV blocks of each offline engine, of its cache's block size (16 tokens, int8 64; default 20,480)",
     )
     ap.add_argument(
         "--offline-int8",
