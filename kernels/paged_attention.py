@@ -1062,10 +1062,10 @@ def paged_decode_attention(
     )
     tma = mma and bool(cfg.get("tma")) and tma_ready(k_cache, v_cache, k_scales)
     if tma:
-        cfg = {**cfg, **(cfg.get("tma_launch") or {}), **given}  # its own stages, under the caller's
+        cfg = _own_launch(cfg, "tma_launch", given)  # its own stages
     pack = int(cfg.get("pack_heads") or 0) if mma and not tma and q.shape[0] >= cfg.get("pack_min_rows", 0) else 0
     if pack > 1:
-        pack_cfg = {**cfg, **(cfg.get("pack_launch") or {}), **given}  # its own tiles, under the caller's
+        pack_cfg = _own_launch(cfg, "pack_launch", given)  # its own tiles
         if pack_cfg["block_n"] % bs:  # its tiles hold no whole block (an engine of larger blocks)
             pack = 0  # the one-head form, whose tiles do
         else:
@@ -1079,6 +1079,12 @@ def paged_decode_attention(
         i8_asm=bool(cfg.get("i8_asm")) and k_cache.dtype == torch.int8 and f16_tiles and q.is_cuda and not mma,
         i8_mma=mma, pack_heads=pack, pack_select=int(cfg.get("pack_select") or 0), i8_tma=tma,
     )[0]  # fmt: skip
+
+
+def _own_launch(cfg: dict, key: str, given: dict) -> dict:
+    """A form's launch settings: ``cfg`` updated with its own ``cfg[key]`` (``pack_launch``, ``tma_launch``), and
+    the caller's explicit arguments over both."""
+    return {**cfg, **(cfg.get(key) or {}), **given}
 
 
 def paged_decode_attention_qk_norm_rope(
@@ -1201,7 +1207,7 @@ def _decode(
     group = Hq // Hk
     if i8_tma:
         block_n = block_size  # a tile is one block
-    heads = heads_per_program(Hk, group, pack_heads) if pack_heads > 1 and not i8_tma else 1
+    heads = heads_per_program(Hk, group, pack_heads) if pack_heads > 1 else 1  # never with i8_tma (the caller's)
     bound = max_context_len if max_context_len is not None else block_tables.shape[1] * block_size
     bound = max(bound, 1)
     n_split = splits or num_splits(B, Hk // heads, bound, block_n, q.device)
