@@ -146,6 +146,7 @@ def _store_kv_kernel(
     stride_vch,
     stride_sb,
     stride_so,
+    stride_sh,
     H_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
     FP8: tl.constexpr,
@@ -171,7 +172,7 @@ def _store_kv_kernel(
         if FP8:
             k8, ks = quantize_rows(k.to(tl.float32), mask, INT8)
             v8, vs = quantize_rows(v.to(tl.float32), mask, INT8)
-            srow = (slot // block_size) * stride_sb + (slot % block_size) * stride_so + h
+            srow = (slot // block_size) * stride_sb + (slot % block_size) * stride_so + h * stride_sh
             tl.store(k_cache_ptr + dst, k8, mask=mask)
             tl.store(v_cache_ptr + v_dst, v8, mask=mask)
             tl.store(k_scale_ptr + srow, ks, mask=h_mask)
@@ -206,8 +207,8 @@ def check_cache(
     v_scales: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Validate the caches' dtype (the activations' ``dtype``, or 8-bit: FP8 or int8) and an 8-bit cache's
-    scale tensors (``(num_blocks, block_size, Hk)`` fp32, dense); returns the scales, or None for a cache in the
-    activation dtype, which takes none."""
+    scale tensors (``(num_blocks, block_size, Hk)`` fp32, dense or head-major within each block: see
+    ``scales_head_major``); returns the scales, or None for a cache in the activation dtype, which takes none."""
     require(k_cache.dtype == v_cache.dtype, "k and v caches must share a dtype")
     require(k_cache.dtype in (dtype, *QUANTIZED), "cache dtype must match the activations (or be FP8 or int8)")
     if k_cache.dtype not in QUANTIZED:
@@ -218,8 +219,18 @@ def check_cache(
     shape = tuple(k_cache.shape[:3])
     for s in (k_scales, v_scales):
         require(tuple(s.shape) == shape and s.dtype == torch.float32, "scales must be (N, bs, Hk) float32")
-        require(s.stride() == k_scales.stride() and s.stride(2) == 1, "scales must share a dense layout")
+        require(s.stride() == k_scales.stride(), "k and v scales must share a layout")
+        require(s.stride(2) == 1 or scales_head_major(s), "scales must be dense or head-major within each block")
     return k_scales, v_scales
+
+
+def scales_head_major(scales: torch.Tensor) -> bool:
+    """Whether ``scales`` (``(num_blocks, block_size, Hk)``) is the view of a dense ``(num_blocks, Hk,
+    block_size)`` tensor: one KV head's scales of a block in one run of ``block_size`` floats, so a decode tile of
+    one head reads them as whole lines rather than one 4-byte value per 32-byte sector (the int8 cache's layout,
+    ``ops.scale_zeros``)."""
+    _, bs, hk = scales.shape
+    return bs > 1 and hk > 1 and scales.stride() == (bs * hk, 1, bs)
 
 
 def store_kv(
@@ -266,7 +277,7 @@ def store_kv(
         *k_cache.stride()[:3],
         v_cache.stride(0),
         v_cache.stride(2),
-        *(ks.stride()[:2] if scales is not None else (0, 0)),
+        *(ks.stride() if scales is not None else (0, 0, 0)),
         H_PAD=next_pow2(Hk),
         D_PAD=next_pow2(D),
         FP8=scales is not None,

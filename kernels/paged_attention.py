@@ -553,6 +553,7 @@ def _paged_decode_kernel(
     stride_vch,
     stride_sb,
     stride_so,
+    stride_sh,
     stride_bt,
     stride_ob,
     stride_oh,
@@ -673,7 +674,7 @@ def _paged_decode_kernel(
                     table, t0, walk_end, k_cache_ptr, v_cache_ptr, stride_cb, stride_co, stride_ch, stride_vcb,
                     stride_vch, hk, d, d_mask, block_size, BLOCK_N, D_PAD,
                 )  # fmt: skip
-                srow = block * stride_sb + (t % block_size) * stride_so + hk
+                srow = block * stride_sb + (t % block_size) * stride_so + hk * stride_sh
                 ks = tl.load(k_scale_ptr + srow, mask=t_mask, other=0.0)
                 vs = tl.load(v_scale_ptr + srow, mask=t_mask, other=0.0)
                 m_i, l_i, acc = _attend_tile_i8(q_hi, q_lo, s_scale, k, vt, ks, vs, t_mask, m_i, l_i, acc)
@@ -687,7 +688,7 @@ def _paged_decode_kernel(
                 if FP8:
                     # FP8 rows widen exactly to q's dtype; their per-token scales multiply the scores' columns (K)
                     # and the probabilities' columns (V) instead of a dequantized copy of the tile
-                    srow = block * stride_sb + (t % block_size) * stride_so + hk
+                    srow = block * stride_sb + (t % block_size) * stride_so + hk * stride_sh
                     ks = tl.load(k_scale_ptr + srow, mask=t_mask, other=0.0)
                     vs = tl.load(v_scale_ptr + srow, mask=t_mask, other=0.0)
                     if WIDEN_F16:
@@ -749,6 +750,7 @@ def _paged_decode_i8_heads_kernel(
     stride_vch,
     stride_sb,
     stride_so,
+    stride_sh,
     stride_bt,
     stride_ob,
     stride_oh,
@@ -808,7 +810,7 @@ def _paged_decode_i8_heads_kernel(
             kv_mask = t_mask[:, None] & d_mask[None, :]
             # per row and token: the row's head's scales (rows past the heads and tokens past the end read 0)
             srow = block * stride_sb + (t % block_size) * stride_so
-            sc_off = srow[None, :] + (hk0 + row_head)[:, None]
+            sc_off = srow[None, :] + (hk0 + row_head)[:, None] * stride_sh
             sc_mask = r_mask[:, None] & t_mask[None, :]
             ks = tl.load(k_scale_ptr + sc_off, mask=sc_mask, other=0.0)
             vs = tl.load(v_scale_ptr + sc_off, mask=sc_mask, other=0.0)
@@ -892,6 +894,7 @@ def _paged_decode_i8_tma_kernel(
     stride_qh,
     stride_sb,
     stride_so,
+    stride_sh,
     stride_bt,
     stride_ob,
     stride_oh,
@@ -941,7 +944,7 @@ def _paged_decode_i8_tma_kernel(
             k = k_desc.load([blk * block_size, hk * D])
             vt = v_desc.load([(blk * n_kv_heads + hk) * D, 0])
             t_mask = t0 + o < end
-            srow = blk.to(tl.int64) * stride_sb + o * stride_so + hk
+            srow = blk.to(tl.int64) * stride_sb + o * stride_so + hk * stride_sh
             ks = tl.load(k_scale_ptr + srow, mask=t_mask, other=0.0)
             vs = tl.load(v_scale_ptr + srow, mask=t_mask, other=0.0)
             m_i, l_i, acc = _attend_tile_i8(q_hi, q_lo, s_scale, k, vt, ks, vs, t_mask, m_i, l_i, acc)
@@ -1226,7 +1229,7 @@ def _decode(
             q, k_cache, v_cache, block_tables, context_lens, out, acc_ws, ml_ws, counters, *scales, scale * _LOG2E,
             n_split, cdiv(MIN_SLICE_TOKENS if min_slice is None else max(min_slice, 1), block_n) * block_n, Hq,
             Hk // heads, D, q.stride(0), q.stride(1), *k_cache.stride()[:3], v_cache.stride(0), v_cache.stride(2),
-            *scales[0].stride()[:2], block_tables.stride(0), out.stride(0), out.stride(1), block_size=block_size,
+            *scales[0].stride(), block_tables.stride(0), out.stride(0), out.stride(1), block_size=block_size,
             GROUP=group, HEADS=heads, ROWS=max(16, next_pow2(heads * group)), D_PAD=d_pad, BLOCK_N=block_n,
             SPLIT=n_split > 1, S_PAD=next_pow2(n_split), PDL=pdl, SELECT=pack_select, num_warps=num_warps,
             num_stages=num_stages, launch_pdl=pdl,
@@ -1240,7 +1243,7 @@ def _decode(
             q, TensorDescriptor(k_cache, [N * block_size, Hk * D], [Hk * D, 1], [block_size, D]),
             TensorDescriptor(v_cache, [N * Hk * D, block_size], [block_size, 1], [D, block_size]), block_tables,
             context_lens, out, acc_ws, ml_ws, counters, *scales, scale * _LOG2E, n_split, min_tokens, Hq, Hk,
-            q.stride(0), q.stride(1), *scales[0].stride()[:2], block_tables.stride(0), out.stride(0), out.stride(1),
+            q.stride(0), q.stride(1), *scales[0].stride(), block_tables.stride(0), out.stride(0), out.stride(1),
             block_size=block_size, GROUP=group, G_PAD=max(16, next_pow2(group)), D=D, SPLIT=n_split > 1,
             S_PAD=next_pow2(n_split), PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
         )  # fmt: skip
@@ -1276,7 +1279,7 @@ def _decode(
         *k_cache.stride()[:3],
         v_cache.stride(0),
         v_cache.stride(2),
-        *(scales[0].stride()[:2] if scales is not None else (0, 0)),
+        *(scales[0].stride() if scales is not None else (0, 0, 0)),
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),

@@ -149,6 +149,7 @@ def _qk_rope_kernel(
     stride_vch,
     stride_sb,
     stride_so,
+    stride_sh,
     stride_cs,
     HQ_PAD: tl.constexpr,
     HK_PAD: tl.constexpr,
@@ -208,7 +209,7 @@ def _qk_rope_kernel(
                 v_half = HALF * block_size
             if FP8:
                 # one scale per (token, head) over both halves: the row's amax is the larger half's
-                srow = (slot // block_size) * stride_sb + (slot % block_size) * stride_so + hk
+                srow = (slot // block_size) * stride_sb + (slot % block_size) * stride_so + hk * stride_sh
                 h_mask = hk < n_kv_heads
                 _store_8bit_halves(k1, k2, kc, HALF, k_scale_ptr + srow, kmask, h_mask, INT8)
                 _store_8bit_halves(v1, v2, vc, v_half, v_scale_ptr + srow, kmask, h_mask, INT8)
@@ -277,7 +278,7 @@ def _launch(
         v, k_cache, v_cache, slot_mapping = k, k, k, positions  # unused (STORE=False)
         cache_strides, block_size, scales, v_t = (0, 0, 0, 0, 0), 1, None, False
     k_scales, v_scales = scales if scales is not None else (k, k)  # unused when FP8=False
-    scale_strides = k_scales.stride()[:2] if scales is not None else (0, 0)
+    scale_strides = k_scales.stride() if scales is not None else (0, 0, 0)
     if T == 0:
         return q_out, k_out
     half = D // 2

@@ -255,8 +255,8 @@ class ModelRunner:
         return LayerKV(
             zeros(shape, self.kv_dtype),
             torch_ops.v_cache_zeros(shape, self.kv_dtype, self.device),
-            zeros(shape[:3], torch.float32),
-            zeros(shape[:3], torch.float32),
+            torch_ops.scale_zeros(shape[:3], self.kv_dtype, self.device),
+            torch_ops.scale_zeros(shape[:3], self.kv_dtype, self.device),
         )
 
     def _num_kv_blocks(self) -> int:

@@ -211,6 +211,22 @@ def v_cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.T
     return torch.zeros((nb, hk, d, bs), dtype=dtype, device=device).permute(0, 3, 1, 2)
 
 
+# Whether the engine lays out the int8 cache's scales head-major within a block (``scale_zeros``); a switch for
+# side-by-side measurements (``knob_ab.py --set``), read when a runner allocates its cache.
+INT8_SCALES_HEAD_MAJOR = True
+
+
+def scale_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeroed fp32 scales ``(num_blocks, block_size, Hk)`` for an 8-bit cache of ``dtype``. The int8 cache's are
+    head-major within each block: the view of a ``(num_blocks, Hk, block_size)`` tensor, so the decode attention's
+    tile of one head reads its block's scales as one run of ``block_size`` floats rather than one 4-byte value
+    every ``Hk`` floats (kernels/kv_cache.py: ``scales_head_major``); FP8's stay dense."""
+    if dtype != INT8_DTYPE or not INT8_SCALES_HEAD_MAJOR:
+        return torch.zeros(shape, dtype=torch.float32, device=device)
+    nb, bs, hk = shape
+    return torch.zeros((nb, hk, bs), dtype=torch.float32, device=device).permute(0, 2, 1)
+
+
 def dequantize_kv(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The fp32 values an 8-bit cache row stands for: ``value · scale``."""
     return q.float() * scales[..., None]

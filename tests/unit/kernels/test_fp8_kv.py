@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernellab.kernels import compile_check, paged_attention
-from kernellab.kernels.kv_cache import store_kv, v_transposed
+from kernellab.kernels.kv_cache import scales_head_major, store_kv, v_transposed
 from kernellab.kernels.paged_attention import heads_per_program, paged_decode_attention
 from kernellab.kernels.rope import qk_norm_rope_store_kv
 from kernellab.runtime import ops
@@ -433,3 +433,97 @@ def test_the_descriptor_form_takes_only_what_tma_can_read(gen):
     with compile_check.record_launches() as seen:
         paged_decode_attention(q, k8, _transposed(v8), tables, ctx, 0.2, k_scales=ks, v_scales=vs, i8_tma=True)
     assert "_paged_decode_i8_tma_kernel" not in {x["kernel"] for x in seen}
+
+
+# ---------------------------------------------------------------- the int8 cache's scales, head-major within a block
+def _head_major(scales: torch.Tensor) -> torch.Tensor:
+    """The same (N, bs, Hk) scales laid out as the engine lays out the int8 cache's (ops.scale_zeros)."""
+    out = ops.scale_zeros(tuple(scales.shape), INT8, scales.device).copy_(scales)
+    assert scales_head_major(out) and torch.equal(out.nan_to_num(7.0), scales.nan_to_num(7.0))
+    return out
+
+
+def test_the_engine_allocates_int8_scales_head_major():
+    assert scales_head_major(ops.scale_zeros((3, 64, 8), INT8, "cpu"))
+    assert not scales_head_major(ops.scale_zeros((3, 64, 8), FP8, "cpu"))
+    assert not scales_head_major(torch.zeros(3, 64, 8))
+
+
+def test_scales_of_other_layouts_are_refused():
+    k8 = torch.zeros(2, 4, 2, 16, dtype=INT8)
+    args = (torch.randn(1, 2, 16), torch.randn(1, 2, 16), k8, k8.clone(), torch.zeros(1, dtype=torch.int64))
+    dense, head_major = torch.zeros(2, 4, 2), ops.scale_zeros((2, 4, 2), INT8, "cpu")
+    with pytest.raises(ValueError, match="share a layout"):
+        store_kv(*args, k_scales=dense, v_scales=head_major)
+    strided = torch.zeros(2, 4, 4)[:, :, ::2]  # neither dense nor head-major
+    with pytest.raises(ValueError, match="dense or head-major"):
+        store_kv(*args, k_scales=strided, v_scales=strided)
+
+
+@pytest.mark.parametrize("block_size, Hk, D", [(16, 2, 32), (64, 8, 128), (3, 3, 24)])
+def test_store_kv_writes_head_major_scales_like_dense_ones(block_size, Hk, D, gen):
+    """The write kernels take the scales' three strides: head-major scales get the values the dense ones get, and
+    the caches the same bits."""
+    T, num_blocks = 9, 5
+    k = (torch.randn(T, Hk, D, generator=gen) * 4).to(torch.bfloat16)
+    v = torch.randn(T, Hk, D, generator=gen).to(torch.bfloat16)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:T]
+    slots[3] = -1
+    out = {}
+    for layout in ("dense", "head-major"):
+        (kc, vc), (ks, vs) = _fp8_caches(num_blocks, block_size, Hk, D, INT8)
+        if layout == "head-major":
+            ks, vs = _head_major(ks), _head_major(vs)
+        store_kv(k, v, kc, _transposed(vc), slots.to(torch.int32), k_scales=ks, v_scales=vs)
+        out[layout] = (_bits(kc), ks.nan_to_num(7.0), vs.nan_to_num(7.0))
+    for a, b in zip(out["dense"], out["head-major"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_qk_norm_rope_store_kv_writes_head_major_scales(gen):
+    T, Hq, Hk, D, num_blocks, block_size = 9, 4, 2, 64, 4, 32
+    qkv = (torch.randn(T, (Hq + 2 * Hk) * D, generator=gen) * 2).to(torch.bfloat16)
+    pos = torch.randint(0, 64, (T,), generator=gen)
+    cos_sin = ops.rope_cos_sin_cache(D, 64, 1e6)
+    qw = (1 + 0.2 * torch.randn(D, generator=gen)).to(torch.bfloat16)
+    kw = (1 + 0.2 * torch.randn(D, generator=gen)).to(torch.bfloat16)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:T]
+    slots[2] = -1
+    scales = {}
+    for layout in ("dense", "head-major"):
+        q, k, v = (t.view(T, -1, D) for t in qkv.clone().split([Hq * D, Hk * D, Hk * D], -1))
+        (kc, vc), (ks, vs) = _fp8_caches(num_blocks, block_size, Hk, D, INT8)
+        if layout == "head-major":
+            ks, vs = _head_major(ks), _head_major(vs)
+        qk_norm_rope_store_kv(pos, q, k, v, qw, kw, 1e-6, cos_sin, kc, _transposed(vc), slots, k_scales=ks, v_scales=vs)
+        scales[layout] = (ks.nan_to_num(7.0), vs.nan_to_num(7.0), _bits(kc))
+    for a, b in zip(scales["dense"], scales["head-major"], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "block_size, form",
+    [(16, {"i8_pack_heads": 0}), (16, {"i8_pack_heads": 8}), (64, {"i8_pack_heads": 0, "i8_tma": True}),
+     (64, {"i8_pack_heads": 0, "i8_tma": False, "block_n": 64}), (16, {"i8_mma": False, "i8_pack_heads": 0})],
+)  # fmt: skip
+@pytest.mark.parametrize("Hq, Hk, D", [(4, 2, 32), (16, 8, 128)])
+def test_every_int8_decode_form_reads_head_major_scales_alike(Hq, Hk, D, block_size, form, gen, monkeypatch):
+    """The pointer form (int8 dots, or widened), the packed one and the descriptor one: the same output bits from
+    head-major scales as from dense ones, poisoned unused slots included."""
+    lens = [1, 17, 50, 200]
+    q, kc, vc, tables, ctx = _paged_case(lens, Hq, Hk, D, block_size, torch.float32, gen)
+    k8, ks = ops.quantize_kv(kc * 3, INT8)
+    v8, vs = ops.quantize_kv(vc, INT8)
+    ks[torch.isnan(kc).all(-1)] = float("nan")
+    vs[torch.isnan(vc).all(-1)] = float("nan")
+    q, vt = q.to(torch.bfloat16), _transposed(v8)
+    monkeypatch.setitem(paged_attention.INT8_LAUNCH, "pack_min_rows", 0)
+    monkeypatch.setitem(paged_attention.INT8_LAUNCH, "pack_launch", {})
+    kw = {"splits": 3, **form}
+    y = paged_decode_attention(q, k8, vt, tables, ctx, D**-0.5, k_scales=ks, v_scales=vs, **kw)
+    with compile_check.record_launches() as seen:
+        hm = paged_decode_attention(
+            q, k8, vt, tables, ctx, D**-0.5, k_scales=_head_major(ks), v_scales=_head_major(vs), **kw
+        )
+    assert len(seen) == 1
+    assert torch.equal(y, hm), seen[0]["kernel"]
