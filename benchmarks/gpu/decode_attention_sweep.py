@@ -110,9 +110,14 @@ def _case(batch: int, ctx: int, device: str, refs: bool = True) -> dict:
         sc = {"k_scales": ks, "v_scales": vs}
         ref = ops.paged_decode_attention(q, k8, v8, tables, lens, D**-0.5, **sc).float() if refs else None
         c["caches"][name] = (k8, v8, sc, ref)
-    # the engine's int8 layout: the same values, V transposed within its blocks (ops.v_cache_zeros)
-    v8 = c["caches"]["int8"][1]
+    # the engine's int8 layout: the same values, V transposed within its blocks (ops.v_cache_zeros) and the scales
+    # head-major within them (ops.scale_zeros; dense with KERNELLAB_SWEEP_DENSE_SCALES=1, set for the precompiling
+    # children too, for a side-by-side of the two scale layouts)
+    k8, v8, sc, ref = c["caches"]["int8"]
     c["int8_v_t"] = ops.v_cache_zeros(v8.shape, v8.dtype, v8.device).copy_(v8)
+    ops.INT8_SCALES_HEAD_MAJOR = os.environ.get("KERNELLAB_SWEEP_DENSE_SCALES", "0") != "1"
+    sc = {n: ops.scale_zeros(tuple(s.shape), ops.INT8_DTYPE, s.device).copy_(s) for n, s in sc.items()}
+    c["caches"]["int8"] = (k8, v8, sc, ref)
     return c
 
 
@@ -461,6 +466,7 @@ def main() -> int:
         "schema": "kernellab.bench.decode_attention_sweep/v1",
         "provenance": provenance(args.device),
         "current_launch": current,
+        "int8_scales": "dense" if os.environ.get("KERNELLAB_SWEEP_DENSE_SCALES", "0") == "1" else "head-major",
         "kernel": sweep(cases, args.device, configs, args.launch_only),
     }
     if args.launch_only:

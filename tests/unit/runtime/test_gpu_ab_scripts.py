@@ -180,6 +180,7 @@ def test_the_decode_attention_sweep_times_the_int8_descriptor_form(tmp_path):
     )
     assert validate(data) == "kernellab.bench.decode_attention_sweep/v1"
     assert data["kernel"]["shape"]["block_size"] == 32
+    assert data["int8_scales"] == "head-major"  # the engine's layout (ops.scale_zeros)
     for row in data["kernel"]["rows"]:
         forms = {bool(c.get("tma")): c for c in row["int8"] if c.get("mma")}
         assert set(forms) == {False, True}
