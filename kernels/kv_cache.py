@@ -33,6 +33,13 @@ V stored transposed within its blocks (the int8 cache's layout)
     lands as D bytes ``block_size`` apart (a scatter, still one launch; the cache write is a small part of a
     step). ``v_transposed`` tells the layouts apart.
 
+Scales head-major within a block (the int8 cache's layout)
+    ``k_scales, v_scales`` may likewise be the ``(num_blocks, block_size, Hk)`` view of a ``(num_blocks, Hk,
+    block_size)`` tensor (``ops.scale_zeros``, ``scales_head_major``): a decode tile of one head then reads its
+    block's scales as one run of ``block_size`` floats instead of one 4-byte value every ``Hk`` floats (one
+    32-byte sector each). Every kernel takes the scales' three strides, so both layouts run everywhere with the
+    same bits; on an H100 the int8 engine gained 2.2 % offline from it (docs/gpu-engine.md).
+
 Trade-offs tried
     Copying through ``index_copy_``/advanced indexing in PyTorch launches a nonzero/gather for the mask and
     two scatters; one kernel does all of it without host syncs (``slots[valid]`` in the reference syncs).
@@ -230,7 +237,7 @@ def scales_head_major(scales: torch.Tensor) -> bool:
     one head reads them as whole lines rather than one 4-byte value per 32-byte sector (the int8 cache's layout,
     ``ops.scale_zeros``)."""
     _, bs, hk = scales.shape
-    return bs > 1 and hk > 1 and scales.stride() == (bs * hk, 1, bs)
+    return bs > 1 and scales.stride() == (bs * hk, 1, bs)
 
 
 def store_kv(
