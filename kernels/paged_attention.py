@@ -229,7 +229,9 @@ FP8_LAUNCH = {"block_n": 128, "num_warps": 4, "num_stages": 2, "widen": "f16"}
 # (``tma_ready``) read one block a tile through tensor descriptors (``_paged_decode_i8_tma_kernel``) before any
 # packing, with "tma_launch" over the settings above (H100, 64-token blocks: 2 stages best, ~2.5 % under the pointer
 # form; the engine's int8 cache at 64-token blocks through it +4.35 % offline against 16-token blocks;
-# results/gpu/engine_h200_dev/*_0decfa7.json).
+# results/gpu/engine_h200_dev/*_0decfa7.json; at 021b978 with head-major scales +11.8 % offline against the pointer
+# forms at the same 64-token blocks). "tma": 2 stacks q's and P's 16-bit halves as the rows of one dot a product
+# (half the int8 dots of 1; experimental until its A/B).
 INT8_LAUNCH = {
     "block_n": 64,
     "num_warps": 4,
@@ -360,12 +362,37 @@ def _dot_i16(a_hi, a_lo, b):
 
 
 @triton.jit
-def _attend_tile_i8(q_hi, q_lo, s_scale, k, vt, ks, vs, t_mask, m_i, l_i, acc):
+def _stack_rows(a, b):
+    """``[R, C]`` a and b → ``[2R, C]``: a's rows, then b's."""
+    R: tl.constexpr = a.shape[0]
+    C: tl.constexpr = a.shape[1]
+    return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (2 * R, C))
+
+
+@triton.jit
+def _unstack_i16(x):
+    """``[2R, N]`` int32 products of 16-bit halves stacked as rows (``_stack_rows(hi, lo)``) → ``hi · 256 + lo``
+    ``[R, N]``. (In the tensor cores' accumulator layout rows r and r + 8 of a 16-row tile sit in one thread.)"""
+    R: tl.constexpr = x.shape[0] // 2
+    N: tl.constexpr = x.shape[1]
+    hi, lo = tl.split(tl.permute(tl.reshape(x, (2, R, N)), (1, 2, 0)))
+    return hi * 256 + lo
+
+
+@triton.jit
+def _attend_tile_i8(q_hi, q_lo, s_scale, k, vt, ks, vs, t_mask, m_i, l_i, acc, STACK: tl.constexpr = False):
     """One tile of an int8 cache into the online softmax: scores as ``q16 · k`` (q in 16-bit fixed point per row,
     ``s_scale`` = its step times the softmax scale) times the K scales; ``P·V`` as ``p16 · v`` with the
     probabilities times the V scales in 16-bit fixed point per row of the tile. Both products are int8
-    tensor-core dots read straight from the cache's bytes (no widening)."""
-    s = _dot_i16(q_hi, q_lo, tl.trans(k)).to(tl.float32) * s_scale[:, None] * ks[None, :]
+    tensor-core dots read straight from the cache's bytes (no widening). ``STACK``: ``q_hi`` holds both halves
+    stacked as rows (``_stack_rows(q_hi, q_lo)``, ``q_lo`` unused), and P's halves are stacked likewise, so each
+    product is one dot of ``2R`` rows instead of two of ``R`` padded to 16 (a GQA group of 2 fills 2 of 16 rows:
+    stacked, 4 of 16 in half the dots), the sums the same integers."""
+    if STACK:
+        s16 = _unstack_i16(tl.dot(q_hi, tl.trans(k), out_dtype=tl.int32))
+    else:
+        s16 = _dot_i16(q_hi, q_lo, tl.trans(k))
+    s = s16.to(tl.float32) * s_scale[:, None] * ks[None, :]
     s = tl.where(t_mask[None, :], s, -float("inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
@@ -374,7 +401,11 @@ def _attend_tile_i8(q_hi, q_lo, s_scale, k, vt, ks, vs, t_mask, m_i, l_i, acc):
     pv = p * vs[None, :]
     step = tl.maximum(tl.max(pv, axis=1), 1e-30) * (1.0 / _I16_TOP)
     p_hi, p_lo = _split_i16(pv, 1.0 / step[:, None])
-    acc = acc * alpha[:, None] + _dot_i16(p_hi, p_lo, tl.trans(vt)).to(tl.float32) * step[:, None]
+    if STACK:
+        pv16 = _unstack_i16(tl.dot(_stack_rows(p_hi, p_lo), tl.trans(vt), out_dtype=tl.int32))
+    else:
+        pv16 = _dot_i16(p_hi, p_lo, tl.trans(vt))
+    acc = acc * alpha[:, None] + pv16.to(tl.float32) * step[:, None]
     return m_new, l_i, acc
 
 
@@ -905,13 +936,16 @@ def _paged_decode_i8_tma_kernel(
     SPLIT: tl.constexpr,
     S_PAD: tl.constexpr,
     PDL: tl.constexpr = False,
+    STACK: tl.constexpr = False,
 ):
     """The int8 dots (``_attend_tile_i8``) over tiles that are whole KV blocks, each copied by a tensor
     descriptor (TMA on Hopper): K as the ``[block_size, D]`` box of the ``(N·bs, Hk·D)`` matrix at the block's
     rows and the head's columns, V (transposed within its block) as the ``[D, block_size]`` box of the
     ``(N·Hk·D, bs)`` matrix. One bulk copy an operand and a tile, no address arithmetic per element, and the
     compiler's pipeliner keeps ``num_stages`` tiles in flight in shared memory, where the pointer form's gathered
-    tile gets one buffer (see "Occupancy of the int8 dots"). Same slices and merge as ``_paged_decode_kernel``."""
+    tile gets one buffer (see "Occupancy of the int8 dots"). Same slices and merge as ``_paged_decode_kernel``.
+    ``STACK``: q's and P's 16-bit halves stacked as the rows of one dot a product (``G_PAD`` rows a half, 2·G_PAD in
+    the dots), for groups of up to 8 query heads."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -931,6 +965,8 @@ def _paged_decode_i8_tma_kernel(
             other=0.0,
         )
         q_hi, q_lo, s_scale = _q16(q, qk_scale)
+        if STACK:
+            q_hi = _stack_rows(q_hi, q_lo)
         m_i = tl.full([G_PAD], -float("inf"), dtype=tl.float32)
         l_i = tl.zeros([G_PAD], dtype=tl.float32)
         acc = tl.zeros([G_PAD, D], dtype=tl.float32)
@@ -947,7 +983,7 @@ def _paged_decode_i8_tma_kernel(
             srow = blk.to(tl.int64) * stride_sb + o * stride_so + hk * stride_sh
             ks = tl.load(k_scale_ptr + srow, mask=t_mask, other=0.0)
             vs = tl.load(v_scale_ptr + srow, mask=t_mask, other=0.0)
-            m_i, l_i, acc = _attend_tile_i8(q_hi, q_lo, s_scale, k, vt, ks, vs, t_mask, m_i, l_i, acc)
+            m_i, l_i, acc = _attend_tile_i8(q_hi, q_lo, s_scale, k, vt, ks, vs, t_mask, m_i, l_i, acc, STACK)
             blk = blk_next
         _finish_rows(
             acc, m_i, l_i, b, split, n_active, n_splits, n_q_heads, heads, hk * GROUP, g_mask, d, d >= 0,
@@ -1015,7 +1051,7 @@ def paged_decode_attention(
     i8_mma: bool | None = None,
     i8_pack_heads: int | None = None,
     i8_pack_select: int | None = None,
-    i8_tma: bool | None = None,
+    i8_tma: bool | int | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q: (B, Hq, D)`` over the paged caches; returns ``(B, Hq, D)`` in q's dtype.
 
@@ -1032,7 +1068,9 @@ def paged_decode_attention(
     packed form's dots take every row and keep each head's rows of the result, 1 with q's and P's 16-bit halves in
     dots of their own, 2 summed in one dot's accumulator (``INT8_LAUNCH["pack_select"]``; 0: each head's operand
     rows masked instead); ``i8_tma``: with the int8 dots, tiles of one whole KV block copied by tensor descriptors
-    (``_paged_decode_i8_tma_kernel``; where ``tma_ready`` holds: blocks of 32-128 tokens), before any packing.
+    (``_paged_decode_i8_tma_kernel``; where ``tma_ready`` holds: blocks of 32-128 tokens), before any packing;
+    ``i8_tma=2``: the same with q's and P's 16-bit halves stacked as the rows of one dot a product (groups of up to
+    8 query heads; larger groups take two dots as with 1).
     """
     eight_bit = k_scales is not None
     cfg = dict(LAUNCH if not eight_bit else INT8_LAUNCH if k_cache.dtype == torch.int8 else FP8_LAUNCH)
@@ -1063,7 +1101,7 @@ def paged_decode_attention(
         and cfg["block_n"] % bs == 0
         and q.dtype != torch.float32
     )
-    tma = mma and bool(cfg.get("tma")) and tma_ready(k_cache, v_cache, k_scales)
+    tma = int(cfg.get("tma") or 0) if mma and tma_ready(k_cache, v_cache, k_scales) else 0  # 1, or 2: stacked
     if tma:
         cfg = _own_launch(cfg, "tma_launch", given)  # its own stages
     pack = int(cfg.get("pack_heads") or 0) if mma and not tma and q.shape[0] >= cfg.get("pack_min_rows", 0) else 0
@@ -1239,13 +1277,15 @@ def _decode(
     if i8_tma:
         assert scales is not None and v_t
         N = k_cache.shape[0]
+        stack = i8_tma == 2 and group <= 8  # the halves stacked fill at most 16 rows
         _paged_decode_i8_tma_kernel[(B, Hk, n_split)](
             q, TensorDescriptor(k_cache, [N * block_size, Hk * D], [Hk * D, 1], [block_size, D]),
             TensorDescriptor(v_cache, [N * Hk * D, block_size], [block_size, 1], [D, block_size]), block_tables,
             context_lens, out, acc_ws, ml_ws, counters, *scales, scale * _LOG2E, n_split, min_tokens, Hq, Hk,
             q.stride(0), q.stride(1), *scales[0].stride(), block_tables.stride(0), out.stride(0), out.stride(1),
-            block_size=block_size, GROUP=group, G_PAD=max(16, next_pow2(group)), D=D, SPLIT=n_split > 1,
-            S_PAD=next_pow2(n_split), PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+            block_size=block_size, GROUP=group, G_PAD=max(8, next_pow2(group)) if stack else max(16, next_pow2(group)),
+            D=D, SPLIT=n_split > 1, S_PAD=next_pow2(n_split), PDL=pdl, STACK=stack, num_warps=num_warps,
+            num_stages=num_stages, launch_pdl=pdl,
         )  # fmt: skip
         return out, None
     defer = defer and B == 1 and n_split > 1 and rope is not None

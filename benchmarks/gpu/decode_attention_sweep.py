@@ -68,6 +68,7 @@ INT8_FORMS = {
     "pack4": (True, True, 4, 0, 0, 0),  # up to 4
     "pack2": (True, True, 2, 0, 0, 0),  # up to 2
     "tma": (True, True, 0, 0, 0, 1),  # int8 dots, one KV head a program, each tile one block copied by TMA
+    "tmastack": (True, True, 0, 0, 0, 2),  # the same, q's and P's 16-bit halves stacked as one dot's rows
 }
 
 
@@ -131,7 +132,7 @@ def _kwargs(name: str, cfg: dict, c: dict) -> tuple:
         kw["i8_asm"], kw["i8_mma"], kw["i8_pack_heads"] = cfg["i8_asm"], cfg["mma"], cfg["pack_heads"]
         kw["i8_pack_select"] = int(cfg.get("pack_select") or 0)
         kw["splits"] = cfg.get("pack_splits") or None
-        kw["i8_tma"] = bool(cfg.get("tma"))
+        kw["i8_tma"] = int(cfg.get("tma") or 0)  # 2: the halves stacked
         v = c["int8_v_t"] if cfg["mma"] else c["caches"]["int8"][1]
     return k, v, {**sc, **kw}
 

@@ -64,12 +64,26 @@ def record() -> dict:
             for sel in (1, 2):  # the packed forms whose operands are shared and outputs selected
                 if sel != INT8_LAUNCH.get("pack_select"):
                     forms[f"int8_packed_select{sel}"] = (k8, v_t, forms[name][2], {**pack, "i8_pack_select": sel})
+    # the descriptor forms read one block a tile: the engine's int8 cache at its 64-token blocks (head-major scales)
+    bs64 = 64
+    k64, v64 = (x.view(B, ctx, Hk, D).view(-1, bs64, Hk, D) for x in (k, v))
+    (k8, ks), (v8, vs) = ops.quantize_kv(k64, ops.INT8_DTYPE), ops.quantize_kv(v64, ops.INT8_DTYPE)
+    v_t = ops.v_cache_zeros(v8.shape, ops.INT8_DTYPE, v8.device).copy_(v8)
+    sc = {
+        n: ops.scale_zeros(tuple(x.shape), ops.INT8_DTYPE, x.device).copy_(x)
+        for n, x in (("k_scales", ks), ("v_scales", vs))
+    }
+    tables64 = torch.arange(B * ctx // bs64, dtype=torch.int32).view(B, -1)
+    tma_forms = {"int8_tma": 1, "int8_tma_stacked": 2}
+    for name, tma in tma_forms.items():
+        forms[name] = (k8, v_t, sc, {"i8_mma": True, "i8_pack_heads": 0, "i8_tma": tma, **INT8_LAUNCH["tma_launch"]})
     out = {}
     min_rows, INT8_LAUNCH["pack_min_rows"] = INT8_LAUNCH["pack_min_rows"], 0  # this shape's few rows packed too
     try:
         for name, (kc, vc, scales, kw) in forms.items():
+            table = tables64 if name in tma_forms else tables
             with compile_check.record_launches(aligned=True) as seen:
-                paged_decode_attention(q, kc, vc, tables, lens, D**-0.5, splits=1, **scales, **kw)
+                paged_decode_attention(q, kc, vc, table, lens, D**-0.5, splits=1, **scales, **kw)
             (launch,) = seen
             c = launch["constexprs"]
             if c.get("WIDEN_F16") and kc.dtype == torch.int8:
@@ -114,7 +128,7 @@ def compile_forms(launches: dict) -> dict:
             sass = subprocess.run([tools / "cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
             res = subprocess.run([tools / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
         loop = _loop(sass)
-        block_n = launch["constexprs"]["BLOCK_N"]
+        block_n = launch["constexprs"].get("BLOCK_N") or launch["constexprs"]["block_size"]  # descriptor: a block
         heads = launch["constexprs"].get("HEADS", 1)  # KV heads a program walks together (the packed form)
         ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in loop)
         regs = re.search(r"REG:(\d+)", res)

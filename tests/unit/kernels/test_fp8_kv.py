@@ -527,3 +527,26 @@ def test_every_int8_decode_form_reads_head_major_scales_alike(Hq, Hk, D, block_s
         )
     assert len(seen) == 1
     assert torch.equal(y, hm), seen[0]["kernel"]
+
+
+@pytest.mark.parametrize("block_size", [32, 64])
+@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("Hq, Hk, D", [(4, 2, 32), (9, 3, 64), (16, 8, 128), (32, 4, 64), (32, 2, 32)])
+def test_stacked_halves_give_the_descriptor_forms_bits(Hq, Hk, D, block_size, splits, gen):
+    """``i8_tma=2``: q's and P's 16-bit halves stacked as the rows of one int8 dot a product (groups of 2, 3 and 8
+    here, 4 and 8 rows a half), the same integer sums as two dots, so the same output bits as ``i8_tma=1``; a group of
+    16 keeps the two dots."""
+    lens = [1, 17, 50, 200]
+    q, kc, vc, tables, ctx = _paged_case(lens, Hq, Hk, D, block_size, torch.float32, gen)
+    k8, ks = ops.quantize_kv(kc * 3, INT8)
+    v8, vs = ops.quantize_kv(vc, INT8)
+    ks[torch.isnan(kc).all(-1)] = float("nan")
+    vs[torch.isnan(vc).all(-1)] = float("nan")
+    q, vt = q.to(torch.bfloat16), _transposed(v8)
+    kw = {"k_scales": _head_major(ks), "v_scales": _head_major(vs), "splits": splits, "i8_pack_heads": 0}
+    with compile_check.record_launches() as seen:
+        stacked = paged_decode_attention(q, k8, vt, tables, ctx, D**-0.5, i8_tma=2, **kw)
+    (launch,) = seen
+    assert launch["kernel"] == "_paged_decode_i8_tma_kernel"
+    assert launch["constexprs"]["STACK"] == (Hq // Hk <= 8)
+    assert torch.equal(stacked, paged_decode_attention(q, k8, vt, tables, ctx, D**-0.5, i8_tma=1, **kw))

@@ -45,8 +45,9 @@ def _paged(gen, B, ctx, Hq, Hk, D, dtype, fp8, bs=BS):
         q8 = ops.FP8_DTYPE if fp8 is True else torch.int8 if fp8 == "int8-vt" else fp8
         (k_cache, ks), (v_cache, vs) = ops.quantize_kv(k_cache.float(), q8), ops.quantize_kv(v_cache.float(), q8)
         scales = {"k_scales": ks, "v_scales": vs}
-        if fp8 == "int8-vt":
+        if fp8 == "int8-vt":  # and the scales head-major within a block (ops.scale_zeros)
             v_cache = v_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+            scales = {n: ops.scale_zeros(tuple(x.shape), q8, x.device).copy_(x) for n, x in scales.items()}
     tables = torch.randperm(blocks, generator=gen).to(torch.int32).view(B, -1)
     lens = torch.full((B,), ctx, dtype=torch.int32)
     q = torch.randn(B, Hq, D, generator=gen).to(dtype)
@@ -100,7 +101,10 @@ def _exercise(gen: torch.Generator) -> None:
                     paged_attention.paged_decode_attention(qd, kc2, vc2, tables, lens, D**-0.5, **sc)
                     if fp8 == "int8-vt":  # one-block tiles copied by tensor descriptors (64-token blocks)
                         qd, kc2, vc2, tables, lens, sc = _paged(gen, B, ctx, Hq, Hk, D, dtype, fp8, bs=64)
-                        paged_attention.paged_decode_attention(qd, kc2, vc2, tables, lens, D**-0.5, i8_tma=True, **sc)
+                        for tma in (1, 2):  # 2: q's and P's 16-bit halves stacked as one dot's rows
+                            paged_attention.paged_decode_attention(
+                                qd, kc2, vc2, tables, lens, D**-0.5, i8_tma=tma, **sc
+                            )
                     if not fp8:  # the decode attention with the QK-norm, RoPE and KV write inside
                         kd, vd = rnd(B, Hk, D, dtype=dtype), rnd(B, Hk, D, dtype=dtype)
                         paged_attention.paged_decode_attention_qk_norm_rope(

@@ -170,20 +170,20 @@ def test_the_decode_attention_sweep_times_the_packed_int8_forms(tmp_path):
 
 
 def test_the_decode_attention_sweep_times_the_int8_descriptor_form(tmp_path):
-    """``--int8-forms tma`` at 32-token KV blocks: the one-block tiles copied by tensor descriptors, checked against
-    the reference beside the pointer form."""
+    """``--int8-forms tma,tmastack`` at 32-token KV blocks: the one-block tiles copied by tensor descriptors (the
+    16-bit halves in two dots or stacked in one), checked against the reference beside the pointer form."""
     data = run(
         "decode_attention_sweep.py",
         tmp_path,
-        *("--caches", "int8", "--int8-forms", "mma,tma", "--tiles", "32", "--warps", "4", "--stages", "2"),
+        *("--caches", "int8", "--int8-forms", "mma,tma,tmastack", "--tiles", "32", "--warps", "4", "--stages", "2"),
         *("--rounds", "0", "--precompile", "0", "--block-size", "32"),
     )
     assert validate(data) == "kernellab.bench.decode_attention_sweep/v1"
     assert data["kernel"]["shape"]["block_size"] == 32
     assert data["int8_scales"] == "head-major"  # the engine's layout (ops.scale_zeros)
     for row in data["kernel"]["rows"]:
-        forms = {bool(c.get("tma")): c for c in row["int8"] if c.get("mma")}
-        assert set(forms) == {False, True}
+        forms = {int(c.get("tma") or 0): c for c in row["int8"] if c.get("mma")}
+        assert set(forms) == {0, 1, 2}
         assert all(c["rel_err_vs_reference"] < 1e-2 and c["us"] > 0 for c in forms.values())
 
 
