@@ -7,18 +7,18 @@
 #   run(command="KERNELLAB_COMMIT=<sha> bash benchmarks/gpu/pending_ab.sh \"$OUT\" 560", carry=[".carry"],
 #       timeout_s=600)
 # Steps (docs/gpu-engine.md says what each decides):
-#   scales  the int8 cache's scales head-major within a block (ops.INT8_SCALES_HEAD_MAJOR, the default since 0660a50)
-#           against dense: the descriptor form's kernel at 64-token blocks in each layout
-#           (decode_attention_sweep.py, KERNELLAB_SWEEP_DENSE_SCALES), then the offline workload with the int8 cache
-#           on engines of each layout (knob_ab.py)
-#   tmaattr INT8_LAUNCH["tma"] False/True with both int8 engines at the 64-token blocks the int8 cache now takes:
-#           what the descriptor tiles add over the pointer forms at the same blocks (at 0decfa7 on an H100 the
-#           standing 16-token engine against 64-token blocks + TMA measured +4.4 % offline)
-#   fp8kv   the gate's 8-bit section (tests/gpu/run.sh --only fp8_kv): the int8 numerics gate and graph == eager at
-#           64-token blocks through TMA with head-major scales, offline figures of every cache, the kernel table
-# Done on H100s at 43718b3-0decfa7 (results/gpu/engine_h200_dev/*_h100_*.json): the bucket-1 graph's own pool (three
+#   stack   INT8_LAUNCH["tma"] 1 against 2: the descriptor form with q's and P's 16-bit halves stacked as the rows of
+#           one int8 dot a product (half the dots, 96 registers against 126 in the sm_90 SASS, but P's stacked rows
+#           reach the dot through byte-wise shared-memory copies): the kernel at 64-token blocks (decode_attention_sweep
+#           forms tma,tmastack), then the offline workload with the int8 cache (knob_ab.py)
+#   scales  the kernel with head-major and dense int8 scales once more, in the order hm, dense, hm: at 021b978 on an
+#           H100 head-major was 3.5-5.5 % faster at 192-256 rows but 9 % slower at 128 × 1,024, the first case of the
+#           call's first sweep (offline: head-major +2.2 %, every round)
+#   fp8kv   the gate's 8-bit section (tests/gpu/run.sh --only fp8_kv); on an H200 it belongs to the gate's three calls
+# Done on H100s at 43718b3-021b978 (results/gpu/engine_h200_dev/*_h100_*.json): the bucket-1 graph's own pool (three
 # times), idle slices exiting at once (no change), the int8 forms at 16- and 64-token blocks, the descriptor form's
-# sweep, the packed forms, the fused QKV op, the gate's weights.
+# sweep and attribution (+11.8 % offline over the pointer forms at 64-token blocks), head-major scales (+2.2 %), the
+# packed forms, the fused QKV op, the gate's weights, the whole gate at 021b978.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 export ROOT
@@ -44,19 +44,17 @@ step() {
   echo "$name rc=$? at $(($(date +%s) - T0))s" | tee -a "$LOG"
 }
 
-SWEEP=(python3 "$ROOT/benchmarks/gpu/decode_attention_sweep.py" --caches int8 --int8-forms tma --tiles 64 --warps 4
-  --stages 2 --rounds 0 --block-size 64 --cases 128x1024,192x1024,256x1024,192x512)
-for layout in hm dense; do
-  step "scales_$layout" 75 40 env KERNELLAB_SWEEP_DENSE_SCALES=$([ $layout = dense ] && echo 1 || echo 0) \
-    "${SWEEP[@]}" --out "$OUT_DIR/scales_$layout"
-done
-step scalesoff 300 200 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/scalesoff" \
-  --knob kernellab.runtime.ops.INT8_SCALES_HEAD_MAJOR --values False,True --contexts 128 --rounds 1 \
-  --offline-blocks 5120 --offline-kv int8 --offline-rounds 3
-step tmaattr 330 200 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/tmaattr" \
+SWEEP=(python3 "$ROOT/benchmarks/gpu/decode_attention_sweep.py" --caches int8 --tiles 64 --warps 4 --stages 2
+  --rounds 0 --block-size 64 --cases 128x1024,192x1024,256x1024,192x512)
+step stack_kernel 90 40 "${SWEEP[@]}" --int8-forms tma,tmastack --out "$OUT_DIR/stack_kernel"
+step stack 300 200 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/stack" \
   --knob kernellab.kernels.paged_attention.INT8_LAUNCH --sep ';' --values "$(python3 -c '
 from kernellab.kernels.paged_attention import INT8_LAUNCH as L
-print(repr({**L, "tma": False}) + "; " + repr({**L, "tma": True}))')" --contexts 2048 --rounds 2 \
+print(repr({**L, "tma": 1}) + "; " + repr({**L, "tma": 2}))')" --contexts 128 --rounds 1 \
   --offline-blocks 5120 --offline-kv int8 --offline-rounds 3
+for layout in hm1 dense hm2; do
+  step "scales_$layout" 60 30 env KERNELLAB_SWEEP_DENSE_SCALES=$([ $layout = dense ] && echo 1 || echo 0) \
+    "${SWEEP[@]}" --int8-forms tma --out "$OUT_DIR/scales_$layout"
+done
 step fp8kv 240 150 bash "$ROOT/tests/gpu/run.sh" "$OUT_DIR/fp8" --only fp8_kv
 ls -R "$OUT_DIR"
