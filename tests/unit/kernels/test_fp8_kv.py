@@ -445,6 +445,7 @@ def _head_major(scales: torch.Tensor) -> torch.Tensor:
 
 def test_the_engine_allocates_int8_scales_head_major():
     assert scales_head_major(ops.scale_zeros((3, 64, 8), INT8, "cpu"))
+    assert scales_head_major(ops.scale_zeros((3, 64, 1), INT8, "cpu"))  # one KV head (MQA) too
     assert not scales_head_major(ops.scale_zeros((3, 64, 8), FP8, "cpu"))
     assert not scales_head_major(torch.zeros(3, 64, 8))
 
