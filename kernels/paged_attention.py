@@ -280,6 +280,16 @@ SEQ_MERGE_SLICES = 16
 # results/gpu/engine_h200_dev/knob_ab_programs_per_sm_p2_h100_2fc2cd6.json); more than 2 cuts no finer at a 4,096-token
 # bound (slices are whole 64-token tiles). A knob, read at launch.
 PROGRAMS_PER_SM = 2
+# Length balance for batches whose (sequence, KV head) programs already fill the card (``num_splits`` gives them one
+# slice each): a launch's time is then its longest sequences' walk, and in a batch of mixed lengths (the offline
+# workload: contexts of ~100 to ~2,000 tokens in one step) the last long programs run alone at the end. With
+# ``BALANCE_SLICE_TOKENS`` > 0 such launches take up to ``BALANCE_MAX_SPLITS`` slices, each at least that many
+# tokens: a context shorter than it keeps one slice (the others exit at once), a longer one is cut into slices of
+# ~ctx / splits and merged like a batch-1 split. A list-scheduling model of the offline workload's steps (528
+# concurrent programs) put the attention 5-9 % under one slice at 512 tokens and 3-4 splits; 0 (off) until the
+# offline A/B (``benchmarks/gpu/pending_ab.sh``). Knobs, read at launch (a CUDA graph keeps its capture's).
+BALANCE_SLICE_TOKENS = 0
+BALANCE_MAX_SPLITS = 4
 # Whether a slice of the fused (QK-norm + RoPE) form with no tokens to read still waits for its producer (the QKV
 # projection) before it exits. Not needed for order: every sequence has an active slice, which waits, so the grid
 # still ends after its producer. But a waiting idle slice holds its SM's registers (20K at Qwen3-0.6B's shapes) for
@@ -1252,6 +1262,9 @@ def _decode(
     bound = max_context_len if max_context_len is not None else block_tables.shape[1] * block_size
     bound = max(bound, 1)
     n_split = splits or num_splits(B, Hk // heads, bound, block_n, q.device)
+    if not splits and n_split == 1 and B > 1 and BALANCE_SLICE_TOKENS > 0:  # knobs, read at launch
+        n_split = max(1, min(BALANCE_MAX_SPLITS, cdiv(bound, BALANCE_SLICE_TOKENS)))
+        min_slice = max(MIN_SLICE_TOKENS if min_slice is None else min_slice, BALANCE_SLICE_TOKENS)
     n_split = cdiv(bound, cdiv(cdiv(bound, n_split), block_n) * block_n)  # no slice of the bound left empty
     d_pad = max(16, next_pow2(D))
     if n_split > 1:  # cached scratch: no allocation on the hot path (see _common.cached_zeros)

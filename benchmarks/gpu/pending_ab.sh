@@ -6,7 +6,12 @@
 # Needs .carry (scripts/gpu-carry.sh); from this machine, with the device tool:
 #   run(command="KERNELLAB_COMMIT=<sha> bash benchmarks/gpu/pending_ab.sh \"$OUT\" 560", carry=[".carry"],
 #       timeout_s=600)
+# A third argument names the steps to run (comma-separated, e.g. "stack_kernel,stack"); default: all, in order, as
+# long as the budget lasts (the steps below take more than one call).
 # Steps (docs/gpu-engine.md says what each decides):
+#   balance paged_attention.BALANCE_SLICE_TOKENS 0 against 512: batches whose programs fill the card cut their long
+#           contexts into up to 4 slices of at least 512 tokens (length balance), on the offline workload with the
+#           int8 cache (a list-scheduling model of its steps: the attention 5-9 % faster)
 #   stack   INT8_LAUNCH["tma"] 1 against 2: the descriptor form with q's and P's 16-bit halves stacked as the rows of
 #           one int8 dot a product (half the dots, 96 registers against 126 in the sm_90 SASS, but P's stacked rows
 #           reach the dot through byte-wise shared-memory copies): the kernel at 64-token blocks (decode_attention_sweep
@@ -24,6 +29,7 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 export ROOT
 OUT_DIR=${1:-${OUT:-$ROOT/out}}
 BUDGET=${2:-560}
+ONLY=${3:-}
 mkdir -p "$OUT_DIR"
 LOG="$OUT_DIR/pending_log.txt"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$LOG" || true
@@ -34,6 +40,9 @@ T0=$(date +%s)
 step() {
   local name=$1 cap=$2 min=$3
   shift 3
+  if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then
+    return
+  fi
   local left=$((BUDGET - ($(date +%s) - T0)))
   if [ "$left" -lt "$min" ]; then
     echo "$name skipped: ${left}s left" | tee -a "$LOG"
@@ -46,6 +55,9 @@ step() {
 
 SWEEP=(python3 "$ROOT/benchmarks/gpu/decode_attention_sweep.py" --caches int8 --tiles 64 --warps 4 --stages 2
   --rounds 0 --block-size 64 --cases 128x1024,192x1024,256x1024,192x512)
+step balance 300 200 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/balance" \
+  --knob kernellab.kernels.paged_attention.BALANCE_SLICE_TOKENS --values 0,512 --contexts 128 --rounds 1 \
+  --decode-batches 256 --offline-blocks 5120 --offline-kv int8 --offline-rounds 3
 step stack_kernel 90 40 "${SWEEP[@]}" --int8-forms tma,tmastack --out "$OUT_DIR/stack_kernel"
 step stack 300 200 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/stack" \
   --knob kernellab.kernels.paged_attention.INT8_LAUNCH --sep ';' --values "$(python3 -c '

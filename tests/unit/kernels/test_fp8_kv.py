@@ -551,3 +551,40 @@ def test_stacked_halves_give_the_descriptor_forms_bits(Hq, Hk, D, block_size, sp
     assert launch["kernel"] == "_paged_decode_i8_tma_kernel"
     assert launch["constexprs"]["STACK"] == (Hq // Hk <= 8)
     assert torch.equal(stacked, paged_decode_attention(q, k8, vt, tables, ctx, D**-0.5, i8_tma=1, **kw))
+
+
+@pytest.mark.parametrize("form", ["bf16", "int8", "int8_tma"])
+def test_length_balance_cuts_only_long_contexts_of_a_full_batch(form, gen, monkeypatch):
+    """A batch whose programs fill the card (here 8 sequences × 4 KV heads against the CPU's nominal 8 SMs) gets
+    one slice a sequence; with ``BALANCE_SLICE_TOKENS`` its contexts longer than that are cut into up to
+    ``BALANCE_MAX_SPLITS`` slices of at least that many tokens and merged, short ones stay whole: the same output
+    bits as asking for those slices explicitly, close to the reference, for every form (bf16, int8 dots, int8
+    through descriptors)."""
+    bs = 32 if form == "int8_tma" else 16
+    lens = [1, 20, 64, 65, 130, 200, 300, 47]
+    q, kc, vc, tables, ctx = _paged_case(lens, 8, 4, 64, bs, torch.float32, gen)
+    q = q.to(torch.bfloat16)
+    if form == "bf16":
+        caches = (kc.to(torch.bfloat16), vc.to(torch.bfloat16))
+        kw: dict = {}
+        ref = ops.paged_decode_attention(q.float(), kc.nan_to_num(0.0), vc.nan_to_num(0.0), tables, ctx, 64**-0.5)
+    else:
+        k8, ks = ops.quantize_kv(kc * 3, INT8)
+        v8, vs = ops.quantize_kv(vc, INT8)
+        caches = (k8, _transposed(v8))
+        kw = {"k_scales": _head_major(ks), "v_scales": _head_major(vs), "i8_pack_heads": 0}
+        kw["i8_tma"] = form == "int8_tma"
+        ref = _reference(q, kc, vc, tables, ctx, INT8)
+    with compile_check.record_launches() as seen:
+        whole = paged_decode_attention(q, *caches, tables, ctx, 64**-0.5, **kw)
+    assert not seen[0]["constexprs"]["SPLIT"]  # the batch fills the card: one slice a sequence
+    monkeypatch.setattr(paged_attention, "BALANCE_SLICE_TOKENS", 64)
+    monkeypatch.setattr(paged_attention, "BALANCE_MAX_SPLITS", 3)
+    with compile_check.record_launches() as seen:
+        balanced = paged_decode_attention(q, *caches, tables, ctx, 64**-0.5, **kw)
+    assert seen[0]["constexprs"]["SPLIT"]
+    explicit = paged_decode_attention(q, *caches, tables, ctx, 64**-0.5, splits=3, min_slice=64, **kw)
+    assert torch.equal(balanced, explicit)
+    for y in (whole, balanced):
+        tol = 8e-3 if form != "bf16" else 2e-2
+        assert_close(y.float(), ref.float(), tol, tol, form)
