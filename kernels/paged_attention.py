@@ -285,11 +285,13 @@ PROGRAMS_PER_SM = 2
 # workload: contexts of ~100 to ~2,000 tokens in one step) the last long programs run alone at the end. With
 # ``BALANCE_SLICE_TOKENS`` > 0 such launches take up to ``BALANCE_MAX_SPLITS`` slices, each at least that many
 # tokens: a context shorter than it keeps one slice (the others exit at once), a longer one is cut into slices of
-# ~ctx / splits and merged like a batch-1 split. A list-scheduling model of the offline workload's steps (528
-# concurrent programs) put the attention 5-9 % under one slice at 512 tokens and 3-4 splits; 0 (off) until the
+# ~ctx / splits and merged like a batch-1 split. A list-scheduling model of the offline workload's full-batch steps
+# (``benchmarks/kernels/decode_balance_model.py``, results/kernels/decode_balance_model.json: 528 concurrent programs,
+# a CPU model that overstates the gain, since a program left alone at a tail runs faster on the GPU) puts those
+# launches 6-13 % under one slice at 512 tokens and 3 splits, by what an idle program costs; 0 (off) until the
 # offline A/B (``benchmarks/gpu/pending_ab.sh``). Knobs, read at launch (a CUDA graph keeps its capture's).
 BALANCE_SLICE_TOKENS = 0
-BALANCE_MAX_SPLITS = 4
+BALANCE_MAX_SPLITS = 3
 # Whether a slice of the fused (QK-norm + RoPE) form with no tokens to read still waits for its producer (the QKV
 # projection) before it exits. Not needed for order: every sequence has an active slice, which waits, so the grid
 # still ends after its producer. But a waiting idle slice holds its SM's registers (20K at Qwen3-0.6B's shapes) for

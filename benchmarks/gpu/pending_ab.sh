@@ -10,8 +10,9 @@
 # long as the budget lasts (the steps below take more than one call).
 # Steps (docs/gpu-engine.md says what each decides):
 #   balance paged_attention.BALANCE_SLICE_TOKENS 0 against 512: batches whose programs fill the card cut their long
-#           contexts into up to 4 slices of at least 512 tokens (length balance), on the offline workload with the
-#           int8 cache (a list-scheduling model of its steps: the attention 5-9 % faster)
+#           contexts into up to 3 slices of at least 512 tokens (length balance), on the offline workload with the
+#           int8 cache, and a 256-row step of equal contexts (where it can only cost: idle slices); a list-scheduling
+#           model of the workload's full-batch launches puts them 6-13 % faster (decode_balance_model.py)
 #   stack   INT8_LAUNCH["tma"] 1 against 2: the descriptor form with q's and P's 16-bit halves stacked as the rows of
 #           one int8 dot a product (half the dots, 96 registers against 126 in the sm_90 SASS, but P's stacked rows
 #           reach the dot through byte-wise shared-memory copies): the kernel at 64-token blocks (decode_attention_sweep
