@@ -35,19 +35,23 @@ def launch_time(units: list[float], slots: int) -> float:
     return end
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def jobs(ctxs: list[int], kv_heads: int, splits: int, min_slice: int, tile: int, idle: float, merge: float):
     """The launch's programs in grid order, each as tile-times (``paged_attention._slice_of``'s slicing)."""
     out = []
     for s in range(splits):
         for _ in range(kv_heads):
             for c in ctxs:
-                per = max(-(-(-(-c // splits)) // tile) * tile, min_slice)
-                n_active = -(-c // per)
+                per = max(cdiv(cdiv(c, splits), tile) * tile, min_slice)
+                n_active = cdiv(c, per)
                 if s >= n_active:
                     out.append(idle)
                     continue
                 n = min(c, (s + 1) * per) - s * per
-                out.append(-(-n // tile) + (merge if n_active > 1 else 0.0))
+                out.append(cdiv(n, tile) + (merge if n_active > 1 else 0.0))
     return out
 
 
