@@ -273,6 +273,11 @@ ROPE_FP_FUSION = False
 # (nine slices) 0.843 against 0.858 ms at 4 (H100, both orders; results/gpu/engine_h200_dev/
 # knob_ab_k7_h100_ba95c7e_log.txt); 64 would take 255 registers and spill (sm_90 compile). A knob, read at launch.
 SEQ_MERGE_SLICES = 16
+# Contexts of more than ``SEQ_MERGE_SLICES`` slices (batch 1 past ~1,024 tokens: 32 slices at 2,048) are merged as
+# one reduction over the slices' tile; with ``SEQ_MERGE_CHUNKS`` > 1, up to that many times ``SEQ_MERGE_SLICES``
+# are merged slice by slice instead, one unrolled chunk of ``SEQ_MERGE_SLICES`` at a time (``_merge_chunked``: the
+# registers of one chunk). 1 (the tile) until its batch-1 A/B at context 2,048; a knob, read at launch.
+SEQ_MERGE_CHUNKS = 1
 # The split-KV decode attention cuts contexts until its grid has about this many programs an SM (``num_splits``):
 # at batch 1 on 132 SMs and Qwen3-0.6B's 8 KV heads, 2 gives 32 slices of 64 tokens at context 2,048, 1 gives 16 of
 # 128. 1 was slower on the H100 (batch-1 ITL 0.955 against 0.906 ms at context 2,048, 0.871 against 0.835 at
@@ -482,7 +487,7 @@ def _slice_of(ctx, split, n_splits, min_slice, BLOCK_N: tl.constexpr, SPLIT: tl.
 def _finish_rows(acc, m_i, l_i, b, split, n_active, n_splits, n_q_heads, heads, first_head, row_mask, d, d_mask,
                  counter, out_ptr, stride_ob, stride_oh, acc_ws_ptr, ml_ws_ptr, N_ROWS: tl.constexpr,
                  D_PAD: tl.constexpr, S_PAD: tl.constexpr, SPLIT: tl.constexpr, DEFER: tl.constexpr = 0,
-                 SEQ_S: tl.constexpr = 2):  # fmt: skip
+                 SEQ_S: tl.constexpr = 2, SEQ_CHUNKS: tl.constexpr = 1):  # fmt: skip
     """A slice's online-softmax state ``(acc, m_i, l_i)`` for query heads ``heads`` (the ``N_ROWS`` from
     ``first_head`` where ``row_mask``) into the output: directly when the sequence has one slice; else published
     to the fp32 workspace, and the last of its ``n_active`` slices to arrive (``counter``, the same semaphore
@@ -502,10 +507,10 @@ def _finish_rows(acc, m_i, l_i, b, split, n_active, n_splits, n_q_heads, heads, 
         if DEFER > 0:
             if n_active > DEFER:
                 _merge_last(counter, n_active, b, n_q_heads, first_head, n_splits, d, d_mask, out_ptr, stride_ob,
-                            stride_oh, acc_ws_ptr, ml_ws_ptr, N_ROWS, D_PAD, S_PAD, SEQ_S)  # fmt: skip
+                            stride_oh, acc_ws_ptr, ml_ws_ptr, N_ROWS, D_PAD, S_PAD, SEQ_S, SEQ_CHUNKS)  # fmt: skip
         else:
             _merge_last(counter, n_active, b, n_q_heads, first_head, n_splits, d, d_mask, out_ptr, stride_ob, stride_oh,
-                        acc_ws_ptr, ml_ws_ptr, N_ROWS, D_PAD, S_PAD, SEQ_S)  # fmt: skip
+                        acc_ws_ptr, ml_ws_ptr, N_ROWS, D_PAD, S_PAD, SEQ_S, SEQ_CHUNKS)  # fmt: skip
     else:
         o = acc / l_i[:, None]
         out_rows = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
@@ -515,11 +520,13 @@ def _finish_rows(acc, m_i, l_i, b, split, n_active, n_splits, n_q_heads, heads, 
 @triton.jit
 def _merge_last(counter, n_active, b, n_q_heads, first_head, n_splits, d, d_mask, out_ptr, stride_ob, stride_oh,
                 acc_ws_ptr, ml_ws_ptr, N_ROWS: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
-                SEQ_S: tl.constexpr):  # fmt: skip
+                SEQ_S: tl.constexpr, SEQ_CHUNKS: tl.constexpr = 1):  # fmt: skip
     """``_finish_rows``'s semaphore, after a slice published its partials: the last of the ``n_active`` slices to
     arrive merges them into the output and resets the counter. Up to ``SEQ_S`` slices through
     ``gemv.merge_slices`` (slice by slice, as the output projection merges deferred slices: the same bits either
-    way), more as one reduction over the ``[S_PAD, D]`` tile (fewer instructions than ``S_PAD`` unrolled steps)."""
+    way); with ``SEQ_CHUNKS`` > 1 up to ``SEQ_CHUNKS · SEQ_S`` slice by slice too, ``SEQ_S`` at a time
+    (``_merge_chunked``); more as one reduction over the ``[S_PAD, D]`` tile (fewer instructions than ``S_PAD``
+    unrolled steps)."""
     tl.debug_barrier()
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if arrived == n_active - 1:
@@ -527,32 +534,85 @@ def _merge_last(counter, n_active, b, n_q_heads, first_head, n_splits, d, d_mask
             for gi in tl.static_range(N_ROWS):
                 row = (b.to(tl.int64) * n_q_heads + first_head + gi) * n_splits + tl.zeros([1], dtype=tl.int64)
                 o_1 = merge_slices(acc_ws_ptr, ml_ws_ptr, row, row >= 0, d, d_mask, n_active, D_PAD, SEQ_S, False)
-                tl.store(
-                    out_ptr + b.to(tl.int64) * stride_ob + (first_head + gi) * stride_oh + d[None, :],
-                    o_1.to(out_ptr.dtype.element_ty),
-                    mask=d_mask[None, :],
-                )
+                _store_head(o_1, b, first_head + gi, d, d_mask, out_ptr, stride_ob, stride_oh)
+        elif SEQ_CHUNKS > 1:
+            if n_active <= SEQ_S * SEQ_CHUNKS:
+                for gi in tl.static_range(N_ROWS):
+                    row = (b.to(tl.int64) * n_q_heads + first_head + gi) * n_splits + tl.zeros([1], dtype=tl.int64)
+                    o_1 = _merge_chunked(acc_ws_ptr, ml_ws_ptr, row, d, d_mask, n_active, D_PAD, SEQ_S, SEQ_CHUNKS)
+                    _store_head(o_1, b, first_head + gi, d, d_mask, out_ptr, stride_ob, stride_oh)
+            else:
+                _merge_tile(n_active, b, n_q_heads, first_head, n_splits, d, d_mask, out_ptr, stride_ob, stride_oh,
+                            acc_ws_ptr, ml_ws_ptr, N_ROWS, D_PAD, S_PAD)  # fmt: skip
         else:
-            sl = tl.arange(0, S_PAD)
-            s_mask = sl < n_active
-            for gi in tl.static_range(N_ROWS):
-                rows = (b.to(tl.int64) * n_q_heads + first_head + gi) * n_splits + sl
-                m_s = tl.load(ml_ws_ptr + rows * 2, mask=s_mask, other=-float("inf"), cache_modifier=".cg")
-                l_s = tl.load(ml_ws_ptr + rows * 2 + 1, mask=s_mask, other=0.0, cache_modifier=".cg")
-                a_s = tl.load(
-                    acc_ws_ptr + rows[:, None] * D_PAD + d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :],
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                w = tl.exp2(m_s - tl.max(m_s, axis=0))  # finite: every active slice holds a token
-                o = tl.sum(a_s * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
-                tl.store(
-                    out_ptr + b.to(tl.int64) * stride_ob + (first_head + gi) * stride_oh + d,
-                    o.to(out_ptr.dtype.element_ty),
-                    mask=d_mask,
-                )
+            _merge_tile(n_active, b, n_q_heads, first_head, n_splits, d, d_mask, out_ptr, stride_ob, stride_oh,
+                        acc_ws_ptr, ml_ws_ptr, N_ROWS, D_PAD, S_PAD)  # fmt: skip
         tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _store_head(o_1, b, head, d, d_mask, out_ptr, stride_ob, stride_oh):
+    """One head's merged ``[1, D_PAD]`` row into the output."""
+    tl.store(
+        out_ptr + b.to(tl.int64) * stride_ob + head * stride_oh + d[None, :],
+        o_1.to(out_ptr.dtype.element_ty),
+        mask=d_mask[None, :],
+    )
+
+
+@triton.jit
+def _merge_chunked(acc_ws_ptr, ml_ws_ptr, row, d, d_mask, n_active, D_PAD: tl.constexpr, MAX_S: tl.constexpr,
+                   CHUNKS: tl.constexpr):  # fmt: skip
+    """One head's merge of up to ``CHUNKS · MAX_S`` slices, its first slice at workspace row ``row`` (``[1]``): the
+    slices' largest ``m`` in a first walk, then ``Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s`` in a second, each
+    walk a loop over chunks of ``MAX_S`` unrolled slices, so the unrolled code (and its registers) is one chunk's
+    where unrolling every slice spills (32 slices: 203 registers at sm_90). The loads bypass L1 (``.cg``), as in
+    ``gemv.merge_slices``; the sums' order differs from the tile reduction's, so the bits may too."""
+    top = tl.full([1], -float("inf"), dtype=tl.float32)
+    for c in range(CHUNKS):
+        for s in tl.static_range(MAX_S):
+            live = row * 0 + c * MAX_S + s < n_active
+            m = tl.load(ml_ws_ptr + (row + c * MAX_S + s) * 2, mask=live, other=-float("inf"), cache_modifier=".cg")
+            top = tl.maximum(top, m)
+    num = tl.zeros([1, D_PAD], dtype=tl.float32)
+    den = tl.zeros([1], dtype=tl.float32)
+    for c in range(CHUNKS):
+        for s in tl.static_range(MAX_S):
+            at = row + c * MAX_S + s
+            live = row * 0 + c * MAX_S + s < n_active
+            m = tl.load(ml_ws_ptr + at * 2, mask=live, other=-float("inf"), cache_modifier=".cg")
+            l_s = tl.load(ml_ws_ptr + at * 2 + 1, mask=live, other=0.0, cache_modifier=".cg")
+            a = tl.load(acc_ws_ptr + at[:, None] * D_PAD + d[None, :], mask=live[:, None] & d_mask[None, :],
+                        other=0.0, cache_modifier=".cg")  # fmt: skip
+            w = tl.where(live, tl.exp2(m - top), 0.0)
+            num += a * w[:, None]
+            den += l_s * w
+    return num / den[:, None]
+
+
+@triton.jit
+def _merge_tile(n_active, b, n_q_heads, first_head, n_splits, d, d_mask, out_ptr, stride_ob, stride_oh, acc_ws_ptr,
+                ml_ws_ptr, N_ROWS: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):  # fmt: skip
+    """The merge as one reduction over the ``[S_PAD, D]`` tile of a head's slices."""
+    sl = tl.arange(0, S_PAD)
+    s_mask = sl < n_active
+    for gi in tl.static_range(N_ROWS):
+        rows = (b.to(tl.int64) * n_q_heads + first_head + gi) * n_splits + sl
+        m_s = tl.load(ml_ws_ptr + rows * 2, mask=s_mask, other=-float("inf"), cache_modifier=".cg")
+        l_s = tl.load(ml_ws_ptr + rows * 2 + 1, mask=s_mask, other=0.0, cache_modifier=".cg")
+        a_s = tl.load(
+            acc_ws_ptr + rows[:, None] * D_PAD + d[None, :],
+            mask=s_mask[:, None] & d_mask[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        w = tl.exp2(m_s - tl.max(m_s, axis=0))  # finite: every active slice holds a token
+        o = tl.sum(a_s * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+        tl.store(
+            out_ptr + b.to(tl.int64) * stride_ob + (first_head + gi) * stride_oh + d,
+            o.to(out_ptr.dtype.element_ty),
+            mask=d_mask,
+        )
 
 
 @triton.jit
@@ -617,6 +677,7 @@ def _paged_decode_kernel(
     I8_MMA: tl.constexpr = False,
     DEFER: tl.constexpr = 0,
     SEQ_S: tl.constexpr = 2,
+    SEQ_CHUNKS: tl.constexpr = 1,
     IDLE_WAIT: tl.constexpr = True,
 ):
     if PDL:  # see _common.use_pdl; every program waits, even a slice that exits at once (the chain's order)
@@ -758,7 +819,7 @@ def _paged_decode_kernel(
         _finish_rows(
             acc, m_i, l_i, b, split, n_active, n_splits, n_q_heads, heads, hk * GROUP, g_mask, d, d_mask,
             cnt_ptr + b * n_kv_heads + hk, out_ptr, stride_ob, stride_oh, acc_ws_ptr, ml_ws_ptr, GROUP, D_PAD, S_PAD,
-            SPLIT, DEFER, SEQ_S,
+            SPLIT, DEFER, SEQ_S, SEQ_CHUNKS,
         )  # fmt: skip
     if ROPE and PDL and IDLE_WAIT:  # noqa: SIM102 (a constexpr guard) — an idle slice waits for the producer too
         if split >= n_active:
@@ -1355,6 +1416,7 @@ def _decode(
         I8_MMA=i8_mma,
         DEFER=defer_s if defer else 0,
         SEQ_S=seq_s,
+        SEQ_CHUNKS=max(1, SEQ_MERGE_CHUNKS) if s_pad > seq_s else 1,
         IDLE_WAIT=IDLE_SLICES_WAIT,
         num_warps=num_warps,
         num_stages=num_stages,

@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # The GPU A/Bs that are prepared and not yet run, most useful first, inside one device call's time. Each step gets
 # what is left of the budget (seconds, default 560) up to its own cap, and is skipped when too little is left; each
-# step's artifact lands in $1/<step>/ and every step's output in $1/pending_log.txt (six files at most, two folders
-# down: the device tool brings back eight).
+# step's artifact lands in $1/<step>/ and every step's output in $1/pending_log.txt (the device tool brings back eight
+# files a call: run the steps in two calls, "balance,chunks,stack_kernel,stack" and then
+# "scales_hm1,scales_dense,scales_hm2,fp8kv").
 # Needs .carry (scripts/gpu-carry.sh); from this machine, with the device tool:
 #   run(command="KERNELLAB_COMMIT=<sha> bash benchmarks/gpu/pending_ab.sh \"$OUT\" 560", carry=[".carry"],
 #       timeout_s=600)
-# A third argument names the steps to run (comma-separated, e.g. "stack_kernel,stack"); default: all, in order, as
-# long as the budget lasts (the steps below take more than one call).
+# A third argument names the steps to run (comma-separated); default: all, in order, as long as the budget lasts.
 # Steps (docs/gpu-engine.md says what each decides):
 #   balance paged_attention.BALANCE_SLICE_TOKENS 0 against 512: batches whose programs fill the card cut their long
 #           contexts into up to 3 slices of at least 512 tokens (length balance), on the offline workload with the
 #           int8 cache, and a 256-row step of equal contexts (where it can only cost: idle slices); a list-scheduling
 #           model of the workload's full-batch launches puts them 6-13 % faster (decode_balance_model.py)
+#   chunks  paged_attention.SEQ_MERGE_CHUNKS 1 against 2: batch-1 contexts of 17-32 slices (1,088-2,048 tokens) merged
+#           slice by slice in two chunks of 16 instead of one reduction over the [64, D] tile (the same 159 registers
+#           at sm_90); batch-1 ITL at 2,048 (0.843 ms on the H200 against the 0.8 target) and 1,536
 #   stack   INT8_LAUNCH["tma"] 1 against 2: the descriptor form with q's and P's 16-bit halves stacked as the rows of
 #           one int8 dot a product (half the dots, 96 registers against 126 in the sm_90 SASS, but P's stacked rows
 #           reach the dot through byte-wise shared-memory copies): the kernel at 64-token blocks (decode_attention_sweep
@@ -59,6 +62,8 @@ SWEEP=(python3 "$ROOT/benchmarks/gpu/decode_attention_sweep.py" --caches int8 --
 step balance 300 200 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/balance" \
   --knob kernellab.kernels.paged_attention.BALANCE_SLICE_TOKENS --values 0,512 --contexts 128 --rounds 1 \
   --decode-batches 256 --offline-blocks 5120 --offline-kv int8 --offline-rounds 3
+step chunks 200 120 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/chunks" \
+  --knob kernellab.kernels.paged_attention.SEQ_MERGE_CHUNKS --values 1,2 --contexts 2048,1536,128 --rounds 6
 step stack_kernel 90 40 "${SWEEP[@]}" --int8-forms tma,tmastack --out "$OUT_DIR/stack_kernel"
 step stack 300 200 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/stack" \
   --knob kernellab.kernels.paged_attention.INT8_LAUNCH --sep ';' --values "$(python3 -c '

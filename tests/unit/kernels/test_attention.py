@@ -94,6 +94,31 @@ def test_paged_decode_slices_follow_the_real_context(min_slice, gen):
         assert_close(y, ref, 1e-5, 1e-5, f"paged decode {lens}")
 
 
+def test_many_slices_merge_in_chunks_like_the_tile(gen, monkeypatch):
+    """``SEQ_MERGE_CHUNKS = 2``: contexts of 17-32 slices (beyond ``SEQ_MERGE_SLICES``) are merged slice by slice,
+    16 at a time, instead of as one tile reduction: the same attention to fp32 rounding; 16 slices or fewer keep
+    ``merge_slices`` and more than 32 the tile, bit for bit as before. A graph's bound (4,096 tokens) in 64 slices
+    of 16-token tiles: the contexts below take 1, 9, 20, 32 and 40 slices."""
+    from kernellab.kernels import paged_attention
+
+    lens = [16, 140, 320, 512, 640]
+    Hq, Hk, D = 4, 2, 32
+    q, kc, vc, narrow, ctx = _paged_case(lens, Hq, Hk, D, 16, torch.float32, gen)
+    tables = torch.full((len(lens), 256), -1, dtype=torch.int32)
+    tables[:, : narrow.shape[1]] = narrow
+    kw = {"splits": 64, "block_n": 16, "min_slice": 16}
+    monkeypatch.setattr(paged_attention, "SEQ_MERGE_SLICES", 16)
+    tile = paged_decode_attention(q, kc, vc, tables, ctx, D**-0.5, **kw)
+    monkeypatch.setattr(paged_attention, "SEQ_MERGE_CHUNKS", 2)
+    with record_launches() as seen:
+        chunked = paged_decode_attention(q, kc, vc, tables, ctx, D**-0.5, **kw)
+    assert seen[0]["constexprs"]["SEQ_CHUNKS"] == 2 and seen[0]["constexprs"]["SEQ_S"] == 16
+    ref = ops.paged_decode_attention(q, kc.nan_to_num(), vc.nan_to_num(), narrow, ctx, D**-0.5)
+    assert_close(chunked, ref, 1e-5, 1e-5, "chunked merge")
+    assert torch.equal(chunked[[0, 1, 4]], tile[[0, 1, 4]])  # 1, 9 and 40 slices: the merges they had before
+    assert_close(chunked[[2, 3]], tile[[2, 3]], 1e-6, 1e-6, "chunked against tile")
+
+
 @pytest.mark.parametrize(
     "lens, splits, min_slice", [([1, 17, 50, 3], None, None), ([300, 2, 64, 129], 32, None), ([300, 65], 32, 40)]
 )

@@ -113,6 +113,15 @@ def _exercise(gen: torch.Generator) -> None:
                         paged_attention.paged_decode_attention_qk_norm_rope(  # a graph's int64 context lengths
                             qd, kd, vd, nw, nw, 1e-6, cos_ctx, kc2, vc2, lens.long() - 1, tables, lens.long(), D**-0.5
                         )
+                        if B == 1:  # more slices than SEQ_MERGE_SLICES, merged in chunks (SEQ_MERGE_CHUNKS)
+                            chunks, paged_attention.SEQ_MERGE_CHUNKS = paged_attention.SEQ_MERGE_CHUNKS, 2
+                            try:
+                                paged_attention.paged_decode_attention_qk_norm_rope(
+                                    qd, kd, vd, nw, nw, 1e-6, cos_ctx, kc2, vc2, lens.long() - 1, tables, lens, D**-0.5,
+                                    splits=32, block_n=16, min_slice=16,
+                                )  # fmt: skip
+                            finally:
+                                paged_attention.SEQ_MERGE_CHUNKS = chunks
                         if B == 1:  # batch 1: the attention leaves two slices to the output projection's GEMV
                             wide = torch.cat([tables, torch.full((1, 40), -1, dtype=torch.int32)], dim=1)
                             for n in (100, 300):  # two slices (the GEMV merges); five (the attention merges)
