@@ -228,26 +228,40 @@ def test_store_kv_writes_a_transposed_v_like_the_reference(block_size, Hk, D, ge
     assert torch.equal(_bits(vt), _bits(vr))
 
 
-def test_qk_norm_rope_store_kv_writes_a_transposed_v(gen):
-    T, Hq, Hk, D, num_blocks, block_size = 9, 4, 2, 64, 4, 16
+def _rope_writes(gen, block_size: int, layouts) -> dict:
+    """``qk_norm_rope_store_kv`` of one draw (the 3rd token's slot -1) into int8 caches of each layout of
+    ``layouts`` (``(V transposed, scales head-major)`` pairs): per layout the K and V bits and both scales."""
+    T, Hq, Hk, D, num_blocks = 9, 4, 2, 64, 4
     qkv = (torch.randn(T, (Hq + 2 * Hk) * D, generator=gen) * 2).to(torch.bfloat16)
-    q, k, v = (t.view(T, -1, D) for t in qkv.split([Hq * D, Hk * D, Hk * D], -1))
     pos = torch.randint(0, 64, (T,), generator=gen)
     cos_sin = ops.rope_cos_sin_cache(D, 64, 1e6)
     qw = (1 + 0.2 * torch.randn(D, generator=gen)).to(torch.bfloat16)
     kw = (1 + 0.2 * torch.randn(D, generator=gen)).to(torch.bfloat16)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:T]
     slots[2] = -1
-    caches = {}
-    for layout in ("dense", "transposed"):
+    out = {}
+    for v_t, head_major in layouts:
+        q, k, v = (t.view(T, -1, D) for t in qkv.clone().split([Hq * D, Hk * D, Hk * D], -1))
         (kc, vc), (ks, vs) = _fp8_caches(num_blocks, block_size, Hk, D, INT8)
-        vc = _transposed(vc) if layout == "transposed" else vc
+        vc = _transposed(vc) if v_t else vc
+        if head_major:
+            ks, vs = _head_major(ks), _head_major(vs)
         qk_norm_rope_store_kv(pos, q, k, v, qw, kw, 1e-6, cos_sin, kc, vc, slots, k_scales=ks, v_scales=vs)
-        caches[layout] = (kc, vc, ks, vs)
-    for a, b in zip(caches["dense"], caches["transposed"], strict=True):
-        assert torch.equal(
-            _bits(a) if a.dtype == INT8 else a.nan_to_num(7.0), _bits(b) if b.dtype == INT8 else b.nan_to_num(7.0)
-        )
+        out[(v_t, head_major)] = (_bits(kc), _bits(vc), ks.nan_to_num(7.0), vs.nan_to_num(7.0))
+    return out
+
+
+@pytest.mark.parametrize(
+    "block_size, layouts",
+    [(16, [(False, False), (True, False)]), (32, [(True, False), (True, True)])],
+    ids=["transposed-v", "head-major-scales"],
+)
+def test_qk_norm_rope_store_kv_writes_every_int8_layout_alike(block_size, layouts, gen):
+    """The fused QK-norm + RoPE write takes V's and the scales' strides: V transposed within its blocks, and the
+    scales head-major, get the bits and values the dense layouts get."""
+    out = _rope_writes(gen, block_size, layouts)
+    for a, b in zip(out[layouts[0]], out[layouts[1]], strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize(
@@ -288,6 +302,17 @@ def test_paged_decode_attention_int8_transposed_v(Hq, Hk, D, block_size, mma, pa
     # one draw in the 72 here (head_dim 32) comes out 1.09x the widening's error: either form's error moves with the
     # draw by about that much at small head_dims
     assert err <= dense_err * 1.1, (err, dense_err)
+
+
+def _int8_case(Hq, Hk, D, block_size, gen):
+    """Contexts of 1, 17, 50 and 200 tokens in an int8 cache as the engine lays out its V (transposed), the scales
+    dense, the unused slots' values and scales poisoned; q in bf16. Returns the fp32 caches too (the reference's)."""
+    q, kc, vc, tables, ctx = _paged_case([1, 17, 50, 200], Hq, Hk, D, block_size, torch.float32, gen)
+    k8, ks = ops.quantize_kv(kc * 3, INT8)
+    v8, vs = ops.quantize_kv(vc, INT8)
+    ks[torch.isnan(kc).all(-1)] = float("nan")
+    vs[torch.isnan(vc).all(-1)] = float("nan")
+    return q.to(torch.bfloat16), kc, vc, tables, ctx, k8, _transposed(v8), ks, vs
 
 
 def test_heads_per_program():
@@ -403,13 +428,7 @@ def test_int8_tiles_through_tensor_descriptors_equal_the_pointer_form(Hq, Hk, D,
     through per-element pointers. The same tiles in the same order through the same int8 dots: the pointer form at
     one-block tiles gives the same bits, and both stay close to the reference. Unused slots of the last block hold
     poisoned scales and values (their scores masked, their scales read as 0)."""
-    lens = [1, 17, 50, 200]
-    q, kc, vc, tables, ctx = _paged_case(lens, Hq, Hk, D, block_size, torch.float32, gen)
-    k8, ks = ops.quantize_kv(kc * 3, INT8)
-    v8, vs = ops.quantize_kv(vc, INT8)
-    ks[torch.isnan(kc).all(-1)] = float("nan")
-    vs[torch.isnan(vc).all(-1)] = float("nan")
-    q, vt = q.to(torch.bfloat16), _transposed(v8)
+    q, kc, vc, tables, ctx, k8, vt, ks, vs = _int8_case(Hq, Hk, D, block_size, gen)
     assert paged_attention.tma_ready(k8, vt, ks)
     kw = {"k_scales": ks, "v_scales": vs, "splits": splits, "i8_pack_heads": 0}
     with compile_check.record_launches() as seen:
@@ -481,27 +500,6 @@ def test_store_kv_writes_head_major_scales_like_dense_ones(block_size, Hk, D, ge
         assert torch.equal(a, b)
 
 
-def test_qk_norm_rope_store_kv_writes_head_major_scales(gen):
-    T, Hq, Hk, D, num_blocks, block_size = 9, 4, 2, 64, 4, 32
-    qkv = (torch.randn(T, (Hq + 2 * Hk) * D, generator=gen) * 2).to(torch.bfloat16)
-    pos = torch.randint(0, 64, (T,), generator=gen)
-    cos_sin = ops.rope_cos_sin_cache(D, 64, 1e6)
-    qw = (1 + 0.2 * torch.randn(D, generator=gen)).to(torch.bfloat16)
-    kw = (1 + 0.2 * torch.randn(D, generator=gen)).to(torch.bfloat16)
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:T]
-    slots[2] = -1
-    scales = {}
-    for layout in ("dense", "head-major"):
-        q, k, v = (t.view(T, -1, D) for t in qkv.clone().split([Hq * D, Hk * D, Hk * D], -1))
-        (kc, vc), (ks, vs) = _fp8_caches(num_blocks, block_size, Hk, D, INT8)
-        if layout == "head-major":
-            ks, vs = _head_major(ks), _head_major(vs)
-        qk_norm_rope_store_kv(pos, q, k, v, qw, kw, 1e-6, cos_sin, kc, _transposed(vc), slots, k_scales=ks, v_scales=vs)
-        scales[layout] = (ks.nan_to_num(7.0), vs.nan_to_num(7.0), _bits(kc))
-    for a, b in zip(scales["dense"], scales["head-major"], strict=True):
-        assert torch.equal(a, b)
-
-
 @pytest.mark.parametrize(
     "block_size, form",
     [(16, {"i8_pack_heads": 0}), (16, {"i8_pack_heads": 8}), (64, {"i8_pack_heads": 0, "i8_tma": True}),
@@ -511,13 +509,7 @@ def test_qk_norm_rope_store_kv_writes_head_major_scales(gen):
 def test_every_int8_decode_form_reads_head_major_scales_alike(Hq, Hk, D, block_size, form, gen, monkeypatch):
     """The pointer form (int8 dots, or widened), the packed one and the descriptor one: the same output bits from
     head-major scales as from dense ones, poisoned unused slots included."""
-    lens = [1, 17, 50, 200]
-    q, kc, vc, tables, ctx = _paged_case(lens, Hq, Hk, D, block_size, torch.float32, gen)
-    k8, ks = ops.quantize_kv(kc * 3, INT8)
-    v8, vs = ops.quantize_kv(vc, INT8)
-    ks[torch.isnan(kc).all(-1)] = float("nan")
-    vs[torch.isnan(vc).all(-1)] = float("nan")
-    q, vt = q.to(torch.bfloat16), _transposed(v8)
+    q, _, _, tables, ctx, k8, vt, ks, vs = _int8_case(Hq, Hk, D, block_size, gen)
     monkeypatch.setitem(paged_attention.INT8_LAUNCH, "pack_min_rows", 0)
     monkeypatch.setitem(paged_attention.INT8_LAUNCH, "pack_launch", {})
     kw = {"splits": 3, **form}
@@ -537,13 +529,7 @@ def test_stacked_halves_give_the_descriptor_forms_bits(Hq, Hk, D, block_size, sp
     """``i8_tma=2``: q's and P's 16-bit halves stacked as the rows of one int8 dot a product (groups of 2, 3 and 8
     here, 4 and 8 rows a half), the same integer sums as two dots, so the same output bits as ``i8_tma=1``; a group of
     16 keeps the two dots."""
-    lens = [1, 17, 50, 200]
-    q, kc, vc, tables, ctx = _paged_case(lens, Hq, Hk, D, block_size, torch.float32, gen)
-    k8, ks = ops.quantize_kv(kc * 3, INT8)
-    v8, vs = ops.quantize_kv(vc, INT8)
-    ks[torch.isnan(kc).all(-1)] = float("nan")
-    vs[torch.isnan(vc).all(-1)] = float("nan")
-    q, vt = q.to(torch.bfloat16), _transposed(v8)
+    q, _, _, tables, ctx, k8, vt, ks, vs = _int8_case(Hq, Hk, D, block_size, gen)
     kw = {"k_scales": _head_major(ks), "v_scales": _head_major(vs), "splits": splits, "i8_pack_heads": 0}
     with compile_check.record_launches() as seen:
         stacked = paged_decode_attention(q, k8, vt, tables, ctx, D**-0.5, i8_tma=2, **kw)
