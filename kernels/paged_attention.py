@@ -568,18 +568,19 @@ def _merge_chunked(acc_ws_ptr, ml_ws_ptr, row, d, d_mask, n_active, D_PAD: tl.co
     walk a loop over chunks of ``MAX_S`` unrolled slices, so the unrolled code (and its registers) is one chunk's
     where unrolling every slice spills (32 slices: 203 registers at sm_90). The loads bypass L1 (``.cg``), as in
     ``gemv.merge_slices``; the sums' order differs from the tile reduction's, so the bits may too."""
+    end = row + n_active  # past the head's last active slice
     top = tl.full([1], -float("inf"), dtype=tl.float32)
     for c in range(CHUNKS):
         for s in tl.static_range(MAX_S):
-            live = row * 0 + c * MAX_S + s < n_active
-            m = tl.load(ml_ws_ptr + (row + c * MAX_S + s) * 2, mask=live, other=-float("inf"), cache_modifier=".cg")
+            at = row + c * MAX_S + s
+            m = tl.load(ml_ws_ptr + at * 2, mask=at < end, other=-float("inf"), cache_modifier=".cg")
             top = tl.maximum(top, m)
     num = tl.zeros([1, D_PAD], dtype=tl.float32)
     den = tl.zeros([1], dtype=tl.float32)
     for c in range(CHUNKS):
         for s in tl.static_range(MAX_S):
             at = row + c * MAX_S + s
-            live = row * 0 + c * MAX_S + s < n_active
+            live = at < end
             m = tl.load(ml_ws_ptr + at * 2, mask=live, other=-float("inf"), cache_modifier=".cg")
             l_s = tl.load(ml_ws_ptr + at * 2 + 1, mask=live, other=0.0, cache_modifier=".cg")
             a = tl.load(acc_ws_ptr + at[:, None] * D_PAD + d[None, :], mask=live[:, None] & d_mask[None, :],

@@ -48,6 +48,9 @@ READ_BW_GBS = 3630.0  # the H200's measured read bandwidth (tests/gpu/run_fp8.py
 # Qwen3-0.6B's attention; the KV block size from --block-size (through the environment: the precompiling children
 # import this module afresh)
 SHAPE = {"Hq": 16, "Hk": 8, "D": 128, "block_size": int(os.environ.get("KERNELLAB_SWEEP_BLOCK_SIZE", "16"))}
+# KERNELLAB_SWEEP_DENSE_SCALES=1: the int8 kernel cases with dense scales instead of the engine's head-major ones
+# (ops.scale_zeros), for a side-by-side of the two layouts; read at import, so the precompiling children see it too
+DENSE_SCALES = os.environ.get("KERNELLAB_SWEEP_DENSE_SCALES", "0") == "1"
 CACHES = ("bf16", "fp8", "int8")
 KEYS = (
     "block_n", "num_warps", "num_stages", "widen", "i8_asm", "mma", "pack_heads", "pack_select", "pack_splits", "tma"
@@ -112,13 +115,12 @@ def _case(batch: int, ctx: int, device: str, refs: bool = True) -> dict:
         ref = ops.paged_decode_attention(q, k8, v8, tables, lens, D**-0.5, **sc).float() if refs else None
         c["caches"][name] = (k8, v8, sc, ref)
     # the engine's int8 layout: the same values, V transposed within its blocks (ops.v_cache_zeros) and the scales
-    # head-major within them (ops.scale_zeros; dense with KERNELLAB_SWEEP_DENSE_SCALES=1, set for the precompiling
-    # children too, for a side-by-side of the two scale layouts)
+    # head-major within them (ops.scale_zeros), unless DENSE_SCALES
     k8, v8, sc, ref = c["caches"]["int8"]
     c["int8_v_t"] = ops.v_cache_zeros(v8.shape, v8.dtype, v8.device).copy_(v8)
-    ops.INT8_SCALES_HEAD_MAJOR = os.environ.get("KERNELLAB_SWEEP_DENSE_SCALES", "0") != "1"
-    sc = {n: ops.scale_zeros(tuple(s.shape), ops.INT8_DTYPE, s.device).copy_(s) for n, s in sc.items()}
-    c["caches"]["int8"] = (k8, v8, sc, ref)
+    if not DENSE_SCALES:
+        sc = {n: ops.scale_zeros(tuple(s.shape), ops.INT8_DTYPE, s.device).copy_(s) for n, s in sc.items()}
+        c["caches"]["int8"] = (k8, v8, sc, ref)
     return c
 
 
@@ -467,7 +469,7 @@ def main() -> int:
         "schema": "kernellab.bench.decode_attention_sweep/v1",
         "provenance": provenance(args.device),
         "current_launch": current,
-        "int8_scales": "dense" if os.environ.get("KERNELLAB_SWEEP_DENSE_SCALES", "0") == "1" else "head-major",
+        "int8_scales": "dense" if DENSE_SCALES else "head-major",
         "kernel": sweep(cases, args.device, configs, args.launch_only),
     }
     if args.launch_only:
