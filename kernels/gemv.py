@@ -135,12 +135,13 @@ DEFER_MAX_SLICES = 4
 # at contexts 64 / 128): uncapped 0.780 / 0.787 ms, 96 0.774 / 0.780, 80 (88 bytes of spills at four slices)
 # 0.831 / 0.836 (results/gpu/engine_h200_dev/knob_ab_k3_h100_00cf04e_log.txt). A knob, read at launch.
 MERGE_MAXNREG: int | None = 96
-# The M = 1 grid, ``(max rows, programs an SM)``: a tile's rows (BLOCK_N) start at the first and halve while the grid
-# has fewer programs an SM than the second. A knob, read at each launch (``benchmarks/gpu/knob_ab.py``): at the
-# default the gate/up GEMV (N = 6,144) runs 384 programs of 16 rows, ~1.45 waves of its two resident programs an SM,
-# and the others one wave or less; ``(32, 0.9)`` makes every GEMV one wave of bigger tiles, ``(16, 3.6)`` twice as
-# many smaller ones.
-M1_GRID: tuple[int, float] = (16, 1.8)
+# The M = 1 grid, ``(max rows, programs an SM, max weights a tile)``: a tile's rows (BLOCK_N) start at the first and
+# halve while the grid has fewer programs an SM than the second; its K width is the whole row up to the third over
+# the rows. A knob, read at each launch (``benchmarks/gpu/knob_ab.py``): at the default the gate/up GEMV (N = 6,144)
+# runs 384 programs of 16 rows × 1,024, two resident an SM (128 registers at sm_90), so ~1.45 waves, the others one
+# wave or less; ``(32, 0.9, 16384)`` makes bigger tiles, ``(16, 3.6, 16384)`` twice as many smaller ones,
+# ``(16, 1.8, 8192)`` the same rows in two K steps (fewer registers: three programs an SM, gate/up in one wave).
+M1_GRID: tuple[int, float, int] = (16, 1.8, 16384)
 
 
 @dataclass(frozen=True)
@@ -442,10 +443,10 @@ def default_config(M: int, N: int, K: int, w_bits: int, device: torch.device) ->
         block_n, block_k = 32, min(128, max(32, next_pow2(K)))
         return GemvConfig(block_n, block_k, split_for(N, K, block_n, block_k, device), 4, 3)
     sms = num_sms(device)
-    block_n, per_sm = M1_GRID
+    block_n, per_sm, tile = M1_GRID
     while block_n > 1 and cdiv(N, block_n) < per_sm * sms:
         block_n //= 2
-    block_k = min(max(32, next_pow2(K)), max(32, 16384 // block_n))
+    block_k = min(max(32, next_pow2(K)), max(32, tile // block_n))
     warps = 8 if block_n * block_k >= 8192 else 4
     # split-K only where the grid falls short of a wave (of the knob's fraction of one, when it asks for less)
     split = 1 if cdiv(N, block_n) >= min(1.0, per_sm) * sms else split_for(N, K, block_n, block_k, device)

@@ -20,9 +20,10 @@
 #           one int8 dot a product (half the dots, 96 registers against 126 in the sm_90 SASS, but P's stacked rows
 #           reach the dot through byte-wise shared-memory copies): the kernel at 64-token blocks (decode_attention_sweep
 #           forms tma,tmastack), then the offline workload with the int8 cache (knob_ab.py)
-#   gemv    gemv.M1_GRID (16, 1.8) against (32, 0.9) and (16, 3.6): the batch-1 GEMVs' grids; the gate/up GEMV's 384
-#           programs of 16 rows are ~1.45 waves of two resident programs an SM (128 registers at sm_90); 32-row tiles
-#           (161-168 registers, one program an SM) or 8-row ones (80, three an SM): batch-1 ITL at 128 and 2,048
+#   gemv    gemv.M1_GRID (16, 1.8, 16384) against three other batch-1 GEMV grids: the gate/up GEMV's 384 programs of
+#           16 rows × 1,024 are ~1.45 waves of two resident programs an SM (128 registers at sm_90); the same rows in
+#           two K steps of 512 (76 registers, three an SM: one wave), 32-row tiles (161-168 registers, one an SM) or
+#           8-row ones (80, three an SM): batch-1 ITL at 128 and 2,048
 #   scales  the kernel with head-major and dense int8 scales once more, in the order hm, dense, hm: at 021b978 on an
 #           H100 head-major was 3.5-5.5 % faster at 192-256 rows but 9 % slower at 128 × 1,024, the first case of the
 #           call's first sweep (offline: head-major +2.2 %, every round)
@@ -74,8 +75,8 @@ from kernellab.kernels.paged_attention import INT8_LAUNCH as L
 print(repr({**L, "tma": 1}) + "; " + repr({**L, "tma": 2}))')" --contexts 128 --rounds 1 \
   --offline-blocks 5120 --offline-kv int8 --offline-rounds 3
 step gemv 200 120 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/gemv" \
-  --knob kernellab.kernels.gemv.M1_GRID --sep ';' --values '(16, 1.8); (32, 0.9); (16, 3.6)' --contexts 128,2048 \
-  --rounds 6
+  --knob kernellab.kernels.gemv.M1_GRID --sep ';' --values '(16, 1.8, 16384); (16, 1.8, 8192); (32, 0.9, 16384); (16, 3.6, 16384)' \
+  --contexts 128,2048 --rounds 6
 for layout in hm1 dense hm2; do
   step "scales_$layout" 60 30 env KERNELLAB_SWEEP_DENSE_SCALES=$([ $layout = dense ] && echo 1 || echo 0) \
     "${SWEEP[@]}" --int8-forms tma --out "$OUT_DIR/scales_$layout"

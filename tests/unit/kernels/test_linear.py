@@ -299,22 +299,23 @@ def test_qkv_projection_takes_the_reference_where_a_tile_cannot_hold_whole_heads
 
 
 @pytest.mark.parametrize(
-    "max_block_n, per_sm, expect",
+    "grid, expect",
     [  # (block_n, block_k, programs) of qkv, o_proj, gate/up, down at Qwen3-0.6B's shapes on 132 SMs
-        (16, 1.8, [(16, 1024, 256), (4, 2048, 256), (16, 1024, 384), (4, 4096, 256)]),
-        (32, 1.8, [(16, 1024, 256), (4, 2048, 256), (16, 1024, 384), (4, 4096, 256)]),  # the same grids
-        (32, 0.9, [(32, 512, 128), (8, 2048, 128), (32, 512, 192), (8, 2048, 128)]),  # one wave of bigger tiles
-        (16, 3.6, [(8, 1024, 512), (2, 2048, 512), (8, 1024, 768), (2, 4096, 512)]),
+        ((16, 1.8, 16384), [(16, 1024, 256), (4, 2048, 256), (16, 1024, 384), (4, 4096, 256)]),
+        ((32, 1.8, 16384), [(16, 1024, 256), (4, 2048, 256), (16, 1024, 384), (4, 4096, 256)]),  # the same grids
+        ((32, 0.9, 16384), [(32, 512, 128), (8, 2048, 128), (32, 512, 192), (8, 2048, 128)]),  # bigger tiles
+        ((16, 3.6, 16384), [(8, 1024, 512), (2, 2048, 512), (8, 1024, 768), (2, 4096, 512)]),
+        ((16, 1.8, 8192), [(16, 512, 256), (4, 2048, 256), (16, 512, 384), (4, 2048, 256)]),  # two K steps
     ],
 )
-def test_gemv_m1_grid_knob(max_block_n, per_sm, expect, monkeypatch):
-    """The batch-1 GEMV's grid knob (``M1_GRID``: rows at most, programs an SM) gives the tiles the knob A/B
-    compares, each holding whole rows of at most 16K weights, and a raised cap alone changes nothing."""
+def test_gemv_m1_grid_knob(grid, expect, monkeypatch):
+    """The batch-1 GEMV's grid knob (``M1_GRID``: rows at most, programs an SM, weights a tile at most) gives the
+    tiles the knob A/B compares, and a raised row cap alone changes nothing."""
     monkeypatch.setattr(gemv, "num_sms", lambda device: 132)
-    monkeypatch.setattr(gemv, "M1_GRID", (max_block_n, per_sm))
+    monkeypatch.setattr(gemv, "M1_GRID", grid)
     got = []
     for N, K in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)):
         cfg = gemv.default_config(1, N, K, 16, torch.device("cpu"))
-        assert cfg.split_k == 1 and cfg.block_n * cfg.block_k <= 16384
+        assert cfg.split_k == 1 and cfg.block_n * cfg.block_k <= grid[2]
         got.append((cfg.block_n, cfg.block_k, -(-N // cfg.block_n)))
     assert got == expect
