@@ -2,8 +2,8 @@
 # The GPU A/Bs that are prepared and not yet run, most useful first, inside one device call's time. Each step gets
 # what is left of the budget (seconds, default 560) up to its own cap, and is skipped when too little is left; each
 # step's artifact lands in $1/<step>/ and every step's output in $1/pending_log.txt (the device tool brings back eight
-# files a call: run the steps in two calls, "balance,chunks,stack_kernel,stack" and then
-# "gemv,scales_hm1,scales_dense,scales_hm2,fp8kv", or tar the folder into one file).
+# files a call: run the steps in two calls, "balance,gemv,chunks,stack_kernel,stack" and then
+# "scales_hm1,scales_dense,scales_hm2,fp8kv", or tar the folder into one file).
 # Needs .carry (scripts/gpu-carry.sh); from this machine, with the device tool:
 #   run(command="KERNELLAB_COMMIT=<sha> bash benchmarks/gpu/pending_ab.sh \"$OUT\" 560", carry=[".carry"],
 #       timeout_s=600)
@@ -66,6 +66,9 @@ SWEEP=(python3 "$ROOT/benchmarks/gpu/decode_attention_sweep.py" --caches int8 --
 step balance 300 200 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/balance" \
   --knob kernellab.kernels.paged_attention.BALANCE_SLICE_TOKENS --values 0,512 --contexts 128 --rounds 1 \
   --decode-batches 256 --offline-blocks 5120 --offline-kv int8 --offline-rounds 3
+step gemv 200 120 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/gemv" \
+  --knob kernellab.kernels.gemv.M1_GRID --sep ';' --values '(16, 1.8, 16384); (16, 1.8, 8192); (32, 0.9, 16384); (16, 3.6, 16384)' \
+  --contexts 128,2048 --rounds 6
 step chunks 200 120 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/chunks" \
   --knob kernellab.kernels.paged_attention.SEQ_MERGE_CHUNKS --values 1,2 --contexts 2048,1536,128 --rounds 6
 step stack_kernel 90 40 "${SWEEP[@]}" --int8-forms tma,tmastack --out "$OUT_DIR/stack_kernel"
@@ -74,9 +77,6 @@ step stack 300 200 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/sta
 from kernellab.kernels.paged_attention import INT8_LAUNCH as L
 print(repr({**L, "tma": 1}) + "; " + repr({**L, "tma": 2}))')" --contexts 128 --rounds 1 \
   --offline-blocks 5120 --offline-kv int8 --offline-rounds 3
-step gemv 200 120 python3 "$ROOT/benchmarks/gpu/knob_ab.py" --out "$OUT_DIR/gemv" \
-  --knob kernellab.kernels.gemv.M1_GRID --sep ';' --values '(16, 1.8, 16384); (16, 1.8, 8192); (32, 0.9, 16384); (16, 3.6, 16384)' \
-  --contexts 128,2048 --rounds 6
 for layout in hm1 dense hm2; do
   step "scales_$layout" 60 30 env KERNELLAB_SWEEP_DENSE_SCALES=$([ $layout = dense ] && echo 1 || echo 0) \
     "${SWEEP[@]}" --int8-forms tma --out "$OUT_DIR/scales_$layout"
