@@ -71,6 +71,11 @@ def main() -> int:
         "--ttft", default="", type=lambda s: [int(v) for v in s.split(",") if v], help="prompt lengths: TTFT too"
     )
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument(
+        "--model",
+        default="",
+        help="a registered shape (llama-3.2-1b, smollm2-135m; random weights) instead of the gate's Qwen3-0.6B",
+    )
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument(
         "--disable", default="", type=lambda s: tuple(v for v in s.split(",") if v), help="ops off in every engine"
@@ -143,6 +148,8 @@ def main() -> int:
         raise SystemExit("--values needs two or more distinct values")
     gpu = args.device == "cuda"
     cfg, _, _ = gate_offline_setup(args.device)
+    if args.model:
+        cfg = {**cfg, "model": args.model}
     seqs = max([8, *args.decode_batches])
     eng_cfg = dict(
         cfg, max_num_seqs=seqs, max_model_len=4096 if gpu else 512, num_kv_blocks=max(2048, seqs * 24) if gpu else 256
