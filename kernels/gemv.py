@@ -19,10 +19,12 @@ Program mapping
       reduction along K (warp shuffles, then shared memory between warps) happens once, after the loop.
     - M = 2…16: x is padded to 16 rows and each tile goes through ``tl.dot`` (tensor cores), reading every
       weight byte once for all M rows; the arithmetic is free at this intensity.
-    - At Qwen3-0.6B's M = 1 shapes one tile covers the whole K range (``BLOCK_N·BLOCK_K ≤ 16K`` elements:
-      q/k/v and gate/up take 16 rows × 1024, o_proj 4 × 2048, down_proj 4 × 4096 with the last quarter
-      masked), so a program issues all of its loads at once; ``BLOCK_N`` shrinks until there are ~2 programs
-      per SM (N = 1024 → 4 rows → 256 programs).
+    - At Qwen3-0.6B's M = 1 shapes a tile holds ``BLOCK_N·BLOCK_K ≤ 8K`` elements (``M1_GRID``): q/k/v and
+      gate/up take 16 rows in two K steps of 512, o_proj 4 × 2048 in one, down_proj 4 × 2048 in two (the
+      second half masked), so a program has a step's loads all in flight at once; ``BLOCK_N`` shrinks until
+      there are ~2 programs per SM (N = 1024 → 4 rows → 256 programs). Whole-K tiles of 16K elements were the
+      default until the batch-1 A/B: their 128 registers left two programs an SM, and the gate/up GEMV's 384
+      programs ran as ~1.45 waves (3 % slower ITL on the H200).
     - Split-K (opt-in via ``GemvConfig.split_k``; default only when even 1-row programs leave SMs idle): K is
       cut into ``SPLIT_K`` slices. Each program stores its fp32 partial, then increments a per-column-block
       counter with an acquire-release atomic; the program that brings the counter to ``SPLIT_K`` sums the
@@ -137,11 +139,14 @@ DEFER_MAX_SLICES = 4
 MERGE_MAXNREG: int | None = 96
 # The M = 1 grid, ``(max rows, programs an SM, max weights a tile)``: a tile's rows (BLOCK_N) start at the first and
 # halve while the grid has fewer programs an SM than the second; its K width is the whole row up to the third over
-# the rows. A knob, read at each launch (``benchmarks/gpu/knob_ab.py``): at the default the gate/up GEMV (N = 6,144)
-# runs 384 programs of 16 rows × 1,024, two resident an SM (128 registers at sm_90), so ~1.45 waves, the others one
-# wave or less; ``(32, 0.9, 16384)`` makes bigger tiles, ``(16, 3.6, 16384)`` twice as many smaller ones,
-# ``(16, 1.8, 8192)`` the same rows in two K steps (fewer registers: three programs an SM, gate/up in one wave).
-M1_GRID: tuple[int, float, int] = (16, 1.8, 16384)
+# the rows. A knob, read at each launch (``benchmarks/gpu/knob_ab.py``). At Qwen3-0.6B's shapes, 8K weights a tile
+# keep the QKV and gate/up GEMVs' 16 rows in two K steps of 512: 76 registers at sm_90 instead of 128, three
+# programs an SM instead of two, so the gate/up GEMV's 384 programs run as one wave instead of ~1.45. Batch-1 ITL on
+# the H200 0.750 → 0.726 ms at context 128, 0.847 → 0.830 at 2,048 (interleaved, every round; on H100s −3.4 to
+# −5.7 % in three runs); ``(16, 1.8, 4096)`` (four K steps), 32-row and 8-row tiles were slower
+# (docs/gpu-engine.md). On the Llama-3.2-1B shape, whose GEMVs it gives twice the K steps (up to 8), it costs 0.6 %
+# (0.966 → 0.972 ms, two runs); SmolLM2's tiles are unchanged.
+M1_GRID: tuple[int, float, int] = (16, 1.8, 8192)
 
 
 @dataclass(frozen=True)
@@ -434,8 +439,8 @@ def _gemv_kernel(
 def default_config(M: int, N: int, K: int, w_bits: int, device: torch.device) -> GemvConfig:
     """The shape heuristic (from the H200 sweep in docs/kernels.md).
 
-    M = 1: as many output rows per program as still leave ~2 programs per SM, and the whole K range in one
-    tile of ≤ 16K elements, so each program issues all its weight loads at once (no loop-carried latency);
+    M = 1: as many output rows per program as still leave ~2 programs per SM (``M1_GRID``), and the K range in
+    tiles of ≤ 8K elements (one or two at Qwen3-0.6B's shapes), each program's loads all in flight at once;
     split-K only when even one row per program leaves SMs idle. Hopper launches it with PDL.
     M > 1: 32-column tensor-core tiles, K pipelined 3 deep, split-K up to 2 programs per SM.
     """
