@@ -147,6 +147,9 @@ MERGE_MAXNREG: int | None = 96
 # (docs/gpu-engine.md). On the Llama-3.2-1B shape, whose GEMVs it gives twice the K steps (up to 8), it costs 0.6 %
 # (0.966 → 0.972 ms, two runs); SmolLM2's tiles are unchanged.
 M1_GRID: tuple[int, float, int] = (16, 1.8, 8192)
+# K steps of an M = 1 PDL program's weights fetched before it waits for x: 1, or 2 where its range has two (the
+# second step's tile in flight during the wait too, at the cost of its registers). A knob, read at each launch.
+PDL_PREFETCH_STEPS = 1
 
 
 @dataclass(frozen=True)
@@ -328,6 +331,8 @@ def _gemv_kernel(
     NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr,
     GLU: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
+    EARLY2: tl.constexpr = False,
     NORM: tl.constexpr = False,
     RES: tl.constexpr = True,
     MERGE: tl.constexpr = False,
@@ -354,14 +359,20 @@ def _gemv_kernel(
 
     loop_start = k_lo
     write_res = (pid_n == 0) & (pid_k == 0)  # NORM: the one program that stores the residual sum
-    if PDL:  # dense, M = 1: fetch the first weight tile before waiting for the producer of x
-        gdc_launch_dependents()
+    if EARLY:  # dense, M = 1: fetch the first weight tile(s) before waiting for the producer of x (PDL)
+        if PDL:
+            gdc_launch_dependents()
         k = k_lo + tl.arange(0, BLOCK_K)
         km = k < k_hi
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & km[None, :], other=0)
+        if EARLY2:  # the second K step's tile too (the host asks only where there is one)
+            k2 = k + BLOCK_K
+            km2 = k2 < k_hi
+            w2 = tl.load(w_rows + k2[None, :], mask=n_mask[:, None] & km2[None, :], other=0)
         if MERGE:
             deferred = _deferred(mg_ctx_ptr, mg_splits, mg_min_slice, mg_block_n, MG_MAX_S)
-        gdc_wait()
+        if PDL:
+            gdc_wait()
         rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, write_res, NORM, BLOCK_K, RES)
         if MERGE:
             xv = _x_or_merged(x_ptr, k_lo, k_hi, deferred, mg_acc_ptr, mg_ml_ptr, mg_splits, mg_d_pad, BLOCK_K,
@@ -370,6 +381,9 @@ def _gemv_kernel(
             xv = _x_chunk(x_ptr, res_ptr, nw_ptr, rstd, k, km, K, GLU, NORM, RES)
         acc2 += w.to(tl.float32) * xv[None, :]
         loop_start = k_lo + BLOCK_K
+        if EARLY2:  # the loop's next step, in its order: the same sums
+            acc2 += w2.to(tl.float32) * _x_chunk(x_ptr, res_ptr, nw_ptr, rstd, k2, km2, K, GLU, NORM, RES)[None, :]
+            loop_start = k_lo + 2 * BLOCK_K
     else:
         rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, write_res, NORM, BLOCK_K, RES)
         if MERGE:
@@ -525,7 +539,8 @@ def gemv(
     split = cdiv(K, k_per_split)
     n_blocks = cdiv(N, cfg.block_n)
     use_dot = M > 1
-    pdl = cfg.pdl and not use_dot and w_bits == 16 and use_pdl(x)
+    early = cfg.pdl and not use_dot and w_bits == 16  # the PDL program order, also where PDL itself is off
+    pdl = early and use_pdl(x)
     if split > 1:
         ws = cached_empty("gemv.partials", split * M * N, torch.float32, x.device)
         cnt = cached_zeros("gemv.counters", n_blocks, torch.int32, x.device)
@@ -573,6 +588,8 @@ def gemv(
         NUM_STAGES=cfg.num_stages,
         PDL=pdl,
         GLU=glu,
+        EARLY=early,
+        EARLY2=early and PDL_PREFETCH_STEPS >= 2 and merge is None and k_per_split > cfg.block_k,
         NORM=norm is not None,
         RES=has_res,
         MERGE=merge is not None,

@@ -8,6 +8,10 @@
 #       timeout_s=600)
 # A third argument names the steps to run (comma-separated); default: all, in order, as long as the budget lasts.
 # Steps (docs/gpu-engine.md says what each decides):
+#   prefetch gemv.PDL_PREFETCH_STEPS 1 against 2, in both build orders: the batch-1 GEMVs of two K steps (QKV,
+#            gate/up, down at Qwen3-0.6B's shapes) fetch both steps' weights before the PDL wait (8 128-bit loads a
+#            thread before it in the sm_90 SASS instead of 4; 80 registers against 76, still three programs an SM):
+#            batch-1 ITL at 128 and 2,048
 #   balance  paged_attention.BALANCE_SLICE_TOKENS 0 against 512 with the int8 cache on the offline workload (and a
 #            256-row step of equal contexts, where it can only cost): +2.0 % on an H100 at d840afb (every round),
 #            none with the bf16 cache on an H200 at a116037; a decision needs two agreeing runs
@@ -47,6 +51,10 @@ step() {
   echo "$name rc=$? at $(($(date +%s) - T0))s" | tee -a "$LOG"
 }
 
+PREFETCH=(python3 "$ROOT/benchmarks/gpu/knob_ab.py" --knob kernellab.kernels.gemv.PDL_PREFETCH_STEPS --contexts 128,2048
+  --rounds 6)
+step prefetch 120 60 "${PREFETCH[@]}" --out "$OUT_DIR/prefetch" --values 1,2
+step prefetch2 120 60 "${PREFETCH[@]}" --out "$OUT_DIR/prefetch2" --values 2,1
 BALANCE=(python3 "$ROOT/benchmarks/gpu/knob_ab.py" --knob kernellab.kernels.paged_attention.BALANCE_SLICE_TOKENS
   --contexts 128 --rounds 1 --decode-batches 256 --offline-blocks 5120 --offline-kv int8 --offline-rounds 3)
 step balance 300 200 "${BALANCE[@]}" --out "$OUT_DIR/balance" --values 0,512

@@ -181,7 +181,14 @@ def _with_hopper_variants(launches: list[dict]) -> list[dict]:
             continue
         if launch["kernel"] == "_gemv_kernel" and (c["W_BITS"] != 16 or c["USE_DOT"] or c["SPLIT"]):
             continue
-        extra.append({**launch, "constexprs": {**c, "PDL": True}, "options": {**launch["options"], "launch_pdl": True}})
+        options = {**launch["options"], "launch_pdl": True}
+        if launch["kernel"] == "_gemv_kernel":  # the PDL program order, and its second K step fetched early too
+            for early2 in (False, True) if not c["MERGE"] else (False,):
+                extra.append(
+                    {**launch, "constexprs": {**c, "PDL": True, "EARLY": True, "EARLY2": early2}, "options": options}
+                )
+            continue
+        extra.append({**launch, "constexprs": {**c, "PDL": True}, "options": options})
     for launch in launches + extra:  # the GPU-only forms: the merging GEMV's PTX roundings, int8 byte permutes
         if launch["kernel"] == "_gemv_kernel" and launch["constexprs"].get("MERGE"):
             options = {**launch["options"], **({"maxnreg": gemv.MERGE_MAXNREG} if gemv.MERGE_MAXNREG else {})}

@@ -319,3 +319,29 @@ def test_gemv_m1_grid_knob(grid, expect, monkeypatch):
         assert cfg.split_k == 1 and cfg.block_n * cfg.block_k <= grid[2]
         got.append((cfg.block_n, cfg.block_k, -(-N // cfg.block_n)))
     assert got == expect
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+@pytest.mark.parametrize("K", [64, 128, 160])  # one, two and three K steps of 64
+def test_gemv_pdl_program_order_gives_the_loops_bits(steps, K, monkeypatch, gen):
+    """The PDL program order (the first one or two K steps' weights loaded before x is read, ``PDL_PREFETCH_STEPS``)
+    sums the same products in the same order as the plain loop: the same bits, plain, with the RMSNorm and with the
+    SwiGLU in front. The CPU runs that order without PDL itself (``GemvConfig(pdl=True)``; the GPU adds the wait)."""
+    monkeypatch.setattr(gemv, "PDL_PREFETCH_STEPS", steps)
+    early, plain = GemvConfig(8, 64, 1, pdl=True), GemvConfig(8, 64, 1)
+    x = torch.randn(1, K, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(24, K, generator=gen) / K**0.5).to(torch.bfloat16)
+    res, nw = torch.randn(K, generator=gen).to(torch.bfloat16), (1 + 0.1 * torch.randn(K, generator=gen)).to(x.dtype)
+    for kind in ("plain", "norm", "glu"):
+        outs = []
+        for cfg in (early, plain):
+            out = poisoned((1, 24), torch.bfloat16, "cpu")
+            if kind == "norm":
+                r_out = poisoned((1, K), torch.bfloat16, "cpu")
+                gemv.gemv(x, w, None, 16, out, cfg, norm=(res, nw, r_out, 1e-6))
+            elif kind == "glu":
+                gemv.gemv(torch.cat([x, 2 * x], dim=1), w, None, 16, out, cfg, glu=True)
+            else:
+                gemv.gemv(x, w, None, 16, out, cfg)
+            outs.append(out)
+        torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0, msg=kind)
