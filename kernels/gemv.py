@@ -148,8 +148,11 @@ MERGE_MAXNREG: int | None = 96
 # (0.966 → 0.972 ms, two runs); SmolLM2's tiles are unchanged.
 M1_GRID: tuple[int, float, int] = (16, 1.8, 8192)
 # K steps of an M = 1 PDL program's weights fetched before it waits for x: 1, or 2 where its range has two (the
-# second step's tile in flight during the wait too, at the cost of its registers). A knob, read at each launch.
-PDL_PREFETCH_STEPS = 1
+# second step's tile in flight during the wait too, at the cost of its registers: 80 against 76 at sm_90, three
+# programs an SM either way). A knob, read at each launch. 2 since its A/B (H100, 84c2ae3, 6 interleaved rounds in
+# each build order, the same tokens): batch-1 ITL 0.788 → 0.755 and 0.782 → 0.762 ms at context 128, 0.905 → 0.883
+# and 0.900 → 0.888 at 2,048 (results/gpu/engine_h200_dev/knob_ab_prefetch_*_h100_84c2ae3.json).
+PDL_PREFETCH_STEPS = 2
 
 
 @dataclass(frozen=True)

@@ -295,7 +295,13 @@ PROGRAMS_PER_SM = 2
 # a CPU model that overstates the gain, since a program left alone at a tail runs faster on the GPU) puts those
 # launches 6-13 % under one slice at 512 tokens and 3 splits, by what an idle program costs; 0 (off) until the
 # offline A/B (``benchmarks/gpu/pending_ab.sh``). Knobs, read at launch (a CUDA graph keeps its capture's).
+# ``BALANCE_SLICE_TOKENS`` holds for the bf16/fp16 and FP8 caches, ``BALANCE_SLICE_TOKENS_INT8`` for the int8 one.
+# The int8 cache's offline A/Bs (3 interleaved rounds each, every round faster): +2.0 % on an H100 at d840afb, +2.2
+# and +2.3 % at 84c2ae3 in both build orders (26,243 → 26,823 and 26,247 → 26,838 tok/s); a 256-row step of equal
+# short contexts, where idle slices only cost, 1.8-2.7 % slower. The bf16 cache showed no gain in its one run (H200,
+# a116037: 20,848 → 20,752), so it stays off there (docs/gpu-engine.md).
 BALANCE_SLICE_TOKENS = 0
+BALANCE_SLICE_TOKENS_INT8 = 512
 BALANCE_MAX_SPLITS = 3
 # Whether a slice of the fused (QK-norm + RoPE) form with no tokens to read still waits for its producer (the QKV
 # projection) before it exits. Not needed for order: every sequence has an active slice, which waits, so the grid
@@ -1326,9 +1332,10 @@ def _decode(
     bound = max_context_len if max_context_len is not None else block_tables.shape[1] * block_size
     bound = max(bound, 1)
     n_split = splits or num_splits(B, Hk // heads, bound, block_n, q.device)
-    if not splits and n_split == 1 and B > 1 and BALANCE_SLICE_TOKENS > 0:  # knobs, read at launch
-        n_split = max(1, min(BALANCE_MAX_SPLITS, cdiv(bound, BALANCE_SLICE_TOKENS)))
-        min_slice = max(MIN_SLICE_TOKENS if min_slice is None else min_slice, BALANCE_SLICE_TOKENS)
+    balance = BALANCE_SLICE_TOKENS_INT8 if k_cache.dtype == torch.int8 else BALANCE_SLICE_TOKENS  # knobs, at launch
+    if not splits and n_split == 1 and B > 1 and balance > 0:
+        n_split = max(1, min(BALANCE_MAX_SPLITS, cdiv(bound, balance)))
+        min_slice = max(MIN_SLICE_TOKENS if min_slice is None else min_slice, balance)
     n_split = cdiv(bound, cdiv(cdiv(bound, n_split), block_n) * block_n)  # no slice of the bound left empty
     d_pad = max(16, next_pow2(D))
     if n_split > 1:  # cached scratch: no allocation on the hot path (see _common.cached_zeros)

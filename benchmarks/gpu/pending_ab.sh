@@ -8,20 +8,18 @@
 #       timeout_s=600)
 # A third argument names the steps to run (comma-separated); default: all, in order, as long as the budget lasts.
 # Steps (docs/gpu-engine.md says what each decides):
-#   prefetch gemv.PDL_PREFETCH_STEPS 1 against 2, in both build orders: the batch-1 GEMVs of two K steps (QKV,
-#            gate/up, down at Qwen3-0.6B's shapes) fetch both steps' weights before the PDL wait (8 128-bit loads a
-#            thread before it in the sm_90 SASS instead of 4; 80 registers against 76, still three programs an SM):
-#            batch-1 ITL at 128 and 2,048
-#   balance  paged_attention.BALANCE_SLICE_TOKENS 0 against 512 with the int8 cache on the offline workload (and a
-#            256-row step of equal contexts, where it can only cost): +2.0 % on an H100 at d840afb (every round),
-#            none with the bf16 cache on an H200 at a116037; a decision needs two agreeing runs
-#   balance2 the same in the other build order, the second run
+#   balance_bf16  paged_attention.BALANCE_SLICE_TOKENS 0 against 512 with the bf16 cache on the offline workload (and
+#            a 256-row step of equal contexts, where it can only cost), in both build orders: none on an H200 at
+#            a116037 (20,848 → 20,752 tok/s, one run); a decision needs two agreeing runs
 #   fp8kv    the gate's 8-bit section (tests/gpu/run.sh --only fp8_kv); on an H200 it belongs to the gate's three calls
-# Done at d840afb-a116037 (results/gpu/engine_h200_dev/*_{h100_d840afb,h200_a116037}*): the batch-1 GEMV grid (8K
-# weights a tile, adopted), the chunked merge and the stacked int8 halves (rejected), head-major scales re-timed.
-# Before, on H100s at 43718b3-021b978: the bucket-1 graph's own pool (three times), idle slices exiting at once (no
-# change), the int8 forms at 16- and 64-token blocks, the descriptor form's sweep and attribution, head-major scales
-# (+2.2 %), the packed forms, the fused QKV op, the gate's weights, the whole gate at 021b978.
+# Done at 84c2ae3 (H100, results/gpu/engine_h200_dev/*_h100_84c2ae3*): both K steps' weights fetched
+# before the PDL wait (gemv.PDL_PREFETCH_STEPS = 2, adopted), length balance with the int8 cache
+# (paged_attention.BALANCE_SLICE_TOKENS_INT8 = 512, adopted). At d840afb-a116037
+# (results/gpu/engine_h200_dev/*_{h100_d840afb,h200_a116037}*): the batch-1 GEMV grid (8K weights a tile, adopted),
+# the chunked merge and the stacked int8 halves (rejected), head-major scales re-timed. Before, on H100s at
+# 43718b3-021b978: the bucket-1 graph's own pool (three times), idle slices exiting at once (no change), the int8
+# forms at 16- and 64-token blocks, the descriptor form's sweep and attribution, head-major scales (+2.2 %), the
+# packed forms, the fused QKV op, the gate's weights, the whole gate at 021b978.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 export ROOT
@@ -51,13 +49,9 @@ step() {
   echo "$name rc=$? at $(($(date +%s) - T0))s" | tee -a "$LOG"
 }
 
-PREFETCH=(python3 "$ROOT/benchmarks/gpu/knob_ab.py" --knob kernellab.kernels.gemv.PDL_PREFETCH_STEPS --contexts 128,2048
-  --rounds 6)
-step prefetch 120 60 "${PREFETCH[@]}" --out "$OUT_DIR/prefetch" --values 1,2
-step prefetch2 120 60 "${PREFETCH[@]}" --out "$OUT_DIR/prefetch2" --values 2,1
 BALANCE=(python3 "$ROOT/benchmarks/gpu/knob_ab.py" --knob kernellab.kernels.paged_attention.BALANCE_SLICE_TOKENS
-  --contexts 128 --rounds 1 --decode-batches 256 --offline-blocks 5120 --offline-kv int8 --offline-rounds 3)
-step balance 300 200 "${BALANCE[@]}" --out "$OUT_DIR/balance" --values 0,512
-step balance2 300 200 "${BALANCE[@]}" --out "$OUT_DIR/balance2" --values 512,0
+  --contexts 128 --rounds 1 --decode-batches 256 --offline-blocks 10240 --offline-kv auto --offline-rounds 3)
+step balance_bf16 300 200 "${BALANCE[@]}" --out "$OUT_DIR/balance_bf16" --values 0,512
+step balance_bf16_2 300 200 "${BALANCE[@]}" --out "$OUT_DIR/balance_bf16_2" --values 512,0
 step fp8kv 240 150 bash "$ROOT/tests/gpu/run.sh" "$OUT_DIR/fp8" --only fp8_kv
 ls -R "$OUT_DIR"

@@ -561,10 +561,12 @@ def test_length_balance_cuts_only_long_contexts_of_a_full_batch(form, gen, monke
         kw = {"k_scales": _head_major(ks), "v_scales": _head_major(vs), "i8_pack_heads": 0}
         kw["i8_tma"] = form == "int8_tma"
         ref = _reference(q, kc, vc, tables, ctx, INT8)
+    knob = "BALANCE_SLICE_TOKENS" if form == "bf16" else "BALANCE_SLICE_TOKENS_INT8"  # each cache's own knob
+    monkeypatch.setattr(paged_attention, knob, 0)
     with compile_check.record_launches() as seen:
         whole = paged_decode_attention(q, *caches, tables, ctx, 64**-0.5, **kw)
     assert not seen[0]["constexprs"]["SPLIT"]  # the batch fills the card: one slice a sequence
-    monkeypatch.setattr(paged_attention, "BALANCE_SLICE_TOKENS", 64)
+    monkeypatch.setattr(paged_attention, knob, 64)
     monkeypatch.setattr(paged_attention, "BALANCE_MAX_SPLITS", 3)
     with compile_check.record_launches() as seen:
         balanced = paged_decode_attention(q, *caches, tables, ctx, 64**-0.5, **kw)
@@ -574,3 +576,28 @@ def test_length_balance_cuts_only_long_contexts_of_a_full_batch(form, gen, monke
     for y in (whole, balanced):
         tol = 8e-3 if form != "bf16" else 2e-2
         assert_close(y.float(), ref.float(), tol, tol, form)
+
+
+@pytest.mark.parametrize("form", ["bf16", "int8", "int8_tma"])
+def test_by_default_only_the_int8_cache_balances_lengths(form, gen):
+    """The defaults the offline A/Bs chose: a full batch whose longest context passes 512 tokens is cut into slices
+    with the int8 cache (``BALANCE_SLICE_TOKENS_INT8``), kept one slice a sequence with the bf16 cache
+    (``BALANCE_SLICE_TOKENS``); either way the output stays close to the reference."""
+    bs = 32 if form == "int8_tma" else 16
+    lens = [1, 20, 64, 65, 130, 200, 300, 47]
+    q, kc, vc, tables, ctx = _paged_case(lens, 8, 4, 64, bs, torch.float32, gen)
+    q = q.to(torch.bfloat16)
+    if form == "bf16":
+        caches, kw = (kc.to(torch.bfloat16), vc.to(torch.bfloat16)), {}
+        ref = ops.paged_decode_attention(q.float(), kc.nan_to_num(0.0), vc.nan_to_num(0.0), tables, ctx, 64**-0.5)
+    else:
+        k8, ks = ops.quantize_kv(kc * 3, INT8)
+        v8, vs = ops.quantize_kv(vc, INT8)
+        caches = (k8, _transposed(v8))
+        kw = {"k_scales": _head_major(ks), "v_scales": _head_major(vs), "i8_pack_heads": 0, "i8_tma": form == "int8_tma"}
+        ref = _reference(q, kc, vc, tables, ctx, INT8)
+    with compile_check.record_launches() as seen:  # a step bound (a graph's) past 512 tokens
+        y = paged_decode_attention(q, *caches, tables, ctx, 64**-0.5, max_context_len=600, **kw)
+    assert seen[0]["constexprs"]["SPLIT"] == (form != "bf16")
+    tol = 8e-3 if form != "bf16" else 2e-2
+    assert_close(y.float(), ref.float(), tol, tol, form)
