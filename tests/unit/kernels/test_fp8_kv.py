@@ -594,7 +594,12 @@ def test_by_default_only_the_int8_cache_balances_lengths(form, gen):
         k8, ks = ops.quantize_kv(kc * 3, INT8)
         v8, vs = ops.quantize_kv(vc, INT8)
         caches = (k8, _transposed(v8))
-        kw = {"k_scales": _head_major(ks), "v_scales": _head_major(vs), "i8_pack_heads": 0, "i8_tma": form == "int8_tma"}
+        kw = {
+            "k_scales": _head_major(ks),
+            "v_scales": _head_major(vs),
+            "i8_pack_heads": 0,
+            "i8_tma": form == "int8_tma",
+        }
         ref = _reference(q, kc, vc, tables, ctx, INT8)
     with compile_check.record_launches() as seen:  # a step bound (a graph's) past 512 tokens
         y = paged_decode_attention(q, *caches, tables, ctx, 64**-0.5, max_context_len=600, **kw)
