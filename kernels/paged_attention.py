@@ -293,9 +293,9 @@ PROGRAMS_PER_SM = 2
 # ~ctx / splits and merged like a batch-1 split. A list-scheduling model of the offline workload's full-batch steps
 # (``benchmarks/kernels/decode_balance_model.py``, results/kernels/decode_balance_model.json: 528 concurrent programs,
 # a CPU model that overstates the gain, since a program left alone at a tail runs faster on the GPU) puts those
-# launches 6-13 % under one slice at 512 tokens and 3 splits, by what an idle program costs; 0 (off) until the
-# offline A/B (``benchmarks/gpu/pending_ab.sh``). Knobs, read at launch (a CUDA graph keeps its capture's).
-# ``BALANCE_SLICE_TOKENS`` holds for the bf16/fp16 and FP8 caches, ``BALANCE_SLICE_TOKENS_INT8`` for the int8 one.
+# launches 6-13 % under one slice at 512 tokens and 3 splits, by what an idle program costs. Knobs, read at launch
+# (a CUDA graph keeps its capture's): ``BALANCE_SLICE_TOKENS`` for the bf16/fp16 and FP8 caches (0, off),
+# ``BALANCE_SLICE_TOKENS_INT8`` for the int8 one (512).
 # The int8 cache's offline A/Bs (3 interleaved rounds each, every round faster): +2.0 % on an H100 at d840afb, +2.2
 # and +2.3 % at 84c2ae3 in both build orders (26,243 → 26,823 and 26,247 → 26,838 tok/s); a 256-row step of equal
 # short contexts, where idle slices only cost, 1.8-2.7 % slower. The bf16 cache showed no gain in its one run (H200,

@@ -539,13 +539,9 @@ def test_stacked_halves_give_the_descriptor_forms_bits(Hq, Hk, D, block_size, sp
     assert torch.equal(stacked, paged_decode_attention(q, k8, vt, tables, ctx, D**-0.5, i8_tma=1, **kw))
 
 
-@pytest.mark.parametrize("form", ["bf16", "int8", "int8_tma"])
-def test_length_balance_cuts_only_long_contexts_of_a_full_batch(form, gen, monkeypatch):
-    """A batch whose programs fill the card (here 8 sequences × 4 KV heads against the CPU's nominal 8 SMs) gets
-    one slice a sequence; with ``BALANCE_SLICE_TOKENS`` its contexts longer than that are cut into up to
-    ``BALANCE_MAX_SPLITS`` slices of at least that many tokens and merged, short ones stay whole: the same output
-    bits as asking for those slices explicitly, close to the reference, for every form (bf16, int8 dots, int8
-    through descriptors)."""
+def _full_batch_case(form, gen):
+    """The length-balance tests' batch: 8 sequences of mixed lengths × 4 KV heads (it fills the CPU's nominal 8
+    SMs) in ``form``'s cache (bf16, int8 dots, int8 through descriptors): ``(q, caches, tables, ctx, kw, ref)``."""
     bs = 32 if form == "int8_tma" else 16
     lens = [1, 20, 64, 65, 130, 200, 300, 47]
     q, kc, vc, tables, ctx = _paged_case(lens, 8, 4, 64, bs, torch.float32, gen)
@@ -561,6 +557,17 @@ def test_length_balance_cuts_only_long_contexts_of_a_full_batch(form, gen, monke
         kw = {"k_scales": _head_major(ks), "v_scales": _head_major(vs), "i8_pack_heads": 0}
         kw["i8_tma"] = form == "int8_tma"
         ref = _reference(q, kc, vc, tables, ctx, INT8)
+    return q, caches, tables, ctx, kw, ref
+
+
+@pytest.mark.parametrize("form", ["bf16", "int8", "int8_tma"])
+def test_length_balance_cuts_only_long_contexts_of_a_full_batch(form, gen, monkeypatch):
+    """A batch whose programs fill the card (here 8 sequences × 4 KV heads against the CPU's nominal 8 SMs) gets
+    one slice a sequence; with ``BALANCE_SLICE_TOKENS`` its contexts longer than that are cut into up to
+    ``BALANCE_MAX_SPLITS`` slices of at least that many tokens and merged, short ones stay whole: the same output
+    bits as asking for those slices explicitly, close to the reference, for every form (bf16, int8 dots, int8
+    through descriptors)."""
+    q, caches, tables, ctx, kw, ref = _full_batch_case(form, gen)
     knob = "BALANCE_SLICE_TOKENS" if form == "bf16" else "BALANCE_SLICE_TOKENS_INT8"  # each cache's own knob
     monkeypatch.setattr(paged_attention, knob, 0)
     with compile_check.record_launches() as seen:
@@ -583,24 +590,7 @@ def test_by_default_only_the_int8_cache_balances_lengths(form, gen):
     """The defaults the offline A/Bs chose: a full batch whose longest context passes 512 tokens is cut into slices
     with the int8 cache (``BALANCE_SLICE_TOKENS_INT8``), kept one slice a sequence with the bf16 cache
     (``BALANCE_SLICE_TOKENS``); either way the output stays close to the reference."""
-    bs = 32 if form == "int8_tma" else 16
-    lens = [1, 20, 64, 65, 130, 200, 300, 47]
-    q, kc, vc, tables, ctx = _paged_case(lens, 8, 4, 64, bs, torch.float32, gen)
-    q = q.to(torch.bfloat16)
-    if form == "bf16":
-        caches, kw = (kc.to(torch.bfloat16), vc.to(torch.bfloat16)), {}
-        ref = ops.paged_decode_attention(q.float(), kc.nan_to_num(0.0), vc.nan_to_num(0.0), tables, ctx, 64**-0.5)
-    else:
-        k8, ks = ops.quantize_kv(kc * 3, INT8)
-        v8, vs = ops.quantize_kv(vc, INT8)
-        caches = (k8, _transposed(v8))
-        kw = {
-            "k_scales": _head_major(ks),
-            "v_scales": _head_major(vs),
-            "i8_pack_heads": 0,
-            "i8_tma": form == "int8_tma",
-        }
-        ref = _reference(q, kc, vc, tables, ctx, INT8)
+    q, caches, tables, ctx, kw, ref = _full_batch_case(form, gen)
     with compile_check.record_launches() as seen:  # a step bound (a graph's) past 512 tokens
         y = paged_decode_attention(q, *caches, tables, ctx, 64**-0.5, max_context_len=600, **kw)
     assert seen[0]["constexprs"]["SPLIT"] == (form != "bf16")
