@@ -11,6 +11,10 @@
 #   balance_bf16  paged_attention.BALANCE_SLICE_TOKENS 0 against 512 with the bf16 cache on the offline workload (and
 #            a 256-row step of equal contexts, where it can only cost), in both build orders: none on an H200 at
 #            a116037 (20,848 → 20,752 tok/s, one run); a decision needs two agreeing runs
+#   prefill_tiles  the prefill attention's Hopper form at 64-row query tiles (two programs an SM, one's softmax
+#            beside the other's dots; never timed: the 06f765e sweep had only 128-row tiles) against the engine's
+#            128 x 128, kernel alone at 2,048 and 4,096 tokens; then the best 64-row setting against
+#            attention.PREFILL_LAUNCH on the TTFT in both build orders (knob_ab --ttft), where it is >= 3 % faster
 #   fp8kv    the gate's 8-bit section (tests/gpu/run.sh --only fp8_kv); on an H200 it belongs to the gate's three calls
 # Done at 84c2ae3 (H100, results/gpu/engine_h200_dev/*_h100_84c2ae3*): both K steps' weights fetched
 # before the PDL wait (gemv.PDL_PREFETCH_STEPS = 2, adopted), length balance with the int8 cache
@@ -53,5 +57,6 @@ BALANCE=(python3 "$ROOT/benchmarks/gpu/knob_ab.py" --knob kernellab.kernels.page
   --contexts 128 --rounds 1 --decode-batches 256 --offline-blocks 10240 --offline-kv auto --offline-rounds 3)
 step balance_bf16 300 200 "${BALANCE[@]}" --out "$OUT_DIR/balance_bf16" --values 0,512
 step balance_bf16_2 300 200 "${BALANCE[@]}" --out "$OUT_DIR/balance_bf16_2" --values 512,0
+step prefill_tiles 420 200 bash "$ROOT/benchmarks/gpu/prefill_tiles_ab.sh" "$OUT_DIR/prefill_tiles"
 step fp8kv 240 150 bash "$ROOT/tests/gpu/run.sh" "$OUT_DIR/fp8" --only fp8_kv
 ls -R "$OUT_DIR"

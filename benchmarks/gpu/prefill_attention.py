@@ -10,7 +10,9 @@ Every candidate is checked against the fp32 reference before it is timed; one th
 
 ``--triton-sweep`` adds the engine's Triton kernel (``kernels/attention.py``) at ~40 launch settings on the
 single-prompt cases, its Hopper form (tensor-descriptor tiles, a warp-specialised key loop, longest query tiles
-first) among them.
+first) among them. ``--tiles m64n64w4s3,...`` times the Hopper form (descriptors, longest tiles first) at just
+those settings instead (``m`` query rows, ``n`` keys a tile, ``w`` warps, ``s`` stages), and ``--cases`` keeps the
+cases whose names contain one of its comma-separated parts (``--cases 'one prompt'``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import inspect
 import itertools
 import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -121,6 +124,18 @@ def triton_configs(sweep: bool) -> list[dict]:
         out.append({**base, "block_m": bm, "block_n": bn, "num_stages": st, "tma": True, "warp_specialize": ws,
                     "heavy_first": heavy})  # fmt: skip
     out += [{**base, "num_warps": 4, "block_n": bn, "tma": True, "heavy_first": True} for bn in (64, 128)]  # no WS at 4
+    return out
+
+
+def tile_configs(spec: str) -> list[dict]:
+    """``--tiles``: ``m64n64w4s3,m128n128w8s3`` → the Hopper form's launch settings, longest tiles first."""
+    out = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)", part.strip())
+        if m is None:
+            raise SystemExit(f"--tiles: {part!r} is not of the form m64n64w4s3")
+        bm, bn, w, st = (int(g) for g in m.groups())
+        out.append({"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st, "tma": True, "heavy_first": True})
     return out
 
 
@@ -228,8 +243,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--triton-sweep", action="store_true", help="time the Triton kernel's launch settings too")
+    ap.add_argument("--tiles", default="", help="the Hopper form at these settings only (m64n64w4s3,...)")
+    ap.add_argument("--cases", default="", help="only the cases whose names contain one of these (comma-separated)")
     args = ap.parse_args()
-    configs = triton_configs(args.triton_sweep)
+    configs = tile_configs(args.tiles) if args.tiles else triton_configs(args.triton_sweep)
     gen = torch.Generator().manual_seed(0)
     mixed = torch.randint(100, 1025, (8,), generator=gen).tolist()
     cases = {
@@ -240,6 +257,9 @@ def main() -> None:
         "chunk 512 after 1536 cached": ([512], [2048]),
         "4 chunks 256 after 256..1792": ([256] * 4, [512, 1024, 1536, 2048]),
     }
+    if args.cases:
+        keep = [c.strip() for c in args.cases.split(",")]
+        cases = {name: c for name, c in cases.items() if any(k in name for k in keep)}
     t0 = time.perf_counter()
     try:
         from torch.nn import attention
