@@ -159,7 +159,13 @@ def test_paged_decode_attention_qk_norm_rope(lens, splits, min_slice, gen):
 @pytest.mark.parametrize("dtype, atol, rtol", ATTN_DTYPES)
 @pytest.mark.parametrize(
     "Tq, Tk, Hq, Hk, D, block_m, block_n",
-    [(1, 1, 2, 1, 32, 16, 16), (37, 37, 4, 2, 32, 16, 16), (5, 40, 2, 2, 16, 16, 16), (70, 70, 4, 2, 64, 32, 16)],
+    [
+        (1, 1, 2, 1, 32, 16, 16),
+        (37, 37, 4, 2, 32, 16, 16),
+        (5, 40, 2, 2, 16, 16, 16),
+        (70, 70, 4, 2, 64, 32, 16),
+        (70, 70, 4, 2, 64, 16, 32),  # query tiles narrower than the key tiles (the 64 x 128 setting's kind)
+    ],
 )
 @pytest.mark.parametrize("heavy_first, warp_specialize", [(False, False), (True, True)])
 def test_causal_attention_through_tensor_descriptors(

@@ -193,3 +193,23 @@ def test_the_ttft_engines_ab_compares_the_gates_weights_with_the_engines_own(tmp
     assert data["holds_hf_weights"] == {"hf": True, "random": False}
     assert [(r["engine"], r["round"]) for r in data["runs"]] == [("hf", 0), ("random", 0), ("random", 1), ("hf", 1)]
     assert all(r["ttft_ms_p50@64"] > 0 for r in data["runs"])
+
+
+def test_the_prefill_attention_probe_reads_tile_settings(monkeypatch):
+    """``prefill_attention.py --tiles``: each ``mMnNwWsS`` is the Hopper form's launch at those settings, longest
+    tiles first; anything else stops the script with the form it wants (the probe itself needs a GPU)."""
+    import importlib.util
+
+    import pytest
+
+    spec = importlib.util.spec_from_file_location("prefill_probe", ROOT / "benchmarks" / "gpu" / "prefill_attention.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    configs = probe.tile_configs("m64n128w4s3, m128n128w8s3")
+    assert configs == [
+        {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3, "tma": True, "heavy_first": True},
+        {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "tma": True, "heavy_first": True},
+    ]
+    assert probe.triton_label(configs[0]) == "triton m64 n128 w4 s3 tma heavy_first"  # what prefill_tiles_ab.sh parses
+    with pytest.raises(SystemExit, match="m64n64w4s3"):
+        probe.tile_configs("m64n64w4")
