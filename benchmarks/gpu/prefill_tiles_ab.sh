@@ -10,28 +10,32 @@ ROOT=${ROOT:-$(cd "$(dirname "$0")/../.." && pwd)}
 dir=${1:?an output folder}
 mkdir -p "$dir"
 
+# the standing setting, as the engine has it (a literal knob_ab.py reads back) and as a --tiles part
+read -r cur_tiles cur < <(python3 -c 'from kernellab.kernels.attention import PREFILL_LAUNCH as c
+print("m{block_m}n{block_n}w{num_warps}s{num_stages}".format(**c), repr(c))')
+[ -n "$cur" ] || exit 1
 python3 "$ROOT/benchmarks/gpu/prefill_attention.py" --out "$dir/sweep.json" --cases "one prompt" \
-  --tiles m128n128w8s3,m64n64w4s2,m64n64w4s3,m64n64w4s4,m64n128w4s2,m64n128w4s3,m64n64w8s3,m64n128w8s2 || exit 1
+  --tiles "$cur_tiles",m64n64w4s2,m64n64w4s3,m64n64w4s4,m64n128w4s2,m64n128w4s3,m64n64w8s3,m64n128w8s2 || exit 1
 best=$(
-  python3 - "$dir/sweep.json" <<'PY'
-import json, sys
+  python3 - "$dir/sweep.json" "$cur" <<'PY'
+import ast, json, sys
 paths = json.load(open(sys.argv[1]))["cases"]["one prompt 2048"]["paths"]
+cur = ast.literal_eval(sys.argv[2])
 t = {k: v["us"] for k, v in paths.items() if k.startswith("triton") and v.get("us")}
-base = t.get("triton m128 n128 w8 s3 tma heavy_first")
+base = t.get("triton m{block_m} n{block_n} w{num_warps} s{num_stages} tma heavy_first".format(**cur))
 m64 = {k: us for k, us in t.items() if " m64 " in k}
 if base and m64:
     k = min(m64, key=m64.get)
     print(f"best 64-row setting: {k}, {m64[k]:.1f} us against {base:.1f}", file=sys.stderr)
     if m64[k] <= 0.97 * base:
         bm, bn, w, s = (int(x[1:]) for x in k.split()[1:5])
-        print(f'{{"block_m": {bm}, "block_n": {bn}, "num_warps": {w}, "num_stages": {s}, "tma": True, "heavy_first": True}}')
+        print(repr({**cur, "block_m": bm, "block_n": bn, "num_warps": w, "num_stages": s}))
 PY
 )
 if [ -z "$best" ]; then
   echo "no 64-row setting 3 % faster at 2,048 tokens: no TTFT A/B"
   exit 0
 fi
-cur='{"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "tma": True, "heavy_first": True}'
 ab=(python3 "$ROOT/benchmarks/gpu/knob_ab.py" --knob kernellab.kernels.attention.PREFILL_LAUNCH --sep ';'
   --contexts 128 --ttft 2048,4000 --rounds 6)
 "${ab[@]}" --out "$dir/ab_cur_new" --values "$cur;$best"

@@ -4,10 +4,13 @@ What they measure needs the GPU; here only the path runs."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from kernellab.results import validate
 
@@ -195,13 +198,9 @@ def test_the_ttft_engines_ab_compares_the_gates_weights_with_the_engines_own(tmp
     assert all(r["ttft_ms_p50@64"] > 0 for r in data["runs"])
 
 
-def test_the_prefill_attention_probe_reads_tile_settings(monkeypatch):
+def test_the_prefill_attention_probe_reads_tile_settings():
     """``prefill_attention.py --tiles``: each ``mMnNwWsS`` is the Hopper form's launch at those settings, longest
     tiles first; anything else stops the script with the form it wants (the probe itself needs a GPU)."""
-    import importlib.util
-
-    import pytest
-
     spec = importlib.util.spec_from_file_location("prefill_probe", ROOT / "benchmarks" / "gpu" / "prefill_attention.py")
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
